@@ -1,0 +1,158 @@
+"""The ``knapspec`` command line: generate, profile, bench, demo.
+
+User errors (bad path, config, prompt, option) print one ``error: ...`` line and exit 2, with
+no traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+log = logging.getLogger("knapspec_dist")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
+
+def _add_strategy_args(p: argparse.ArgumentParser) -> None:
+    from .strategies import NAMES
+
+    p.add_argument("--strategy", default="knapspec", choices=NAMES)
+    p.add_argument("--skip", default="", help="static: skipped sublayers, e.g. a3,a5,m7 (0-based)")
+    p.add_argument("--gamma", type=int, default=4, help="static / clasp draft length")
+    p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
+    p.add_argument("--profile", default=None, help="latency profile JSON (knapspec, clasp)")
+    p.add_argument("--interval", type=int, default=64, help="tokens between re-selections")
+    p.add_argument("--coupled", action="store_true", help="skip attention+MLP of a layer together")
+    p.add_argument("--objective", default="tpt", choices=["tpt", "alpha"])
+    p.add_argument("--select-once", action="store_true", help="select after prefill only")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def strategy_options(args: argparse.Namespace):
+    from .strategies import StrategyOptions
+
+    return StrategyOptions(name=args.strategy, skip=args.skip, gamma=args.gamma,
+                           tau_conf=args.tau_conf, profile=args.profile, interval=args.interval,
+                           coupled=args.coupled, objective=args.objective,
+                           select_once=args.select_once)
+
+
+def generation_config(args: argparse.Namespace):
+    from .sampling import SamplingConfig
+    from .speculation.strategy import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .local import encode, generate_texts, load
+
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise UserError(f"cannot read prompt file {args.prompt_file!r}: {e.strerror}") from None
+    else:
+        text = args.prompt
+    options, config = strategy_options(args), generation_config(args)
+    loaded = load(args.model, args.dtype, args.device)
+    prompt = encode(loaded.tokenizer, text, args.chat)
+    result = generate_texts(loaded, [prompt], options, config)[0]
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                          "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}))
+    else:
+        s = result.stats
+        print(result.text)
+        print(f"\n[{options.name}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+              f"({s.tokens_per_s:.1f} tok/s), prompt {s.prompt_tokens} tokens, "
+              f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .corpus import bundled_chapter
+    from .local import encode, generate_texts, load
+    from .speculation.strategy import GenerationConfig
+    from .strategies import StrategyOptions
+
+    loaded = load("smollm2")
+    chapter = bundled_chapter()
+    prompt = encode(loaded.tokenizer, "Summarize this chapter in a few sentences.\n\n" + chapter,
+                    chat=True)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    for name in ("ar", "knapspec"):
+        r = generate_texts(loaded, [prompt], StrategyOptions(name=name), config)[0]
+        s = r.stats
+        print(f"--- {name}: {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, prompt "
+              f"{s.prompt_tokens} tokens, acceptance {s.acceptance_rate:.2f}")
+        print(r.text.strip())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="knapspec", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from one prompt")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_strategy_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="summarize a bundled chapter with the embedded model")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.set_defaults(func=cmd_demo)
+
+    for register in _extra_commands():
+        register(sub)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _extra_commands():
+    """Subcommands defined beside their modules (profile, bench)."""
+    import importlib
+    import importlib.util
+
+    found = []  # TODO(lead): import directly once profiler and bench land
+    for mod in ("knapspec_dist.profiles.profiler", "knapspec_dist.bench"):
+        if importlib.util.find_spec(mod):
+            found.append(importlib.import_module(mod).register)
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())

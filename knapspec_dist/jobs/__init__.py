@@ -1,0 +1,100 @@
+"""Batch jobs: Parquet in, generations plus per-row and per-job speedup statistics out.
+
+Entry points: ``jobs/summarize.py`` and ``jobs/generate.py`` (for ``ray job submit``), the
+``knapspec job`` subcommand, and from Python::
+
+    from knapspec_dist.jobs import JobConfig, run_job
+    result = run_job(JobConfig(input="/data/docs.parquet", output="/data/out", model="smollm2"))
+    print(result.summary["baseline"]["speedup"])
+
+The modules, bottom up: :mod:`.inputs` (read and check the input files),
+:mod:`.prompts` (rows to prompt ids; row-level errors; truncation; baseline rows),
+:mod:`.output` (output schema, atomic part files, resume), :mod:`.scheduler` (rows over the
+engine's replicas, retries after replica failures), :mod:`.summary` (summary.json and
+speedup.png) and :mod:`.runner` (the job from start to end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..errors import UserError
+from .options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_args
+from .runner import JobResult, run_job
+
+__all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "add_job_args", "config_from_args",
+           "main", "register", "run_job", "report"]
+
+log = logging.getLogger(__name__)
+
+
+def report(result: JobResult) -> str:
+    """A few lines for the user: what happened and where the results are."""
+    s = result.summary
+    rows, base = s["rows"], s["baseline"]
+    lines = [
+        f"rows: {rows['ok']} ok, {rows['failed']} failed, {rows['pending']} pending "
+        f"(of {rows['input']}; this run generated {result.generated}, "
+        f"skipped {result.skipped} already written)",
+    ]
+    if s["decode_tokens_per_s"]:
+        acc = s["acceptance"]["acceptance_rate"]
+        lines.append(f"tokens: {s['tokens']['generated']} generated, "
+                     f"{s['decode_tokens_per_s']:.1f} tok/s per replica"
+                     + (f", acceptance {acc:.2f}" if acc is not None else ""))
+    if base["speedup"]:
+        lines.append(f"speedup vs ar: {base['speedup']:.2f}x measured on {base['rows']} "
+                     f"baseline row(s) (identical tokens: {base['identical_tokens']}/"
+                     f"{base['rows']})")
+    if result.stopped_early:
+        lines.append("stopped early (--stop-after): submit the same job again to continue")
+    lines += [f"results: {result.rows_path}", f"summary: {result.summary_path}",
+              f"plot:    {result.plot_path}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
+    """``jobs/summarize.py`` / ``jobs/generate.py``: exit 0 when done (rows may have errors),
+    2 on a user error (one ``error:`` line), 1 when the job could not finish (resubmit)."""
+    parser = argparse.ArgumentParser(
+        prog=f"{mode}.py",
+        description="Summarize documents from Parquet with KnapSpec on Ray" if mode == "summarize"
+        else "Generate from Parquet prompts with KnapSpec on Ray")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+    add_job_args(parser, mode)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _run(args, mode)
+
+
+def _run(args: argparse.Namespace, mode: str) -> int:
+    try:
+        result = run_job(config_from_args(args, mode))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(result))
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``knapspec job`` to the CLI's subparsers."""
+    p = sub.add_parser("job", help="batch job: Parquet in, generations + speedup statistics out",
+                       description="Run the summarization batch job (as jobs/summarize.py) "
+                                   "in this process, on the Ray cluster given by --address or "
+                                   "RAY_ADDRESS, else on a new local Ray.")
+    add_job_args(p, "summarize")
+    p.set_defaults(func=_cli_job)
+
+
+def _cli_job(args: argparse.Namespace) -> int:
+    if not args.verbose:  # progress lines are the point of a batch job
+        logging.getLogger("knapspec_dist.jobs").setLevel(logging.INFO)
+        if not logging.getLogger().handlers:
+            logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = run_job(config_from_args(args, "summarize"))  # UserError: handled by the CLI
+    print(report(result))
+    return 0

@@ -1,0 +1,206 @@
+"""Command-line options of the batch jobs and the :class:`JobConfig` they become."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field
+
+from ..errors import UserError
+
+DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything one batch job needs.  Built by :func:`config_from_args` or directly."""
+
+    input: str
+    output: str
+    id_column: str = "id"
+    text_column: str | None = "document"  # prompt = chat template(instruction + document)
+    prompt_column: str | None = None  # used as is (no template); excludes text_column
+    instruction: str = DEFAULT_INSTRUCTION
+    model: str = "smollm2"
+    dtype: str = "fp32"
+    device: str = "cpu"
+    tp: int = 1
+    replicas: int = 1
+    address: str | None = None  # Ray address; None: the job's cluster, or a new local one
+    strategy: str = "knapspec"
+    strategy_options: dict = field(default_factory=dict)  # StrategyOptions fields but name
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    truncate: bool = False
+    max_model_len: int | None = None  # None: the model's context window
+    baseline_fraction: float = 0.05
+    max_inflight: int = 2  # requests outstanding per replica
+    max_attempts: int = 3  # replica deaths one row may see before it is failed
+    row_timeout: float | None = None  # seconds; a replica silent this long is restarted
+    checkpoint_rows: int = 64  # flush a part file at this many finished rows ...
+    checkpoint_seconds: float = 10.0  # ... or this long after the first unflushed one
+    stop_after: int | None = None  # stop after this many rows were written by this run
+    progress_seconds: float = 10.0
+    progress_bar: bool | None = None  # None: a tqdm bar when stderr is a terminal
+
+    def __post_init__(self):
+        if (self.text_column is None) == (self.prompt_column is None):
+            raise UserError("give exactly one of --text-column and --prompt-column")
+        checks = [
+            (self.tp >= 1, f"--tp must be >= 1, got {self.tp}"),
+            (self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (0 <= self.baseline_fraction <= 1,
+             f"--baseline-fraction must be in [0, 1], got {self.baseline_fraction}"),
+            (self.max_inflight >= 1, f"--max-inflight must be >= 1, got {self.max_inflight}"),
+            (self.max_attempts >= 1, f"--max-attempts must be >= 1, got {self.max_attempts}"),
+            (self.checkpoint_rows >= 1, f"--checkpoint-rows must be >= 1, got {self.checkpoint_rows}"),
+            (self.checkpoint_seconds >= 0, "--checkpoint-seconds must be >= 0"),
+            (self.stop_after is None or self.stop_after >= 1, "--stop-after must be >= 1"),
+            (self.row_timeout is None or self.row_timeout > 0, "--row-timeout must be > 0"),
+            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
+            (self.progress_seconds > 0, "--progress-seconds must be > 0"),
+            (bool(self.input), "--input is required"),
+            (bool(self.output), "--output is required"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+        if self.strategy_options.get("name") not in (None, self.strategy):
+            raise UserError("strategy_options must not name another strategy")
+        # Sampling options are validated where they are defined.
+        self.generation_config()
+
+    @property
+    def mode(self) -> str:
+        return "text" if self.text_column is not None else "prompt"
+
+    @property
+    def input_column(self) -> str:
+        return self.text_column if self.text_column is not None else self.prompt_column
+
+    def generation_config(self):
+        from ..sampling import SamplingConfig
+        from ..speculation.strategy import GenerationConfig
+
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=SamplingConfig(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed))
+
+    def fingerprint(self) -> dict:
+        """What decides a row's output: a resumed job must agree on all of it.
+
+        Not in it: where and how fast the job runs (tp, replicas, address, scheduling,
+        checkpointing, --stop-after), the input location (rows are matched by id, so a
+        resumed job may read a grown or moved input) and the baseline share.
+        """
+        return {
+            "id_column": self.id_column,
+            "mode": self.mode,
+            "input_column": self.input_column,
+            "instruction": self.instruction if self.mode == "text" else None,
+            "model": self.model,
+            "dtype": self.dtype,
+            "strategy": self.strategy,
+            "strategy_options": {k: self.strategy_options[k] for k in sorted(self.strategy_options)},
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "truncate": self.truncate,
+            "max_model_len": self.max_model_len,
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
+    """The options of ``jobs/summarize.py`` (``mode='summarize'``) or ``jobs/generate.py``."""
+    from ..cli import _add_model_args, _add_sampling_args, _add_strategy_args
+
+    io = p.add_argument_group("input and output")
+    io.add_argument("--input", required=True,
+                    help="Parquet file, directory or glob; a local path or a URI pyarrow reads "
+                         "(s3://, gs://, hdfs://, file://). Paths are resolved on the driver: "
+                         "use absolute paths or URIs with `ray job submit`")
+    io.add_argument("--output", required=True,
+                    help="output directory (local or URI): rows/ and baseline/ Parquet parts, "
+                         "summary.json, speedup.png. Re-running into it resumes the job")
+    io.add_argument("--id-column", default="id", help="unique row id (default: id)")
+    src = io.add_mutually_exclusive_group()
+    if mode == "summarize":
+        src.add_argument("--text-column", default=None,
+                         help="document column; the prompt is the model's chat template around "
+                              "--instruction and the document (default: document)")
+        src.add_argument("--prompt-column", default=None, help="prompt column, used as is")
+        io.add_argument("--instruction", default=DEFAULT_INSTRUCTION,
+                        help=f"instruction before the document (default: {DEFAULT_INSTRUCTION!r})")
+    else:
+        src.add_argument("--prompt-column", default=None,
+                         help="prompt column, used as is (default: prompt)")
+        src.add_argument("--text-column", default=None,
+                         help="message column: wrapped as a user message in the chat template")
+        io.add_argument("--instruction", default="",
+                        help="text put before each --text-column message (default: none)")
+    _add_model_args(p)
+    run = p.add_argument_group("cluster")
+    run.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
+    run.add_argument("--replicas", type=int, default=1, help="model replicas (TP groups)")
+    run.add_argument("--address", default=None,
+                     help="Ray address (default: the job's cluster, else a new local Ray)")
+    _add_strategy_args(p)
+    _add_sampling_args(p)
+    rows = p.add_argument_group("rows")
+    rows.add_argument("--truncate", action="store_true",
+                      help="cut over-long documents to fit the context window (the end of the "
+                           "document, or of a --prompt-column prompt, is dropped) instead of "
+                           "failing the row")
+    rows.add_argument("--max-model-len", type=int, default=None,
+                      help="context window to allow per row (prompt + new tokens); default and "
+                           "maximum: the model's")
+    rows.add_argument("--baseline-fraction", type=float, default=0.05,
+                      help="share of rows also run with `ar`, to measure the speedup (at least "
+                           "one row; 0 turns the baseline off; default 0.05)")
+    sched = p.add_argument_group("scheduling and checkpoints")
+    sched.add_argument("--max-inflight", type=int, default=2, help="outstanding rows per replica")
+    sched.add_argument("--max-attempts", type=int, default=3,
+                       help="replica failures one row may see before it is failed (default 3)")
+    sched.add_argument("--row-timeout", type=float, default=None,
+                       help="seconds without an answer after which a row's replica is "
+                            "restarted and the row retried (default: wait)")
+    sched.add_argument("--checkpoint-rows", type=int, default=64,
+                       help="write a part file once this many rows finished (default 64)")
+    sched.add_argument("--checkpoint-seconds", type=float, default=10.0,
+                       help="... or this many seconds after the oldest unwritten one (default 10)")
+    sched.add_argument("--stop-after", type=int, default=None,
+                       help="stop after this run wrote N rows (resubmit to continue)")
+    sched.add_argument("--progress-seconds", type=float, default=10.0,
+                       help="seconds between progress log lines (default 10)")
+    bar = sched.add_mutually_exclusive_group()
+    bar.add_argument("--progress-bar", dest="progress_bar", action="store_true", default=None,
+                     help="show a tqdm bar (default: when stderr is a terminal)")
+    bar.add_argument("--no-progress-bar", dest="progress_bar", action="store_false")
+
+
+def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobConfig:
+    from ..cli import strategy_options
+
+    text, prompt = args.text_column, args.prompt_column
+    if text is None and prompt is None:
+        text, prompt = ("document", None) if mode == "summarize" else (None, "prompt")
+    options = {k: v for k, v in asdict(strategy_options(args)).items() if k != "name"}
+    return JobConfig(
+        input=args.input, output=args.output, id_column=args.id_column, text_column=text,
+        prompt_column=prompt, instruction=args.instruction, model=args.model, dtype=args.dtype,
+        device=args.device, tp=args.tp, replicas=args.replicas, address=args.address,
+        strategy=args.strategy, strategy_options=options, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        truncate=args.truncate, max_model_len=args.max_model_len,
+        baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
+        max_attempts=args.max_attempts, row_timeout=args.row_timeout,
+        checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
+        stop_after=args.stop_after, progress_seconds=args.progress_seconds,
+        progress_bar=args.progress_bar)

@@ -1,0 +1,249 @@
+"""Output directory: Parquet part files written atomically, checkpoint by id, resume.
+
+Layout of ``--output DIR`` (a local path or a pyarrow filesystem URI)::
+
+    DIR/job.json          what decides the rows' output (checked when a job resumes)
+    DIR/rows/part-*.parquet       one row per input row, in the order rows finished
+    DIR/baseline/part-*.parquet   the baseline rows, run again with ``ar``
+    DIR/summary.json, DIR/speedup.png
+
+Read the results with ``pyarrow.parquet.read_table("DIR/rows")``,
+``pandas.read_parquet("DIR/rows")`` or ``ray.data.read_parquet("DIR/rows")``.
+
+Exactly once: a part is written under a hidden temporary name and renamed into place, so a
+reader (or a resumed job) sees all of its rows or none; a row is only ever added to a part
+after it finished, and a resumed job skips every id found in the parts.  A crash loses at
+most the finished rows not yet flushed (``--checkpoint-rows`` / ``--checkpoint-seconds``),
+which the next run computes again.  Leftover temporary files are removed on resume; a part
+that cannot be read (a filesystem without atomic renames, a disk error) is moved aside to a
+hidden ``.corrupt-`` name and its rows are computed again.  One job at a time per directory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ..errors import UserError
+from .inputs import filesystem_and_path
+
+log = logging.getLogger(__name__)
+
+ROWS = "rows"
+BASELINE = "baseline"
+JOB_FILE = "job.json"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "speedup.png"
+
+
+def output_schema(id_column: str, id_type: pa.DataType) -> pa.Schema:
+    """One output row per input row.  Ray Data LLM's names where they overlap."""
+    return pa.schema([
+        pa.field(id_column, id_type, nullable=False),
+        ("generated_text", pa.string()),
+        ("generated_tokens", pa.list_(pa.int32())),
+        ("num_input_tokens", pa.int64()),
+        ("num_generated_tokens", pa.int64()),
+        ("finish_reason", pa.string()),  # "eos" | "length"
+        ("strategy", pa.string()),
+        ("time_taken_llm", pa.float64()),  # wall seconds of this row's generation
+        ("prefill_s", pa.float64()),
+        ("tokens_per_s", pa.float64()),
+        ("steps", pa.int64()),
+        ("drafted", pa.int64()),
+        ("accepted", pa.int64()),
+        ("acceptance_rate", pa.float64()),
+        ("attention_skipped", pa.float64()),  # mean attention sublayers skipped per draft token
+        ("mlp_skipped", pa.float64()),
+        ("selections", pa.int64()),
+        ("truncated", pa.bool_()),
+        ("replica", pa.int32()),
+        ("attempts", pa.int32()),  # submissions of this row (more than 1 after replica failures)
+        ("finished_at", pa.timestamp("us", tz="UTC")),
+        ("error", pa.string()),  # null when the row succeeded
+    ])
+
+
+def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str | None = None,
+               num_input_tokens: int | None = None, truncated: bool = False,
+               replica: int | None = None, attempts: int = 0) -> dict:
+    """An output row from a GenerationResult (success) or an error message."""
+    row = {name: None for name in output_schema(id_column, pa.string()).names}
+    row.update({id_column: row_id, "strategy": strategy, "truncated": truncated,
+                "replica": replica, "attempts": attempts, "error": error,
+                "num_input_tokens": num_input_tokens,
+                "finished_at": dt.datetime.now(dt.timezone.utc)})
+    if result is not None and error is None:
+        s = result.stats
+        row.update({
+            "generated_text": result.text, "generated_tokens": list(result.token_ids),
+            "num_input_tokens": s.prompt_tokens, "num_generated_tokens": s.new_tokens,
+            "finish_reason": result.finish_reason, "time_taken_llm": s.wall_s,
+            "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "steps": s.steps,
+            "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
+            "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
+            "selections": s.selections})
+    return row
+
+
+class OutputDir:
+    """The job's output directory on its filesystem."""
+
+    def __init__(self, uri_or_path: str):
+        self.uri = uri_or_path
+        self.fs, self.path = filesystem_and_path(uri_or_path)
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.path.rstrip("/"), *parts])
+
+    def display(self, *parts: str) -> str:
+        """A location users can paste: a local path, or the URI."""
+        if self.local:
+            return os.path.join(self.path, *parts)
+        return "/".join([self.uri.rstrip("/"), *parts])
+
+    def prepare(self, fingerprint: dict) -> bool:
+        """Create the directory or check that it belongs to this job.  True when resuming."""
+        try:
+            info = self.fs.get_file_info(self.path)
+        except OSError as e:
+            raise UserError(f"--output {self.uri!r}: {e}") from None
+        if info.type == pafs.FileType.File:
+            raise UserError(f"--output {self.uri!r} is a file, not a directory")
+        job_file = self.join(JOB_FILE)
+        existing = None
+        if info.type == pafs.FileType.Directory:
+            if self.fs.get_file_info(job_file).type == pafs.FileType.File:
+                with self.fs.open_input_stream(job_file) as f:
+                    existing = json.loads(f.read().decode())
+            elif [i for i in self.fs.get_file_info(pafs.FileSelector(self.path))
+                  if not os.path.basename(i.path).startswith((".", "_"))]:
+                raise UserError(f"--output {self.uri!r} holds files but no {JOB_FILE}: it is not "
+                                "the output of a knapspec job; choose an empty or new directory")
+        if existing is not None:
+            before = existing.get("fingerprint", {})
+            differ = sorted(k for k in set(before) | set(fingerprint)
+                            if before.get(k) != fingerprint.get(k))
+            if differ:
+                details = "; ".join(f"{k}: {before.get(k)!r} -> {fingerprint.get(k)!r}"
+                                    for k in differ)
+                raise UserError(f"--output {self.uri!r} holds rows of a different job ({details})"
+                                "; resume with the same options or choose a new --output")
+            return True
+        for sub in ("", ROWS, BASELINE):
+            self.fs.create_dir(self.join(sub) if sub else self.path, recursive=True)
+        self.write_bytes(JOB_FILE, json.dumps(
+            {"fingerprint": fingerprint, "created": _now_iso()}, indent=2).encode() + b"\n")
+        return False
+
+    def write_bytes(self, name: str, data: bytes) -> str:
+        """Write ``DIR/name`` atomically (temporary file, then rename)."""
+        final = self.join(name)
+        head, tail = final.rsplit("/", 1)
+        tmp = f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp"
+        if self.local:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        else:
+            with self.fs.open_output_stream(tmp) as f:
+                f.write(data)
+            self.fs.move(tmp, final)
+        return final
+
+    def read_rows(self, sub: str, schema: pa.Schema) -> pa.Table:
+        """Every readable part of ``DIR/sub``, as one table (empty when none).
+
+        Temporary leftovers of a crashed writer are deleted; unreadable parts are moved aside.
+        """
+        base = self.join(sub)
+        infos = self.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        tables = []
+        for info in sorted(infos, key=lambda i: i.path):
+            name = os.path.basename(info.path)
+            if info.type != pafs.FileType.File:
+                continue
+            if name.startswith(".") and name.endswith(".tmp"):
+                log.info("removing %s (left by an interrupted write)", info.path)
+                self.fs.delete_file(info.path)
+                continue
+            if name.startswith((".", "_")) or not name.endswith(".parquet"):
+                continue
+            try:
+                with self.fs.open_input_file(info.path) as f:
+                    table = pq.read_table(f)
+                tables.append(table.select(schema.names).cast(schema))
+            except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError) as e:
+                aside = f"{base}/.corrupt-{name}"
+                log.warning("cannot read part %s (%s); moving it to %s, its rows will be "
+                            "computed again", info.path, e, aside)
+                self.fs.move(info.path, aside)
+        if not tables:
+            return schema.empty_table()
+        return pa.concat_tables(tables)
+
+
+class PartWriter:
+    """Buffers finished rows and writes them as atomic part files under ``DIR/sub``."""
+
+    def __init__(self, out: OutputDir, sub: str, schema: pa.Schema, done_ids=(),
+                 flush_rows: int = 64, flush_seconds: float = 10.0):
+        self.out, self.sub, self.schema = out, sub, schema
+        self.id_column = schema.names[0]
+        self.done = set(done_ids)  # ids written by earlier runs or this one
+        self.failed: set = set()  # ids among them whose row has an error
+        self.buffer: list[dict] = []
+        self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
+        self.first_buffered: float | None = None
+        self.run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + \
+            f"-{uuid.uuid4().hex[:6]}"
+        self.parts = 0
+        self.written = 0  # rows written by this writer
+
+    def add(self, row: dict) -> None:
+        row_id = row[self.id_column]
+        if row_id in self.done:  # never two output rows for one id
+            raise RuntimeError(f"row {row_id!r} finished twice (bug in the scheduler)")
+        self.done.add(row_id)
+        if row["error"] is not None:
+            self.failed.add(row_id)
+        self.buffer.append(row)
+        if self.first_buffered is None:
+            self.first_buffered = time.monotonic()
+        self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        if not self.buffer:
+            return
+        if (len(self.buffer) >= self.flush_rows
+                or time.monotonic() - self.first_buffered >= self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        table = pa.Table.from_pylist(self.buffer, schema=self.schema)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        name = f"{self.sub}/part-{self.run}-{self.parts:05d}.parquet"
+        self.out.write_bytes(name, sink.getvalue().to_pybytes())
+        self.parts += 1
+        self.written += len(self.buffer)
+        log.debug("wrote %s (%d rows)", name, len(self.buffer))
+        self.buffer = []
+        self.first_buffered = None
+
+
+def _now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,271 @@
+"""Spread rows over the engine's replicas, actor-pool style, with retries after replica failures.
+
+Why an actor pool and not Ray Data: a replica is a long-lived TP group (a placement group,
+a coordinator and ``tp`` shard actors holding the weights) that the Engine already owns and
+can restart; the jobs layer only has to keep each replica busy and notice when one dies.
+Ray Data's ``map_batches`` would need its own actor per replica wrapping the Engine's
+actors, would re-run whole batches on failure (so one dead shard recomputes its batch
+neighbours), and its streaming order would fight "longest documents first".  A driver-side
+pool is a few dozen lines, keeps exactly-once bookkeeping in one place, and costs one Ray
+call per row.
+
+The loop: rows wait in a queue, longest prompt first (long rows started first finish before
+the tail, so replicas do not idle at the end of the job).  Each replica gets up to
+``max_inflight`` rows at a time (2 by default: the next row is already queued on the replica
+when one finishes).  When a row's call fails because its replica died (a shard or
+coordinator actor crashed), the replica is restarted once (later failures of its other rows
+from the same incarnation do not restart it again) and every row it held goes back to the
+front of the queue; a row that saw ``max_attempts`` replica failures is failed with an error
+instead of retried forever (a poison row must not kill the job).  A row's own error (a
+UserError from the strategy, any other exception from its generation) becomes its error
+row.  Each row is handed to ``on_result`` exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """What the scheduler needs from an engine (see :class:`EngineBackend`)."""
+
+    num_replicas: int
+
+    def submit(self, replica: int, prompt_ids: list[int], config) -> Any: ...
+
+    def wait(self, handles: list, timeout: float) -> list: ...
+
+    def result(self, handle) -> Any: ...
+
+    def restart(self, replica: int) -> None: ...
+
+    def is_replica_failure(self, exc: BaseException) -> bool: ...
+
+
+class EngineBackend:
+    """:class:`Backend` over :class:`knapspec_dist.runtime.engine.Engine` (Ray ObjectRefs)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.num_replicas = engine.num_replicas
+
+    def submit(self, replica, prompt_ids, config):
+        return self.engine.submit(replica, prompt_ids, config)
+
+    def wait(self, handles, timeout):
+        import ray
+
+        ready, _ = ray.wait(handles, num_returns=1, timeout=timeout)
+        if ready:  # collect everything else that is ready too
+            more, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
+            ready = list({r: None for r in ready + more})
+        return ready
+
+    def result(self, handle):
+        import ray
+
+        return ray.get(handle)
+
+    def restart(self, replica):
+        self.engine.restart_replica(replica)
+
+    def is_replica_failure(self, exc):
+        return is_replica_failure(exc)
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """True when ``exc`` says the replica (not the row) failed: a dead actor or worker."""
+    from ray import exceptions as rx
+
+    dead = tuple(getattr(rx, n) for n in (
+        "RayActorError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError",
+        "OwnerDiedError", "ObjectFetchTimedOutError", "LocalRayletDiedError",
+        "RaySystemError") if hasattr(rx, n))
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, dead):
+            return True
+        # RayTaskError wraps what the coordinator saw, e.g. a shard's RayActorError.
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for the error column: the row's original exception, without Ray's wrapping."""
+    cause = getattr(exc, "cause", None)
+    if cause is not None and not isinstance(cause, type(exc)):
+        exc = cause
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    name = type(exc).__name__
+    if name.startswith("RayTaskError(") and name.endswith(")"):
+        name = name[len("RayTaskError("):-1]
+    return f"{name}: {first}" if first else name
+
+
+@dataclass
+class Task:
+    key: Any  # row id
+    prompt_ids: list[int]
+    attempts: int = 0
+    last_failure: str = ""
+
+
+@dataclass
+class Outcome:
+    task: Task
+    result: Any = None  # GenerationResult on success
+    error: str | None = None
+    replica: int | None = None
+
+
+class ReplicaLost(RuntimeError):
+    """No replica is left to run the remaining rows (they stay pending for a resume)."""
+
+
+class Scheduler:
+    def __init__(self, backend: Backend, config, *, max_inflight: int = 2,
+                 max_attempts: int = 3, row_timeout: float | None = None,
+                 restart_tries: int = 3, restart_backoff: float = 2.0,
+                 tick_seconds: float = 1.0):
+        self.backend = backend
+        self.config = config
+        self.max_inflight = max_inflight
+        self.max_attempts = max_attempts
+        self.row_timeout = row_timeout
+        self.restart_tries = restart_tries
+        self.restart_backoff = restart_backoff
+        self.tick_seconds = tick_seconds
+        n = backend.num_replicas
+        self.epoch = [0] * n  # incarnation of each replica
+        self.alive = [True] * n
+        self.restarts = 0
+        self.retried_rows = 0
+
+    def run(self, tasks: list[Task], on_result: Callable[[Outcome], None],
+            on_tick: Callable[[], None] | None = None,
+            should_stop: Callable[[int], bool] | None = None) -> None:
+        """Run ``tasks`` (already in priority order) until every one reached ``on_result``.
+
+        ``should_stop(submitted_and_done)`` may end the run early: no new row is started and
+        the rows in flight are finished and reported.
+        """
+        queue = deque(tasks)
+        inflight: dict[Any, tuple[Task, int, int, float]] = {}  # handle -> task, replica, epoch, t0
+        load = [0] * self.backend.num_replicas
+        self._finished = 0
+        self._on_result = on_result
+        stopping = False
+        while queue or inflight:
+            if (should_stop is not None and not stopping
+                    and should_stop(self._finished + len(inflight))):
+                stopping = True
+                if queue:
+                    log.info("stopping early: %d row(s) left for a later run", len(queue))
+                queue.clear()
+            self._fill(queue, inflight, load)
+            if not inflight:
+                if queue:
+                    raise ReplicaLost(f"no replica left to run {len(queue)} row(s)")
+                break
+            ready = self.backend.wait(list(inflight), self.tick_seconds)
+            for handle in ready:
+                task, replica, epoch, _ = inflight.pop(handle)
+                load[replica] -= 1
+                try:
+                    result = self.backend.result(handle)
+                except Exception as exc:  # noqa: BLE001 - sorted into replica vs row failures
+                    if self.backend.is_replica_failure(exc):
+                        self._retry_or_fail(task, replica, exc, queue)
+                        self._restart(replica, epoch, exc)
+                    else:
+                        self._emit(Outcome(task, error=describe_error(exc), replica=replica))
+                    continue
+                self._emit(Outcome(task, result=result, replica=replica))
+            self._check_timeouts(inflight, load, queue)
+            if on_tick is not None:
+                on_tick()
+
+    def _emit(self, outcome: Outcome) -> None:
+        self._finished += 1
+        self._on_result(outcome)
+
+    def _fill(self, queue, inflight, load) -> None:
+        while queue:
+            candidates = [r for r in range(len(load))
+                          if self.alive[r] and load[r] < self.max_inflight]
+            if not candidates:
+                return
+            replica = min(candidates, key=lambda r: (load[r], r))
+            task = queue.popleft()
+            task.attempts += 1
+            try:
+                handle = self.backend.submit(replica, task.prompt_ids, self.config)
+            except Exception as exc:  # noqa: BLE001
+                if not self.backend.is_replica_failure(exc):
+                    raise
+                self._retry_or_fail(task, replica, exc, queue)
+                self._restart(replica, self.epoch[replica], exc)
+                continue
+            inflight[handle] = (task, replica, self.epoch[replica], time.monotonic())
+            load[replica] += 1
+
+    def _retry_or_fail(self, task, replica, exc, queue) -> None:
+        """A row whose replica failed: back to the front of the queue, or failed for good."""
+        task.last_failure = describe_error(exc)
+        if task.attempts >= self.max_attempts:
+            log.error("row %r failed: its replica failed %d time(s) while generating it (%s)",
+                      task.key, task.attempts, task.last_failure)
+            self._emit(Outcome(task, error=(
+                f"replica failed {task.attempts} time(s) while generating this row; "
+                f"last: {task.last_failure}"), replica=replica))
+        else:
+            self.retried_rows += 1
+            queue.appendleft(task)
+
+    def _restart(self, replica: int, epoch: int, exc: BaseException) -> None:
+        if epoch != self.epoch[replica] or not self.alive[replica]:
+            return  # this incarnation was already replaced (or given up)
+        log.warning("replica %d failed (%s); restarting it and retrying its rows",
+                    replica, describe_error(exc))
+        for attempt in range(1, self.restart_tries + 1):
+            try:
+                t0 = time.monotonic()
+                self.backend.restart(replica)
+                self.epoch[replica] += 1
+                self.restarts += 1
+                log.warning("replica %d restarted in %.1f s", replica, time.monotonic() - t0)
+                return
+            except Exception as e:  # noqa: BLE001
+                log.error("restarting replica %d failed (try %d/%d): %s", replica, attempt,
+                          self.restart_tries, describe_error(e))
+                time.sleep(self.restart_backoff * attempt)
+        self.alive[replica] = False
+        self.epoch[replica] += 1
+        log.error("giving up on replica %d; %d replica(s) left", replica, sum(self.alive))
+
+    def _check_timeouts(self, inflight, load, queue) -> None:
+        if self.row_timeout is None:
+            return
+        now = time.monotonic()
+        stale = {}
+        for handle, (task, replica, epoch, t0) in inflight.items():
+            if now - t0 > self.row_timeout and epoch == self.epoch[replica]:
+                stale.setdefault(replica, epoch)
+        for replica, epoch in stale.items():
+            err = TimeoutError(f"no answer from replica {replica} within --row-timeout "
+                               f"{self.row_timeout:g} s")
+            # Everything the hung replica holds is retried; the restart kills its actors, so
+            # the old calls can never deliver a second result (and they are forgotten here).
+            for handle in [h for h, v in inflight.items() if v[1] == replica]:
+                task, _, _, _ = inflight.pop(handle)
+                load[replica] -= 1
+                self._retry_or_fail(task, replica, err, queue)
+            self._restart(replica, epoch, err)

@@ -1,0 +1,197 @@
+"""``summary.json`` and ``speedup.png`` from the rows a job wrote.
+
+Every figure comes from the output rows themselves, so the summary of a resumed job covers
+all its runs.  Definitions (all over rows without an error):
+
+* ``decode_tokens_per_s``: generated tokens / the rows' generation wall seconds (what one
+  replica sustains; compare it across strategies).
+* ``speedup``: on the baseline rows (run with the job's strategy *and* with ``ar``, same
+  prompts, same replica hardware, one after the other), ``(sum of tokens / sum of wall
+  seconds) with the strategy`` over the same for ``ar``.  ``decode_speedup`` leaves out the
+  prefill time, which speculation does not change.  ``row_speedups`` holds each row's
+  ratio; ``identical_tokens`` counts the baseline rows whose tokens equal ``ar``'s (with
+  greedy decoding every one must: the method is lossless).
+* buckets: rows grouped by prompt length (``num_input_tokens``) at powers of two.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+
+import pyarrow as pa
+
+log = logging.getLogger(__name__)
+
+BUCKET_EDGES = [0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, math.inf]
+
+
+def _label(lo: float, hi: float) -> str:
+    def k(n):
+        return "inf" if n == math.inf else (f"{n // 1024}k" if n >= 1024 else str(int(n)))
+    return f"{k(lo)}-{k(hi)}"
+
+
+def bucket_of(n: int) -> tuple[float, float]:
+    for lo, hi in zip(BUCKET_EDGES, BUCKET_EDGES[1:]):
+        if lo <= n < hi:
+            return lo, hi
+    raise ValueError(n)
+
+
+def _throughput(rows: list[dict], prefill: bool = True) -> float | None:
+    tokens = sum(r["num_generated_tokens"] for r in rows)
+    wall = sum(r["time_taken_llm"] - (0 if prefill else (r["prefill_s"] or 0)) for r in rows)
+    return tokens / wall if wall > 0 else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _acceptance(rows: list[dict]) -> dict:
+    drafted = sum(r["drafted"] or 0 for r in rows)
+    accepted = sum(r["accepted"] or 0 for r in rows)
+
+    def weighted(col):
+        return (sum((r[col] or 0) * (r["drafted"] or 0) for r in rows) / drafted
+                if drafted else None)
+    return {"drafted": drafted, "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "attention_skipped": weighted("attention_skipped"),
+            "mlp_skipped": weighted("mlp_skipped"),
+            "selections": sum(r["selections"] or 0 for r in rows)}
+
+
+def _speedup(pairs: list[tuple[dict, dict]]) -> dict:
+    """pairs: (strategy row, ar row) of the same id, both ok."""
+    if not pairs:
+        return {"rows": 0, "speedup": None, "decode_speedup": None}
+    spec = [p[0] for p in pairs]
+    ar = [p[1] for p in pairs]
+    per_row = [s["tokens_per_s"] / a["tokens_per_s"] for s, a in pairs
+               if s["tokens_per_s"] and a["tokens_per_s"]]
+    return {
+        "rows": len(pairs),
+        "speedup": _ratio(_throughput(spec), _throughput(ar)),
+        "decode_speedup": _ratio(_throughput(spec, prefill=False), _throughput(ar, prefill=False)),
+        "strategy_tokens_per_s": _throughput(spec),
+        "ar_tokens_per_s": _throughput(ar),
+        "row_speedup_median": statistics.median(per_row) if per_row else None,
+        "row_speedup_min": min(per_row) if per_row else None,
+        "row_speedup_max": max(per_row) if per_row else None,
+        "identical_tokens": sum(s["generated_tokens"] == a["generated_tokens"] for s, a in pairs),
+    }
+
+
+def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: list,
+              job: dict, run: dict) -> dict:
+    """The content of ``summary.json``."""
+    out = rows.to_pylist()
+    base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
+    ok = [r for r in out if r["error"] is None]
+    failed = [r for r in out if r["error"] is not None]
+    written = {r[id_column] for r in out}
+    inputs = set(input_ids)
+    errors: dict[str, int] = {}
+    for r in failed:
+        kind = r["error"].split(";")[0][:120]
+        errors[kind] = errors.get(kind, 0) + 1
+    pairs = [(r, base[r[id_column]]) for r in ok if r[id_column] in base]
+    buckets = []
+    for lo, hi in zip(BUCKET_EDGES, BUCKET_EDGES[1:]):
+        members = [r for r in out if r["num_input_tokens"] is not None
+                   and lo <= r["num_input_tokens"] < hi]
+        if not members:
+            continue
+        b_ok = [r for r in members if r["error"] is None]
+        b_pairs = [p for p in pairs if lo <= p[0]["num_input_tokens"] < hi]
+        buckets.append({
+            "bucket": _label(lo, hi), "min_tokens": lo, "max_tokens": None if hi == math.inf
+            else hi, "rows": len(members), "ok": len(b_ok), "failed": len(members) - len(b_ok),
+            "generated_tokens": sum(r["num_generated_tokens"] for r in b_ok),
+            "decode_tokens_per_s": _throughput(b_ok) if b_ok else None,
+            **{k: v for k, v in _acceptance(b_ok).items()
+               if k in ("acceptance_rate", "attention_skipped", "mlp_skipped")},
+            "baseline": _speedup(b_pairs)})
+    return {
+        "job": job,
+        "complete": inputs <= written,
+        "rows": {"input": len(inputs), "written": len(out), "ok": len(ok),
+                 "failed": len(failed), "pending": len(inputs - written),
+                 "not_in_input": len(written - inputs)},
+        "errors": errors,
+        "tokens": {"input": sum(r["num_input_tokens"] or 0 for r in ok),
+                   "generated": sum(r["num_generated_tokens"] for r in ok)},
+        "decode_tokens_per_s": _throughput(ok) if ok else None,
+        "generation_seconds": sum(r["time_taken_llm"] for r in ok),
+        "acceptance": _acceptance(ok),
+        "baseline": {"strategy": "ar", **_speedup(pairs)},
+        "buckets": buckets,
+        "run": run,
+    }
+
+
+def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
+               path_bytes_writer) -> None:
+    """``speedup.png``: speedup (baseline rows) and acceptance by context length."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = [r for r in rows.to_pylist() if r["error"] is None]
+    base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
+    xs = [r["num_input_tokens"] for r in out if r[id_column] in base
+          and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
+    ys = [r["tokens_per_s"] / base[r[id_column]]["tokens_per_s"] for r in out
+          if r[id_column] in base and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
+    ax1.scatter(xs, ys, s=24, alpha=0.7, label="baseline rows")
+    bx = [_center(b) for b in summary["buckets"] if b["baseline"]["speedup"]]
+    by = [b["baseline"]["speedup"] for b in summary["buckets"] if b["baseline"]["speedup"]]
+    ax1.plot(bx, by, "s-", color="C1", label="per length bucket")
+    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    sp = summary["baseline"]
+    title = (f"speedup vs ar: {sp['speedup']:.2f}x on {sp['rows']} row(s)" if sp["speedup"]
+             else "speedup vs ar: no baseline rows")
+    ax1.set_title(f"{summary['job'].get('strategy')} on {summary['job'].get('model')}: {title}")
+    ax1.set_ylabel("speedup (tokens/s ratio)")
+    ax1.legend(loc="best", fontsize=8)
+    ax2.scatter([r["num_input_tokens"] for r in out],
+                [r["acceptance_rate"] for r in out], s=16, alpha=0.6, label="rows")
+    ax2.plot([_center(b) for b in summary["buckets"] if b["acceptance_rate"] is not None],
+             [b["acceptance_rate"] for b in summary["buckets"] if b["acceptance_rate"] is not None],
+             "s-", color="C1", label="per length bucket")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_ylabel("draft acceptance rate")
+    ax2.set_xlabel("prompt tokens")
+    ax2.legend(loc="best", fontsize=8)
+    if out and min(r["num_input_tokens"] for r in out) > 0:
+        ax2.set_xscale("log", base=2)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path_bytes_writer(buf.getvalue())
+
+
+def _center(bucket: dict) -> float:
+    lo, hi = bucket["min_tokens"], bucket["max_tokens"]
+    if hi is None:
+        return lo * 1.5
+    return math.sqrt(max(lo, 1) * hi) if lo else hi / 2
+
+
+def dumps(summary: dict) -> bytes:
+    def default(o):
+        if o == math.inf:
+            return None
+        return str(o)
+    return json.dumps(summary, indent=2, default=default, allow_nan=False).encode() + b"\n"

@@ -1,0 +1,62 @@
+"""Single-process generation: load a model and tokenizer, turn text into prompts, run a strategy."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .embedded import resolve_model_path
+from .errors import UserError
+from .loading import load_model, load_tokenizer, resolve_dtype
+from .model import Transformer
+from .speculation.strategy import GenerationConfig, GenerationResult
+from .strategies import StrategyOptions, build_strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object
+    path: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {name!r}; choose cpu or cuda")
+    return torch.device(name)
+
+
+def load(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+    path = resolve_model_path(model)
+    if not path.exists():
+        raise UserError(f"model path {str(path)!r} does not exist")
+    m = load_model(path, dtype=resolve_dtype(dtype), device=resolve_device(device))
+    return LoadedModel(m, load_tokenizer(path), str(path))
+
+
+def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Prompt text -> token ids; ``chat`` wraps it as a user message in the chat template."""
+    if text is None or not text.strip():
+        raise UserError("prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--chat: the model's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def generate_texts(loaded: LoadedModel, prompts: list[list[int]], options: StrategyOptions,
+                   config: GenerationConfig) -> list[GenerationResult]:
+    strategy = build_strategy(options, loaded.model)
+    results = strategy.generate(loaded.model, prompts, config)
+    for r in results:
+        r.text = loaded.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    return results

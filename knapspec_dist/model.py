@@ -1,0 +1,213 @@
+"""A compact Llama / Qwen3 decoder whose 2L sublayers can each be executed or skipped.
+
+Sublayer ``item`` 2l is the Attention of layer l, 2l+1 its MLP; each is ``h + f(norm(h))``, so
+skipping one is the identity. Sequences in a batch keep their own positions (no padding): a
+forward feeds T new tokens per sequence at positions ``start[b] .. start[b]+T-1`` and writes
+their K/V into the preallocated cache (see cache.py). Tensor parallelism is applied from outside
+(parallel/tp.py): a sublayer calls ``self.reduce`` on its partial output, and the embedding and
+lm_head modules are swapped for vocab-parallel ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling; scaled types (llama3, ...) via transformers."""
+    with torch.device("cpu"):  # real numbers even while the model is built on the meta device
+        return _rope_frequencies(cfg)
+
+
+def _rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    if cfg.rope["rope_type"] == "default":
+        dim = cfg.head_dim
+        inv = 1.0 / (cfg.rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](cfg.hf_config(), torch.device("cpu"))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class Step:
+    """Per-forward inputs shared by every layer: positions, rotary tables, mask, cache rows."""
+
+    positions: torch.Tensor  # [B, T] absolute positions
+    cos: torch.Tensor  # [B, 1, T, head_dim]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # [B, 1, T, S] bool, None when plain causal-free (T == 1, equal lengths)
+    kv_len: int  # keys read from the cache: max position + 1
+    rows: slice  # cache rows of this batch
+    start: int | None  # common start position if all rows share it (slice writes), else None
+
+
+class Capture(list):
+    """Hidden states after each sublayer of one forward, keeping only the last ``keep`` positions
+    (a long prefill must not hold 2L copies of every position)."""
+
+    def __init__(self, keep: int | None = None):
+        super().__init__()
+        self.keep = keep
+
+    def add(self, h: torch.Tensor) -> None:
+        self.append(h if self.keep is None else h[:, -self.keep:])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads  # local under TP
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.reduce = identity
+
+    def qkv(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed input -> rotated q [B,H,T,hd], k and v [B,T,KV,hd]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * step.cos + rotate_half(q) * step.sin
+        k = k * step.cos + rotate_half(k) * step.sin
+        return q, k.transpose(1, 2), v
+
+    def forward(self, h: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(h), step)
+        keys, values = cache.write(layer, step, k, v)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        o = o.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)
+        return h + self.reduce(self.o_proj(o))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        bias = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.reduce = identity
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        return h + self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def step(self, positions: torch.Tensor, rows: slice) -> Step:
+        """Rotary tables and mask for new tokens at ``positions`` [B, T] (shared by all layers)."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        b, t = positions.shape
+        first = positions[:, 0]
+        common = bool((first == first[0]).all())
+        kv_len = int(positions[:, -1].max()) + 1
+        mask = None
+        if t > 1 or not common:
+            keys = torch.arange(kv_len, device=positions.device)
+            mask = (keys[None, None, None, :] <= positions[:, None, :, None])
+        return Step(positions, cos, sin, mask, kv_len, rows, int(first[0]) if common else None)
+
+    def forward_items(self, h: torch.Tensor, step: Step, cache: KVCache,
+                      skip: frozenset[int] = frozenset(),
+                      capture: Capture | None = None) -> torch.Tensor:
+        """Run every sublayer not in ``skip``.
+
+        ``capture`` receives the input h, then h after each of the 2L items (2L + 1 tensors).
+        """
+        if capture is not None:
+            capture.add(h)
+        for i, layer in enumerate(self.layers):
+            if 2 * i not in skip:
+                h = layer.attention(h, step, cache, i)
+            if capture is not None:
+                capture.add(h)
+            if 2 * i + 1 not in skip:
+                h = layer.mlp(h)
+            if capture is not None:
+                capture.add(h)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rows: slice | None = None, skip: frozenset[int] = frozenset(),
+                last_only: bool = False,
+                capture: Capture | None = None) -> torch.Tensor:
+        """Logits (fp32) for ``tokens`` [B, T] at ``positions`` [B, T], writing their K/V."""
+        rows = rows if rows is not None else slice(0, tokens.shape[0])
+        step = self.step(positions, rows)
+        h = self.forward_items(self.embed(tokens), step, cache, skip, capture)
+        if last_only:
+            h = h[:, -1:]
+        return self.logits(h)

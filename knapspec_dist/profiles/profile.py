@@ -1,0 +1,243 @@
+"""Typed latency profile: fitted sublayer costs for one device, model shape, dtype, batch and TP degree.
+
+The profile is the only source of the knapsack weights and of the TPT search's latency model,
+so it keeps its raw samples next to the fitted coefficients: a stored profile can be refitted
+and audited. Measuring is done elsewhere; this module only fits, queries and (de)serializes.
+
+Conventions: all times are seconds. ``attention`` and ``mlp`` are the cost of one sublayer as
+run by the engine, including its all-reduce when tp > 1 (so a skipped sublayer saves it);
+``allreduce`` is that all-reduce alone, kept for reporting and never added a second time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import tempfile
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+@dataclass
+class LinearFit:
+    """seconds = slope * n + intercept."""
+
+    slope: float
+    intercept: float
+
+    def __call__(self, n: float) -> float:
+        return self.slope * n + self.intercept
+
+
+@dataclass
+class LatencyProfile:
+    """Fitted latency model of one (device, model shape, dtype, batch, tp) combination."""
+
+    device: dict[str, Any]  # e.g. {"name": ..., "kind": "cpu"|"cuda", "threads": ...}
+    model: dict[str, Any]  # shape: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab
+    dtype: str
+    batch: int
+    tp: int
+    torch_version: str
+    created: str  # ISO date
+    samples: dict[str, Any]  # raw measurements, see fit_profile
+    attention: LinearFit  # t_attn(n) = c2*n + c3 per sublayer, all-reduce included when tp > 1
+    mlp: float  # t_mlp = c1, all-reduce included when tp > 1
+    head: float  # final norm + lm_head
+    verify: dict[int, LinearFit]  # q -> t_verify(q, n), fit over n
+    allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
+
+    def attention_time(self, n: int) -> float:
+        """One attention sublayer at context length n."""
+        return self.attention(n)
+
+    def mlp_time(self) -> float:
+        """One MLP sublayer (independent of context length)."""
+        return self.mlp
+
+    def verify_time(self, q: int, n: int) -> float:
+        """Full-model forward over q tokens at context n; q is interpolated between measured
+        query lengths and clipped to their range (no extrapolation beyond what was measured)."""
+        qs = sorted(self.verify)
+        if not qs:
+            raise ValueError("profile has no verify measurements")
+        if q <= qs[0]:
+            return self.verify[qs[0]](n)
+        if q >= qs[-1]:
+            return self.verify[qs[-1]](n)
+        hi = bisect.bisect_left(qs, q)
+        q0, q1 = qs[hi - 1], qs[hi]
+        if q1 == q:
+            return self.verify[q](n)
+        t0, t1 = self.verify[q0](n), self.verify[q1](n)
+        return t0 + (t1 - t0) * (q - q0) / (q1 - q0)
+
+    def draft_time(self, skipped: Collection[int], n: int, num_layers: int) -> float:
+        """One draft step: every executed sublayer (item 2l attention, 2l+1 mlp) plus the head."""
+        attn, mlp = self.attention_time(n), self.mlp_time()
+        total = self.head
+        for item in range(2 * num_layers):
+            if item not in skipped:
+                total += attn if item % 2 == 0 else mlp
+        return total
+
+    def key(self) -> str:
+        """Deterministic, file-name-safe key: device name, model shape, dtype, batch, tp."""
+        shape = "-".join(f"{k}{self.model.get(k, 'x')}" for k in MODEL_KEYS)
+        raw = f"{self.device.get('name', 'unknown')}__{shape}__{self.dtype}__b{self.batch}__tp{self.tp}"
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-").lower()
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-able dict (verify keys become strings, as JSON requires)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "device": self.device,
+            "model": self.model,
+            "dtype": self.dtype,
+            "batch": self.batch,
+            "tp": self.tp,
+            "torch_version": self.torch_version,
+            "created": self.created,
+            "attention": {"slope": self.attention.slope, "intercept": self.attention.intercept},
+            "mlp": self.mlp,
+            "head": self.head,
+            "verify": {str(q): {"slope": f.slope, "intercept": f.intercept} for q, f in sorted(self.verify.items())},
+            "allreduce": self.allreduce,
+            "samples": self.samples,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LatencyProfile:
+        """Inverse of to_json; refuses unknown schema versions rather than guessing."""
+        version = d.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"unsupported latency profile schema_version {version}")
+        return cls(
+            device=dict(d["device"]),
+            model=dict(d["model"]),
+            dtype=str(d["dtype"]),
+            batch=int(d["batch"]),
+            tp=int(d["tp"]),
+            torch_version=str(d["torch_version"]),
+            created=str(d["created"]),
+            samples=dict(d["samples"]),
+            attention=LinearFit(float(d["attention"]["slope"]), float(d["attention"]["intercept"])),
+            mlp=float(d["mlp"]),
+            head=float(d["head"]),
+            verify={int(q): LinearFit(float(f["slope"]), float(f["intercept"])) for q, f in d["verify"].items()},
+            allreduce=float(d.get("allreduce", 0.0)),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically (temp file + rename) so concurrent readers never see a partial file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        logger.info("saved latency profile %s to %s", self.key(), path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LatencyProfile:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
+    """Ordinary least squares y = slope * x + intercept; one point (or one distinct x) -> slope 0."""
+    if not points:
+        raise ValueError("cannot fit a line to no points")
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    mx, my = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    if sxx == 0.0:
+        return LinearFit(0.0, my)
+    slope = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return LinearFit(slope, my - slope * mx)
+
+
+def fit_profile(samples: dict[str, Any], **meta: Any) -> LatencyProfile:
+    """Fit every coefficient from raw samples.
+
+    samples: {"attention": [[n, s], ...], "mlp": [s, ...], "head": [s, ...],
+              "verify": [[q, n, s], ...], "allreduce": [[bytes, s], ...] (optional)}.
+    meta: device, model, dtype, batch, tp, torch_version, created (defaults to today).
+    Constant costs (mlp, head) use the median, robust to the odd slow repeat.
+    """
+    missing = [k for k in ("device", "model", "dtype", "batch", "tp", "torch_version") if k not in meta]
+    if missing:
+        raise ValueError(f"fit_profile needs meta {missing}")
+    clean = _normalize_samples(samples)
+    by_q: dict[int, list[tuple[float, float]]] = {}
+    for q, n, s in clean["verify"]:
+        by_q.setdefault(int(q), []).append((n, s))
+    tp, batch, dtype = int(meta["tp"]), int(meta["batch"]), str(meta["dtype"])
+    allreduce = 0.0
+    if tp > 1 and clean.get("allreduce"):
+        decode_bytes = batch * int(meta["model"]["hidden"]) * DTYPE_BYTES.get(dtype, 4)
+        allreduce = max(0.0, fit_linear([(b, s) for b, s in clean["allreduce"]])(decode_bytes))
+    return LatencyProfile(
+        device=dict(meta["device"]),
+        model=dict(meta["model"]),
+        dtype=dtype,
+        batch=batch,
+        tp=tp,
+        torch_version=str(meta["torch_version"]),
+        created=str(meta.get("created") or datetime.date.today().isoformat()),
+        samples=clean,
+        attention=fit_linear([(n, s) for n, s in clean["attention"]]),
+        mlp=statistics.median(clean["mlp"]),
+        head=statistics.median(clean["head"]),
+        verify={q: fit_linear(pts) for q, pts in sorted(by_q.items())},
+        allreduce=allreduce,
+    )
+
+
+def _normalize_samples(samples: dict[str, Any]) -> dict[str, Any]:
+    """Lists of lists of floats, exactly what JSON gives back, so save/load round-trips equal."""
+    for k in ("attention", "mlp", "head", "verify"):
+        if not samples.get(k):
+            raise ValueError(f"samples[{k!r}] is missing or empty")
+    out: dict[str, Any] = {k: [float(s) for s in samples[k]] for k in ("mlp", "head")}
+    for k in ("attention", "verify", "allreduce"):
+        if k in samples:
+            out[k] = [[float(v) for v in row] for row in samples[k]]
+    return out
+
+
+def integer_weights(profile: LatencyProfile, n: int, num_layers: int, cap: float = 5.0) -> list[int]:
+    """Knapsack weights at context n, in item order (attention, mlp, attention, mlp, ...).
+
+    delta = min(t_attn(n), t_mlp); each weight is its time over delta, capped at `cap` and
+    rounded half up (not Python's banker's rounding), at least 1.
+    """
+    t_attn, t_mlp = profile.attention_time(n), profile.mlp_time()
+    delta = min(t_attn, t_mlp)
+    if delta <= 0.0:
+        raise ValueError(f"sublayer times must be positive, got attention {t_attn}, mlp {t_mlp}")
+
+    def weight(t: float) -> int:
+        return max(1, math.floor(min(t / delta, cap) + 0.5))
+
+    return [weight(t_attn), weight(t_mlp)] * num_layers

@@ -1,0 +1,557 @@
+"""Latency profiler: measure sublayer, head, verify and all-reduce costs on the real device.
+
+``measure`` times the model the way decoding runs it, and hands the raw samples to
+``fit_profile`` (profile.py); ``knapspec profile`` (``register``) is its command line. A
+profile is only ever written from such a measurement.
+
+Method
+------
+One KV cache of capacity ``max(contexts) + max_q`` is filled once (random K/V by default;
+``fill="prefill"`` runs a real chunked prefill of random tokens instead, which costs minutes
+at 8k on a CPU and changes no timing: attention reads the same number of cached values
+whatever they are). A context length n is then just ``cache.lengths = n``; forwards at n
+write at positions n.. and are never committed, so every repeat sees the same n.
+
+For each repeat, round-robin over the contexts (so a burst of load from elsewhere spreads
+over all contexts instead of spoiling one), at each n:
+
+* **Sublayers and head** — one decode-shaped forward (``[batch, 1]`` tokens at position n)
+  through ``model.forward`` itself, over all layers in turn, so each sublayer runs with the
+  caches in the state real decoding leaves them (the previous sublayer's weights, not its
+  own, are hot). Forward pre/post hooks on every ``Attention`` and ``MLP`` module put time
+  marks around each sublayer call: ``time.perf_counter`` on a CPU (ops run synchronously
+  there), CUDA events on a GPU (recorded on the stream, read after one synchronize at the
+  end, so the timing does not serialize the launches it measures). A sublayer's time
+  includes its all-reduce when the model is tensor-parallel (``reduce`` runs inside it).
+  The attention and MLP sample of that forward are the mean over the L layers; the head
+  sample is everything of the forward outside the 2L sublayers: embedding, rotary / mask
+  setup, final norm and lm_head -- the per-forward cost a draft step pays whichever
+  sublayers it skips, so ``draft_time(skipped=(), n)`` is the whole decode step.
+* **Verify** — for q = 1..max_q, one full forward of q tokens at positions n..n+q-1,
+  without hooks, timed as a whole (synchronized on a GPU): the cost of verifying q - 1
+  drafted tokens plus the bonus one. q = 1 is a plain decode step, which cross-checks the
+  hooked sum above.
+
+Every shape is run ``warmup`` times first (allocator, oneDNN / cuBLAS kernel choice); the
+stored sample of each (kind, n[, q]) is the median of ``repeats`` timings. With a process
+group of more than one rank (tensor parallelism) every rank measures, samples are reduced
+with MAX (a replica runs at its slowest rank's pace), and ``measure_allreduce`` adds the
+all-reduce cost at the message sizes decoding uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from .profile import DTYPE_BYTES, LatencyProfile, fit_profile
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_MAX_Q = 11  # D + 1: ten drafted tokens and the target's own
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# --------------------------------------------------------------------------- device identity
+
+
+def device_info(device: torch.device | str) -> dict[str, Any]:
+    """Who measured: NVML name and memory on NVIDIA GPUs; CPU model and thread count otherwise.
+
+    On a CPU the thread count is part of ``name`` (hence of the profile key): a profile taken
+    with 2 threads says nothing about 16.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_info(device)
+    threads = torch.get_num_threads()
+    model = _cpu_model_name()
+    info: dict[str, Any] = {"kind": "cpu", "name": f"{model} ({threads} threads)", "cpu_model": model,
+                            "threads": threads, "logical_cpus": os.cpu_count(),
+                            "machine": platform.machine()}
+    info.update(_cpuinfo_details())
+    return info
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cpuinfo_details() -> dict[str, Any]:
+    """Family/model/stepping and the vector ISA flags that decide CPU matmul speed."""
+    out: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return out
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model_id"), ("stepping", "stepping")):
+        if key in fields:
+            out[name] = fields[key]
+    flags = set(fields.get("flags", "").split())
+    out["isa"] = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
+                                  "amx_bf16", "amx_tile", "neon", "asimd"})
+    return out
+
+
+def _cuda_info(device: torch.device) -> dict[str, Any]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    info: dict[str, Any] = {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
+                            "capability": f"{props.major}.{props.minor}",
+                            "multiprocessors": props.multi_processor_count, "source": "torch"}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = None
+            uuid = getattr(props, "uuid", None)
+            if uuid is not None:  # NVML indices ignore CUDA_VISIBLE_DEVICES; UUIDs do not
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                except pynvml.NVMLError:
+                    handle = None
+            if handle is None:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            info["name"] = name.decode() if isinstance(name, bytes) else name
+            info["memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+            try:
+                info["max_sm_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+            except pynvml.NVMLError:
+                pass
+            info["source"] = "nvml"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # NVML missing or unusable: torch's name is still a real identity
+        log.warning("NVML unavailable (%s); device name from torch", e)
+    return info
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class _Clock:
+    """Time marks: perf_counter on CPU, CUDA events on a GPU (resolved after one sync)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class _SublayerTimer:
+    """Forward hooks marking the start and end of every Attention / MLP call and of the forward."""
+
+    def __init__(self, model, clock: _Clock):
+        self.clock = clock
+        self.marks: list[tuple[str, str, Any]] = []  # (kind, "start"|"end", mark)
+        self.handles = []
+        for layer in model.layers:
+            for kind, module in (("attention", layer.attention), ("mlp", layer.mlp)):
+                self.handles.append(module.register_forward_pre_hook(self._pre(kind)))
+                self.handles.append(module.register_forward_hook(self._post(kind)))
+        self.handles.append(model.register_forward_pre_hook(self._pre("forward")))
+        self.handles.append(model.register_forward_hook(self._post("forward")))
+
+    def _pre(self, kind: str):
+        def hook(module, args):
+            self.marks.append((kind, "start", self.clock.mark()))
+        return hook
+
+    def _post(self, kind: str):
+        def hook(module, args, output):
+            self.marks.append((kind, "end", self.clock.mark()))
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def split(self) -> dict[str, list[float]]:
+        """Durations of the last forward: per-sublayer lists, and the head (forward minus sublayers)."""
+        self.clock.sync()
+        marks, self.marks = self.marks, []
+        if not marks or marks[0][0] != "forward" or marks[-1][0] != "forward":
+            raise RuntimeError("sublayer timer saw no complete forward")
+        out: dict[str, list[float]] = {"attention": [], "mlp": []}
+        for (kind, edge, a), (kind2, edge2, b) in zip(marks[1:-1:2], marks[2:-1:2]):
+            if kind != kind2 or edge != "start" or edge2 != "end":
+                raise RuntimeError(f"unbalanced sublayer marks: {kind}/{edge} then {kind2}/{edge2}")
+            out[kind].append(self.clock.seconds(a, b))
+        total = self.clock.seconds(marks[0][2], marks[-1][2])
+        # Head: forward start -> first sublayer, last sublayer -> forward end (hook gaps between
+        # sublayers are the timer's own overhead and are left out).
+        first, last = marks[1][2], marks[-2][2]
+        inside = self.clock.seconds(first, last)
+        out["head"] = [max(0.0, total - inside)]
+        out["total"] = [total]
+        return out
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def fill_cache(model, cache, length: int, fill: str = "random", chunk: int = 512,
+               generator: torch.Generator | None = None) -> None:
+    """Make the first ``length`` positions of every row valid.
+
+    ``random``: write random K/V directly (instant; attention cost does not depend on values).
+    ``prefill``: run random tokens through the model in chunks, as a real prompt would.
+    """
+    if fill == "random":
+        for layer in range(len(cache.k)):
+            for t in (cache.k[layer], cache.v[layer]):
+                t[:, :, :length].normal_(generator=generator if t.device.type == "cpu" else None)
+    elif fill == "prefill":
+        vocab = model.cfg.vocab_size
+        for row in range(cache.batch):
+            cache.commit(row, 0)
+        rows = slice(0, cache.batch)
+        done = 0
+        while done < length:
+            t = min(chunk, length - done)
+            tokens = torch.randint(vocab, (cache.batch, t), generator=generator).to(model.device)
+            model(tokens, cache.positions(rows, t, model.device), cache, rows, last_only=True)
+            done += t
+            for row in range(cache.batch):
+                cache.commit(row, done)
+    else:
+        raise ValueError(f"unknown cache fill {fill!r}; choose random or prefill")
+    for row in range(cache.batch):
+        cache.commit(row, length)
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _world(group) -> int:
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _comm_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _max_over_ranks(values: list[float], group) -> list[float]:
+    """Element-wise MAX across the group: a TP replica runs at its slowest rank's pace."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()
+
+
+def measure_allreduce(group, sizes: Iterable[int], *, dtype: torch.dtype = torch.float32,
+                      repeats: int = 5, iters: int = 10, warmup: int = 3) -> list[list[float]]:
+    """Time ``torch.distributed.all_reduce`` (SUM) on ``group`` for messages of ``sizes`` bytes.
+
+    Every rank of the group must call this with the same arguments (it is collective). Each
+    repeat starts with a barrier and times ``iters`` back-to-back all-reduces (synchronized on
+    a GPU); the median per-call time over repeats is then MAX-reduced over ranks, so every
+    rank returns the same ``[[bytes, seconds], ...]`` -- the ``samples["allreduce"]`` format
+    of ``fit_profile``. Message tensors live where the backend needs them (CUDA for NCCL).
+    """
+    import torch.distributed as dist
+
+    if repeats < 1 or iters < 1:
+        raise ValueError("repeats and iters must be >= 1")
+    device = _comm_device(group)
+    clock = _Clock(device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows: list[list[float]] = []
+    times: list[float] = []
+    for size in sizes:
+        numel = max(1, int(size) // elem)
+        buf = torch.ones(numel, dtype=dtype, device=device)
+        for _ in range(warmup):
+            dist.all_reduce(buf, group=group)
+        per_call = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            clock.sync()
+            start = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(buf, group=group)
+            clock.sync()
+            per_call.append((time.perf_counter() - start) / iters)
+        rows.append([float(numel * elem)])
+        times.append(_median(per_call))
+    times = _max_over_ranks(times, group) if times else times
+    for row, t in zip(rows, times):
+        row.append(float(t))
+    return rows
+
+
+def decode_allreduce_sizes(hidden: int, batch: int, max_q: int, dtype: torch.dtype) -> list[int]:
+    """Message sizes (bytes) of one sublayer's all-reduce at decode (q=1) and verify shapes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    qs = sorted(q for q in {1, 2, 4, 8, max_q} if q <= max_q)
+    return [q * batch * hidden * elem for q in qs]
+
+
+@torch.inference_mode()
+def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT_MAX_Q,
+            repeats: int = 5, *, warmup: int = 1, fill: str = "random", group=None,
+            shape: dict[str, Any] | None = None, allreduce_sizes: Sequence[int] | None = None,
+            seed: int = 0) -> LatencyProfile:
+    """Measure ``model`` (a loaded ``Transformer``) and fit its latency profile.
+
+    contexts: context lengths n (tokens already in the KV cache); batch: sequences per forward;
+    max_q: verify forwards are timed for q = 1..max_q tokens; repeats: timings per point (the
+    sample is their median); warmup: untimed runs of every shape first; fill: how the cache is
+    filled (see ``fill_cache``); group: the tensor-parallel process group when the model is a
+    shard (tp = its size; samples are MAX-reduced over ranks and all-reduce samples added);
+    shape: the model shape to record (defaults to ``model.cfg.shape()``; a TP shard passes the
+    full model's). See the module docstring for the method.
+    """
+    contexts = sorted(set(int(n) for n in contexts))
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"contexts must be positive integers, got {contexts}")
+    if batch < 1 or max_q < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need batch, max_q, repeats >= 1 and warmup >= 0 "
+                         f"(got {batch}, {max_q}, {repeats}, {warmup})")
+    from ..cache import KVCache
+
+    device, dtype, cfg = model.device, model.dtype, model.cfg
+    tp = _world(group) if group is not None else 1
+    kv_heads = model.layers[0].attention.num_kv_heads  # local heads on a TP shard
+    capacity = contexts[-1] + max_q
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(cfg, batch, capacity, dtype=dtype, device=device, kv_heads=kv_heads)
+    started = time.perf_counter()
+    fill_cache(model, cache, contexts[-1], fill, generator=gen)
+    log.info("filled a %d-token KV cache (%s) in %.1fs", contexts[-1], fill, time.perf_counter() - started)
+    rows = slice(0, batch)
+    clock = _Clock(device)
+
+    def tokens(q: int) -> torch.Tensor:
+        return torch.randint(cfg.vocab_size, (batch, q), generator=gen).to(device)
+
+    def at(n: int) -> None:
+        for row in range(batch):
+            cache.commit(row, n)
+
+    def hooked_step(n: int) -> dict[str, list[float]]:
+        at(n)
+        timer = _SublayerTimer(model, clock)
+        try:
+            model(tokens(1), cache.positions(rows, 1, device), cache, rows)
+        finally:
+            timer.remove()
+        return timer.split()
+
+    def verify(n: int, q: int) -> float:
+        at(n)
+        x, pos = tokens(q), cache.positions(rows, q, device)
+        clock.sync()
+        start = time.perf_counter()
+        model(x, pos, cache, rows)
+        clock.sync()
+        return time.perf_counter() - start
+
+    qs = list(range(1, max_q + 1))
+    attn: dict[int, list[float]] = {n: [] for n in contexts}
+    mlp: dict[int, list[float]] = {n: [] for n in contexts}
+    head: dict[int, list[float]] = {n: [] for n in contexts}
+    total: dict[int, list[float]] = {n: [] for n in contexts}
+    ver: dict[tuple[int, int], list[float]] = {(q, n): [] for n in contexts for q in qs}
+    try:
+        for _ in range(warmup):
+            for n in contexts:
+                hooked_step(n)
+                for q in qs:
+                    verify(n, q)
+        for r in range(repeats):
+            for n in contexts:
+                parts = hooked_step(n)
+                attn[n].append(statistics.fmean(parts["attention"]))
+                mlp[n].append(statistics.fmean(parts["mlp"]))
+                head[n].append(parts["head"][0])
+                total[n].append(parts["total"][0])
+                for q in qs:
+                    ver[(q, n)].append(verify(n, q))
+            log.info("repeat %d/%d done (%.0fs)", r + 1, repeats, time.perf_counter() - started)
+    finally:
+        at(0)
+
+    attn_s = [_median(attn[n]) for n in contexts]
+    mlp_s = [_median(mlp[n]) for n in contexts]
+    head_s = [_median(head[n]) for n in contexts]
+    ver_keys = [(q, n) for n in contexts for q in qs]
+    ver_s = [_median(ver[k]) for k in ver_keys]
+    if tp > 1:
+        merged = _max_over_ranks(attn_s + mlp_s + head_s + ver_s, group)
+        k = len(contexts)
+        attn_s, mlp_s, head_s, ver_s = merged[:k], merged[k:2 * k], merged[2 * k:3 * k], merged[3 * k:]
+    samples: dict[str, Any] = {
+        "attention": [[n, s] for n, s in zip(contexts, attn_s)],
+        "mlp": mlp_s,
+        "head": head_s,
+        "verify": [[q, n, s] for (q, n), s in zip(ver_keys, ver_s)],
+    }
+    if tp > 1:
+        sizes = allreduce_sizes or decode_allreduce_sizes(cfg.hidden_size, batch, max_q, dtype)
+        samples["allreduce"] = measure_allreduce(group, sizes, dtype=dtype, repeats=max(repeats, 5))
+    for n in contexts:  # cross-check: hooked decode step vs the unhooked q=1 verify forward
+        log.info("n=%d: attention %.3f ms, mlp %.3f ms, head %.3f ms; hooked step %.2f ms, "
+                 "plain step %.2f ms", n, 1e3 * _median(attn[n]), 1e3 * _median(mlp[n]),
+                 1e3 * _median(head[n]), 1e3 * _median(total[n]), 1e3 * _median(ver[(1, n)]))
+    meta = {
+        "device": device_info(device),
+        "model": dict(shape if shape is not None else cfg.shape()),
+        "dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "batch": batch,
+        "tp": tp,
+        "torch_version": torch.__version__,
+        "created": datetime.date.today().isoformat(),
+    }
+    profile = fit_profile(samples, **meta)
+    log.info("measured profile %s in %.1fs", profile.key(), time.perf_counter() - started)
+    return profile
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_contexts(text: str) -> list[int]:
+    """``"256,1024,4k"`` -> [256, 1024, 4096]; anything else is a UserError."""
+    out = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        mult = 1
+        if part[-1] in "kK":
+            part, mult = part[:-1], 1024
+        try:
+            n = int(part) * mult
+        except ValueError:
+            raise UserError(f"--contexts: {part!r} is not an integer context length "
+                            f"(expected e.g. 256,1024,4096)") from None
+        if n < 1:
+            raise UserError(f"--contexts: context lengths must be >= 1, got {n}")
+        out.append(n)
+    if not out:
+        raise UserError("--contexts: give at least one context length, e.g. 256,1024,4096")
+    return sorted(set(out))
+
+
+def output_path(out: str, profile: LatencyProfile) -> Path:
+    """``--out``: a directory (existing, or written with a trailing slash) gets ``<key>.json``."""
+    path = Path(out).expanduser()
+    if path.is_dir() or str(out).endswith(("/", os.sep)):
+        return path / f"{profile.key()}.json"
+    return path
+
+
+def register(sub) -> None:
+    """Add ``knapspec profile`` to the CLI's subparsers."""
+    p = sub.add_parser("profile", help="measure a latency profile (sublayers, head, verify) to JSON",
+                       description="Measure per-sublayer decode latency against context length, "
+                                   "the head, and the verify cost of q tokens; fit and write JSON.")
+    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
+                   help="comma-separated context lengths (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-q", type=int, default=DEFAULT_MAX_Q, help="verify q = 1..max-q tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point; the median is kept")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of every shape first")
+    p.add_argument("--fill", default="random", choices=["random", "prefill"],
+                   help="KV cache contents: random K/V (default) or a real prefill of random tokens")
+    p.add_argument("--out", required=True, help="output JSON file, or a directory (file named by key)")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ..embedded import resolve_model_path
+    from ..loading import load_model, resolve_dtype
+    from ..local import resolve_device
+
+    contexts = parse_contexts(args.contexts)
+    for name in ("batch", "max_q", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {args.warmup}")
+    device = resolve_device(args.device)
+    path = resolve_model_path(args.model)
+    model = load_model(path, dtype=resolve_dtype(args.dtype), device=device)
+    limit = model.cfg.max_position_embeddings
+    if contexts[-1] > limit:
+        raise UserError(f"--contexts: {contexts[-1]} exceeds the model's context length {limit}")
+    started = time.perf_counter()
+    profile = measure(model, contexts, args.batch, args.max_q, args.repeats, warmup=args.warmup,
+                      fill=args.fill)
+    elapsed = time.perf_counter() - started
+    out = output_path(args.out, profile)
+    try:
+        profile.save(out)
+    except OSError as e:
+        raise UserError(f"cannot write profile to {str(out)!r}: {e.strerror or e}") from None
+    print(summary(profile, out, elapsed))
+    return 0
+
+
+def summary(profile: LatencyProfile, path: Path | str, seconds: float) -> str:
+    """Human-readable fitted coefficients (what the CLI prints after writing the file)."""
+    a = profile.attention
+    ns = sorted({int(n) for n, _ in profile.samples["attention"]})
+    lines = [f"wrote {path} ({seconds:.0f}s, device {profile.device.get('name')}, {profile.dtype}, "
+             f"batch {profile.batch}, tp {profile.tp})",
+             f"  t_attn(n) = {a.slope * 1e6:.4f} us * n + {a.intercept * 1e3:.4f} ms",
+             f"  t_mlp     = {profile.mlp * 1e3:.4f} ms",
+             f"  t_head    = {profile.head * 1e3:.4f} ms"]
+    qs = sorted(profile.verify)
+    for n in ns:
+        vals = ", ".join(f"{q}:{profile.verify_time(q, n) * 1e3:.1f}" for q in qs)
+        lines.append(f"  t_verify(q, n={n}) ms  {vals}")
+    if profile.tp > 1:
+        lines.append(f"  all-reduce per sublayer = {profile.allreduce * 1e6:.1f} us")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""KnapSpec selection: the knapsack DP over hidden states, then the Tokens-per-Time search.
+
+The selector keeps the full model's hidden states (input of every sublayer and output of
+every sublayer) at the last ``m`` committed positions, captured for free during prefill and
+verification. After prefill and every ``interval`` generated tokens it:
+
+1. prices each sublayer from the latency profile at the current context length n
+   (integer weights, attention growing with n, MLP constant, all-reduce included under TP);
+2. runs the pure knapsack solver (knapsack.py); every stage evaluates all surviving budgets
+   in one batched forward of that sublayer over the reference positions, attending to the
+   real KV cache prefix, and scores them by mean cosine to the full model's state;
+3. estimates each candidate's acceptance from top-1 agreement with the full model;
+4. picks subnet and draft length by Tokens-per-Time (tpt.py), where gamma = 0 means plain
+   autoregressive decoding until the next selection.
+
+The DP runs where the hidden states are (inside each TP rank, SPMD); nothing here is per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache
+from ..model import Attention, Capture, Transformer
+from ..profiles.profile import LatencyProfile, integer_weights
+from . import knapsack, tpt
+from .selfspec import Plan, Selector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KnapSpecConfig:
+    """The paper's defaults: D=10, tau=0.5, m=5, re-selection every 64 steps, weight cap 5."""
+
+    max_gamma: int = 10  # D
+    tau: float = 0.5  # prune DP states whose mean cosine is below this
+    m: int = 5  # reference positions
+    interval: int = 64  # generated tokens between selections
+    weight_cap: float = 5.0
+    max_skip_fraction: float = 0.5
+    keep_first_last: bool = True  # always execute the first and the last layer
+    coupled: bool = False  # ablation: skip a layer's attention and MLP together
+    objective: str = "tpt"  # "tpt" | "alpha" (ablation)
+    select_once: bool = False  # ablation: select after prefill only
+    unit_weights: bool = False  # CLaSp: every sublayer weighs 1 (layer-level with coupled)
+    fixed_gamma: int | None = None  # CLaSp: fixed draft length instead of the TPT search
+    skip_layers: float | None = None  # CLaSp: fraction of layers to skip
+
+
+@dataclass
+class Selection:
+    """What one selection saw and chose (kept for stats and tests)."""
+
+    context: int
+    weights: list[int]
+    candidates: list[knapsack.Candidate]
+    alphas: list[float]
+    choice: tpt.Choice
+    plan: Plan
+
+
+def smoothed_alpha(agree: int, total: int) -> float:
+    """Acceptance estimate from ``agree`` of ``total`` top-1 matches, with a uniform prior.
+
+    With m = 5 the raw ratio is 0 or 1 far too often; 5/5 becoming 6/7 keeps the TPT search
+    from betting on ten-token drafts from five observations.
+    """
+    return (agree + 1) / (total + 2)
+
+
+class HiddenStateEvaluator:
+    """The DP's tensors: one batched sublayer forward per (stage, execute) over all budgets."""
+
+    def __init__(self, model: Transformer, cache: KVCache, states: torch.Tensor, start: int):
+        self.model, self.cache = model, cache
+        self.reference = states  # [2L + 1, m, d]: input, then after each item
+        m = states.shape[1]
+        self.prefix = start  # cache positions before the reference tokens
+        positions = torch.arange(start, start + m, device=states.device)[None]
+        self.step = model.step(positions, slice(0, 1))
+        self.current: dict[int, torch.Tensor] = {0: states[0]}
+        self.pending: dict[tuple[int, bool], torch.Tensor] = {}
+        causal = torch.ones(m, m, dtype=torch.bool, device=states.device).tril()
+        self.causal = causal
+
+    def evaluate(self, item: int, sources: list[int], execute: bool) -> list[float]:
+        x = torch.stack([self.current[j] for j in sources])
+        if execute:
+            layer = self.model.layers[item // 2]
+            x = self._attention(layer.attention, item // 2, x) if item % 2 == 0 else layer.mlp(x)
+        for j, state in zip(sources, x):
+            self.pending[(j, execute)] = state
+        target = self.reference[item + 1]
+        cos = F.cosine_similarity(x.float(), target.float()[None], dim=-1).mean(dim=-1)
+        return cos.tolist()
+
+    def keep(self, item: int, chosen: dict[int, tuple[int, bool]]) -> None:
+        self.current = {j: self.pending[src] for j, src in chosen.items()}
+        self.pending = {}
+
+    def _attention(self, attn: Attention, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Attention of N candidate states at the m reference positions: each attends to the
+        cached prefix (the full model's K/V) and, causally, to its own K/V, as a draft would."""
+        n, m, _ = x.shape
+        q, k, v = attn.qkv(attn.norm(x), self.step)
+        kv, hd = attn.num_kv_heads, attn.head_dim
+        g = attn.num_heads // kv
+        q = q.reshape(n, kv, g * m, hd) * hd ** -0.5
+        kp = self.cache.k[layer][0:1, :, :self.prefix]
+        vp = self.cache.v[layer][0:1, :, :self.prefix]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, m, hd]
+        own = q @ k.transpose(-1, -2)  # [N, KV, g*m, m]
+        own = own.masked_fill(~self.causal.repeat(g, 1), float("-inf"))
+        top = own.amax(dim=-1, keepdim=True)
+        if self.prefix:
+            ctx = q @ kp.transpose(-1, -2)  # [N, KV, g*m, P]
+            top = torch.maximum(top, ctx.amax(dim=-1, keepdim=True))
+            ctx = (ctx - top).exp_()
+        own = (own - top).exp_()
+        out = own @ v
+        denom = own.sum(dim=-1, keepdim=True)
+        if self.prefix:
+            out = out + ctx @ vp
+            denom = denom + ctx.sum(dim=-1, keepdim=True)
+        out = (out / denom).reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
+        return x + attn.reduce(attn.o_proj(out.to(x.dtype)))
+
+
+class KnapSpecSelector(Selector):
+    """Re-selects the draft subnet and gamma from measured latency and hidden-state similarity."""
+
+    def __init__(self, profile: LatencyProfile, config: KnapSpecConfig = KnapSpecConfig()):
+        self.profile, self.config = profile, config
+        self.reference_positions = config.m
+        self.history: list[Selection] = []
+        self.selections = 0
+
+    def start(self, model: Transformer, prompt_len: int) -> None:
+        self.states: deque[torch.Tensor] = deque(maxlen=self.config.m)  # [2L+1, d] per position
+        self.plan_now = Plan(frozenset(), 0)
+        self.next_selection = 0  # generated-token count at which to select again
+        self.history = []
+
+    def wants_reference(self) -> bool:
+        return True
+
+    def observe(self, hidden: Capture, valid: int) -> None:
+        stacked = torch.stack([h[0, :valid] for h in hidden], dim=1)  # [valid, 2L+1, d]
+        self.states.extend(stacked.unbind(0))
+
+    def plan(self, model: Transformer, cache: KVCache, generated: int) -> Plan:
+        done_once = self.config.select_once and self.history
+        if self.states and generated >= self.next_selection and not done_once:
+            self.plan_now = self.select(model, cache).plan
+            self.next_selection = generated + self.config.interval
+        return self.plan_now
+
+    def select(self, model: Transformer, cache: KVCache) -> Selection:
+        cfg, num_layers = self.config, model.cfg.num_layers
+        n = cache.lengths[0]
+        states = torch.stack(list(self.states), dim=1)  # [2L+1, m, d]
+        start = n - states.shape[1]
+        weights = ([1] * (2 * num_layers) if cfg.unit_weights
+                   else integer_weights(self.profile, n, num_layers, cfg.weight_cap))
+        keep = set()
+        if cfg.keep_first_last:
+            keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1}
+        evaluator = HiddenStateEvaluator(model, cache, states, start)
+        candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
+                                    max_skip_fraction=cfg.max_skip_fraction,
+                                    always_execute=keep, coupled=cfg.coupled)
+        alphas = self._alphas(model, evaluator, states, candidates)
+        choice = self._choose(candidates, alphas, n, num_layers)
+        skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
+        selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
+        self.history.append(selection)
+        self.selections += 1
+        log.debug("selection at n=%d: %d candidates, chose %s gamma=%d (tpt %.1f tok/s)", n,
+                  len(candidates), sorted(skip), choice.gamma, choice.tokens_per_time)
+        return selection
+
+    def _alphas(self, model: Transformer, evaluator: HiddenStateEvaluator, states: torch.Tensor,
+                candidates: list[knapsack.Candidate]) -> list[float]:
+        if not candidates:
+            return []
+        reference = model.logits(states[-1]).argmax(dim=-1)  # [m]
+        finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
+        agree = (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
+        return [smoothed_alpha(a, states.shape[1]) for a in agree]
+
+    def _choose(self, candidates, alphas, n: int, num_layers: int) -> tpt.Choice:
+        cfg = self.config
+        if cfg.fixed_gamma is not None:  # CLaSp: a fixed share of layers, a fixed gamma
+            if not candidates:
+                return tpt.Choice(None, 0, 0.0)
+            target = 2 * round((cfg.skip_layers or 0.0) * num_layers)
+            best = min(range(len(candidates)),
+                       key=lambda k: (abs(len(candidates[k].skipped) - target), -alphas[k]))
+            return tpt.Choice(best, cfg.fixed_gamma, 0.0)
+        draft_times = [self.profile.draft_time(c.skipped, n, num_layers) for c in candidates]
+        return tpt.search(alphas, draft_times, lambda q: self.profile.verify_time(q, n),
+                          max_gamma=cfg.max_gamma, objective=cfg.objective)
+
+
+def build_selector(options, model: Transformer) -> KnapSpecSelector:
+    """``options`` is a strategies.StrategyOptions; the profile is found or measured."""
+    from ..profiles.store import resolve_profile
+
+    profile = resolve_profile(options.profile, model)
+    if options.name == "clasp":
+        config = KnapSpecConfig(interval=options.interval, coupled=True, unit_weights=True,
+                                fixed_gamma=options.gamma, skip_layers=0.25)
+    else:
+        config = KnapSpecConfig(interval=options.interval, coupled=options.coupled,
+                                objective=options.objective, select_once=options.select_once)
+    return KnapSpecSelector(profile, config)

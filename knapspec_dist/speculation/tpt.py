@@ -1,0 +1,97 @@
+"""Tokens-per-Time search: pick the draft subnet and draft length that decode fastest.
+
+TPT(S, g) = expected_tokens(alpha_S, g) / (g * t_draft(S) + verify_time(g + 1)): the expected
+tokens one speculation round yields over its expected cost. Plain autoregressive decoding
+(gamma = 0) yields one token per full forward, TPT = 1 / verify_time(1), so it competes on
+the same scale and wins when no draft is fast and accurate enough.
+
+Tie-breaking (deterministic): equal TPT goes to the smaller gamma (autoregressive counts as
+gamma 0), then to the lower candidate index. The knapsack returns candidates sorted by
+skipped weight, so a lower index is the more conservative (more accurate) draft.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+OBJECTIVES = ("tpt", "alpha")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The selected decoding configuration and its predicted throughput."""
+
+    candidate: int | None  # index into the candidate list; None means plain autoregressive decoding
+    gamma: int  # draft length; 0 means autoregressive
+    tokens_per_time: float  # expected tokens per second under the latency model
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """(1 - a^(g+1)) / (1 - a): tokens per round with i.i.d. acceptance a and g drafted tokens.
+
+    Evaluated as the geometric sum 1 + a + ... + a^g (Horner), which is exact at a = 0 (1) and
+    a = 1 (g + 1) and stable near 1, where the closed form cancels catastrophically.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    total = 1.0
+    for _ in range(gamma):
+        total = 1.0 + alpha * total
+    return total
+
+
+def tokens_per_time(alpha: float, gamma: int, draft_time: float, verify_time: Callable[[int], float]) -> float:
+    """TPT of drafting `gamma` tokens at `draft_time` each, then one verify over gamma + 1 tokens."""
+    if gamma == 0:
+        return 1.0 / verify_time(1)
+    return expected_tokens(alpha, gamma) / (gamma * draft_time + verify_time(gamma + 1))
+
+
+def search(
+    alphas: Sequence[float],
+    draft_times: Sequence[float],
+    verify_time: Callable[[int], float],
+    max_gamma: int = 10,
+    allow_ar: bool = True,
+    objective: str = "tpt",
+) -> Choice:
+    """Grid search over (candidate, gamma in 1..max_gamma), plus autoregressive when allowed.
+
+    objective="tpt" maximizes TPT over everything. objective="alpha" (the ablation "maximize
+    acceptance instead of TPT") takes the candidate with the highest alpha (ties: lower draft
+    time, then lower index) and the gamma that maximizes its TPT; autoregressive is then only
+    the fallback when there are no candidates.
+    """
+    if len(alphas) != len(draft_times):
+        raise ValueError(f"{len(alphas)} alphas but {len(draft_times)} draft times")
+    if max_gamma < 1:
+        raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if not alphas and not allow_ar:
+        raise ValueError("no candidates and autoregressive decoding not allowed")
+
+    pool = range(len(alphas))
+    if objective == "alpha" and alphas:
+        pool = [min(pool, key=lambda k: (-alphas[k], draft_times[k], k))]
+    options = [
+        Choice(k, g, tokens_per_time(alphas[k], g, draft_times[k], verify_time))
+        for k in pool
+        for g in range(1, max_gamma + 1)
+    ]
+    if allow_ar and (objective == "tpt" or not alphas):
+        options.append(Choice(None, 0, tokens_per_time(1.0, 0, 0.0, verify_time)))
+    best = max(options, key=_rank)
+    logger.debug("tpt search (%s): %s", objective, best)
+    return best
+
+
+def _rank(c: Choice) -> tuple[float, int, int]:
+    """Higher TPT first, then smaller gamma, then lower candidate index (autoregressive = -1)."""
+    return (c.tokens_per_time, -c.gamma, -(-1 if c.candidate is None else c.candidate))

@@ -1,0 +1,102 @@
+"""Session-wide fixtures: random test checkpoints, the embedded SmolLM2 and its references.
+
+Everything heavy is built once per session and cached:
+
+* ``checkpoints``: every config of ``tests/models.py`` written as a random Hugging Face
+  checkpoint into one temporary folder (name -> folder);
+* ``engine_model(name)`` / ``hf_reference(name)``: our Transformer and transformers'
+  ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` loaded from the same folder;
+* ``smollm2`` (``knapspec_dist.local.load("smollm2")``) and ``smollm2_hf`` (transformers
+  loading the same converted folder);
+* ``corpus_prompt``: a ~1k-token document from the corpus (shared corpus, else the bundled
+  sample), as SmolLM2 token ids.
+
+The SmolLM2 fixtures fail (they do not skip) when the embedded model is not installed: the
+tests that use them are must-show tests of the foundation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import models` under any runner
+
+from models import CONFIGS, hf_model, make_checkpoint  # noqa: E402
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+CONFIG_NAMES = sorted(CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: make_checkpoint(name, root) for name in CONFIG_NAMES}
+
+
+@pytest.fixture(scope="session")
+def engine_model(checkpoints):
+    """name -> our fp32 Transformer loaded from the test checkpoint (cached)."""
+    from knapspec_dist.loading import load_model
+
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_model(checkpoints[name], dtype=torch.float32, device="cpu")
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference(checkpoints):
+    """name -> transformers' reference model loaded from the same checkpoint (cached)."""
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = hf_model(checkpoints[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_checkpoint(tmp_path_factory) -> Path:
+    """A random Llama (GQA) with an 8-token vocabulary, for distribution tests."""
+    return make_checkpoint("llama-gqa", tmp_path_factory.mktemp("tiny_vocab"), vocab_size=8,
+                           seed=3)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from knapspec_dist import local
+
+    return local.load("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    return hf_model(Path(smollm2.path))
+
+
+@pytest.fixture(scope="session")
+def corpus_prompt(smollm2) -> list[int]:
+    """About 1000 SmolLM2 tokens of a public-domain chapter (shared corpus or bundled)."""
+    from knapspec_dist.corpus import document_of_tokens
+    from knapspec_dist.local import encode
+
+    ids = encode(smollm2.tokenizer, document_of_tokens(smollm2.tokenizer, 1000))
+    assert 950 <= len(ids) <= 1050, len(ids)
+    return ids
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (length,), generator=g).tolist()  # never the EOS id 1

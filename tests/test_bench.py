@@ -1,0 +1,105 @@
+"""`knapspec bench` end to end on a tiny random checkpoint, and its strategy spec parser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from knapspec_dist.bench import parse_strategies
+from knapspec_dist.cli import main
+from knapspec_dist.errors import UserError
+from knapspec_dist.speculation.selfspec import SelfSpeculative
+
+from models import make_checkpoint
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("llama-gqa", tmp_path_factory.mktemp("bench"))
+
+
+def bench(checkpoint, out, *extra):
+    # tau_conf 0: the random model is rarely confident, and the static drafts must be exercised
+    return main(["bench", "--model", str(checkpoint), "--contexts", "64,128",
+                 "--strategies", "ar,static:a1@2", "--new-tokens", "8", "--prompts", "2",
+                 "--tau-conf", "0", "--out", str(out), *extra])
+
+
+def test_bench_writes_results_table_and_plots(checkpoint, tmp_path, capsys):
+    assert bench(checkpoint, tmp_path) == 0
+    assert "error" not in capsys.readouterr().err
+
+    doc = json.loads((tmp_path / "results.json").read_text())
+    runs = doc["runs"]
+    assert len(runs) == 2 * 2 * 2  # contexts x prompts x strategies
+    assert {r["strategy"] for r in runs} == {"ar", "static:a1@2"}
+    assert {r["context"] for r in runs} == {64, 128}
+    assert len({r["prompt"] for r in runs}) == 2  # two different documents
+    assert all(r["matches_ar"] and r["stats"]["new_tokens"] == 8 for r in runs)
+    assert all(r["prompt_tokens"] == r["context"] for r in runs)
+    static = [r["stats"] for r in runs if r["strategy"] == "static:a1@2"]
+    assert sum(s["drafted"] for s in static) > 0
+    assert all(s["attention_skipped"] == 1 and s["mlp_skipped"] == 0 for s in static
+               if s["drafted"])
+    assert doc["mismatches"] == [] and "knapspec bench --model" in doc["command"]
+
+    md = (tmp_path / "results.md").read_text()
+    assert "torch" in md and "machine:" in md and "command: `knapspec bench" in md
+    for n in (64, 128):
+        section = md.split(f"## context {n} ")[1].split("## context")[0]
+        rows = [line for line in section.splitlines() if line.startswith("| ")
+                and not line.startswith("| strategy")]
+        assert [row.split("|")[1].strip() for row in rows] == ["ar", "static:a1@2"]
+        assert all(row.rstrip().endswith("| yes |") for row in rows)
+        assert "| 1.000x |" in rows[0]
+    for name in ("speedup.png", "skipped.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+
+
+def test_bench_fails_when_a_strategy_differs_from_ar(checkpoint, tmp_path, capsys, monkeypatch):
+    original = SelfSpeculative.generate
+
+    def wrong(self, model, prompts, config):
+        results = original(self, model, prompts, config)
+        for r in results:
+            r.token_ids = r.token_ids[:-1] + [(r.token_ids[-1] + 1) % model.cfg.vocab_size]
+        return results
+
+    monkeypatch.setattr(SelfSpeculative, "generate", wrong)
+    assert bench(checkpoint, tmp_path, "--no-warmup") == 1
+    err = capsys.readouterr().err
+    assert "error:" in err and "static:a1@2 differs from ar" in err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    bad = [r for r in doc["runs"] if not r["matches_ar"]]
+    assert {r["strategy"] for r in bad} == {"static:a1@2"} and len(bad) == 4
+    assert all(r["first_mismatch"] == 7 for r in bad)
+    assert "ERROR" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_rejects_unknown_strategy(checkpoint, tmp_path, capsys):
+    code = main(["bench", "--model", str(checkpoint), "--strategies", "ar,nope",
+                 "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "nope" in err and "Traceback" not in err
+
+
+def test_strategy_specs():
+    specs = {s.label: s.options for s in parse_strategies(
+        "knapspec,knapspec:coupled,knapspec:alpha,knapspec:once+coupled,clasp@6,"
+        "static:a3,m5@4,static:m0+a2")}
+    assert list(specs)[0] == "ar"  # the reference is added
+    assert specs["knapspec"].name == "knapspec" and not specs["knapspec"].coupled
+    assert specs["knapspec:coupled"].coupled
+    assert specs["knapspec:alpha"].objective == "alpha"
+    once = specs["knapspec:once+coupled"]
+    assert once.select_once and once.coupled and once.objective == "tpt"
+    assert specs["clasp@6"].name == "clasp" and specs["clasp@6"].gamma == 6
+    assert specs["static:a3,m5@4"].skip == "a3,m5" and specs["static:a3,m5@4"].gamma == 4
+    assert specs["static:m0,a2"].skip == "m0,a2"
+    for bad in ("static", "ar:x", "knapspec:fast", "knapspec@3", "ar,ar", "static:", "foo"):
+        with pytest.raises(UserError):
+            parse_strategies(bad)
