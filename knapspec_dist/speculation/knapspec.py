@@ -19,6 +19,8 @@ The DP runs where the hidden states are (inside each TP rank, SPMD); nothing her
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -41,7 +43,8 @@ class KnapSpecConfig:
     max_gamma: int = 10  # D
     tau: float = 0.5  # prune DP states whose mean cosine is below this
     m: int = 5  # reference positions
-    interval: int = 64  # generated tokens between selections
+    interval: int = 64  # generated tokens between selections (at least)
+    overhead_budget: float = 0.05  # stretch the interval so selection stays under this share
     weight_cap: float = 5.0
     max_skip_fraction: float = 0.5
     keep_first_last: bool = True  # always execute the first and the last layer
@@ -157,9 +160,19 @@ class KnapSpecSelector(Selector):
     def plan(self, model: Transformer, cache: KVCache, generated: int) -> Plan:
         done_once = self.config.select_once and self.history
         if self.states and generated >= self.next_selection and not done_once:
+            start = time.perf_counter()
             self.plan_now = self.select(model, cache).plan
-            self.next_selection = generated + self.config.interval
+            self.next_selection = generated + self.interval(time.perf_counter() - start,
+                                                            cache.lengths[0])
         return self.plan_now
+
+    def interval(self, select_s: float, n: int) -> int:
+        """Tokens until the next selection: ``config.interval``, stretched when one selection
+        costs more than ``overhead_budget`` of the decoding it steers (a CPU runs the batched
+        DP slowly; a GPU does not), using the profile's time of one plain decode step."""
+        step = self.profile.verify_time(1, n)
+        needed = select_s / (self.config.overhead_budget * step) if step > 0 else 0
+        return max(self.config.interval, math.ceil(needed))
 
     def select(self, model: Transformer, cache: KVCache) -> Selection:
         cfg, num_layers = self.config, model.cfg.num_layers

@@ -1,0 +1,105 @@
+"""KnapSpec strategy: lossless against `ar`, across re-selections, and context-aware selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from knapspec_dist.profiles.profile import fit_profile
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
+from knapspec_dist.speculation.selfspec import SelfSpeculative
+from knapspec_dist.speculation.strategy import GenerationConfig
+
+
+def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
+                      verify_growth: float = 0.1, verify_scale: float = 1.0):
+    """A profile built from made-up samples (tests only; never written under profiles/)."""
+    layers = model.cfg.num_layers
+    ns = [n for n, _ in attention]
+
+    def step(n):  # one full-model decode step at context n, from the same fit
+        slope = (attention[-1][1] - attention[0][1]) / (ns[-1] - ns[0])
+        return layers * (attention[0][1] + slope * (n - ns[0]) + mlp) + 1e-3
+
+    samples = {"attention": [[n, t] for n, t in attention], "mlp": [mlp] * 3, "head": [1e-3] * 3,
+               "verify": [[q, n, verify_scale * step(n) * (1 + verify_growth * (q - 1))]
+                          for q in range(1, 12) for n in ns]}
+    return fit_profile(samples, device={"name": "synthetic", "threads": 1},
+                       model=model.cfg.shape(), dtype="fp32", batch=1, tp=1,
+                       torch_version=torch.__version__)
+
+
+LINEAR_ATTENTION = [(64, 5e-4), (4096, 4e-3)]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-headdim", "llama-tied-llama3rope"])
+@pytest.mark.parametrize("variant", ["default", "coupled", "alpha", "once", "clasp"])
+def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
+    model = engine_model(name)
+    config = {"default": KnapSpecConfig(interval=8), "coupled": KnapSpecConfig(interval=8, coupled=True),
+              "alpha": KnapSpecConfig(interval=8, objective="alpha"),
+              "once": KnapSpecConfig(select_once=True),
+              "clasp": KnapSpecConfig(interval=8, coupled=True, unit_weights=True, fixed_gamma=3,
+                                      skip_layers=0.25)}[variant]
+    # A full forward priced far above the sum of its sublayers makes any draft pay, so the
+    # draft/verify path is exercised even with a random model's low acceptance.
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (3, 40, 200)]
+    config_gen = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
+    expected = Autoregressive().generate(model, prompts, config_gen)
+    selector = KnapSpecSelector(profile, config)
+    results = SelfSpeculative(selector, tau_conf=0.0, name="knapspec").generate(model, prompts,
+                                                                                 config_gen)
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        assert got.stats.selections >= (1 if variant == "once" else 2)
+    assert sum(r.stats.drafted for r in results) > 0, "speculation never ran"
+
+
+def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
+    model = smollm2.model
+    profile = synthetic_profile(model, [(256, 8.7e-4), (8192, 7.4e-3)], mlp=7.5e-4)
+    prompts = [corpus_prompt[:300], corpus_prompt]
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    expected = Autoregressive().generate(model, prompts, config)
+    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=16, overhead_budget=1e9))
+    results = SelfSpeculative(selector, name="knapspec").generate(model, prompts, config)
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        assert got.stats.selections >= 3  # after prefill, then every 16 tokens
+    assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_prompt):
+    """Attention nearly free at the prompt's length, ten times an MLP 130 tokens later: the
+    selection after prefill skips MLPs, later ones skip attention."""
+    model = smollm2.model
+    prompt = corpus_prompt[:200]
+    profile = synthetic_profile(model, [(200, 1e-5), (330, 1.3e-2)], mlp=1e-3, verify_growth=0.0)
+    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9))
+    result = SelfSpeculative(selector, name="knapspec").generate_one(
+        model, prompt, GenerationConfig(max_new_tokens=170, stop_at_eos=False))
+    first, last = selector.history[0], selector.history[-1]
+    assert first.context == 200 and last.context > 320
+    attention = lambda sel: sum(1 for i in sel.plan.skip if i % 2 == 0)  # noqa: E731
+    mlp = lambda sel: sum(1 for i in sel.plan.skip if i % 2 == 1)  # noqa: E731
+    assert first.weights[:2] == [1, 5] and last.weights[:2] == [5, 1]
+    assert mlp(first) > attention(first)
+    assert attention(last) > mlp(last)
+    assert result.stats.selections == len(selector.history) >= 4
+
+
+def test_interval_stretches_when_selection_is_expensive(engine_model):
+    model = engine_model("llama-gqa")
+    profile = synthetic_profile(model, LINEAR_ATTENTION)
+    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=64, overhead_budget=0.05))
+    step = profile.verify_time(1, 1000)
+    assert selector.interval(select_s=0.0, n=1000) == 64
+    assert selector.interval(select_s=step * 10, n=1000) == 200  # 10 steps / 5 % = 200 tokens
+
+
+def test_smoothed_alpha():
+    assert smoothed_alpha(5, 5) == pytest.approx(6 / 7)
+    assert smoothed_alpha(0, 5) == pytest.approx(1 / 7)
