@@ -466,8 +466,6 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     specs = parse_strategies(args.strategies)
     if args.profile is not None and not Path(args.profile).is_file():
         raise UserError(f"--profile {args.profile!r}: no such file")
-    specs = [StrategySpec(s.label, replace(s.options, profile=args.profile, interval=args.interval,
-                                           tau_conf=args.tau_conf)) for s in specs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -476,6 +474,15 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise UserError(f"model path {str(path)!r} does not exist")
     model = load_model(path, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device))
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
+    profile, profile_name = args.profile, args.profile
+    if any(s.options.name in ("knapspec", "clasp") for s in specs):
+        # One profile for every selecting strategy: found, loaded or measured once, not per spec.
+        from .profiles.store import resolve_profile
+
+        profile = resolve_profile(args.profile, model)
+        profile_name = args.profile or profile.key()
+    specs = [StrategySpec(s.label, replace(s.options, profile=profile, interval=args.interval,
+                                           tau_conf=args.tau_conf)) for s in specs]
     strategies = {s.label: build(s, model) for s in specs}
     prompts = build_prompts(tokenizer, contexts, args.prompts, model.cfg.max_position_embeddings,
                             args.new_tokens, args.prompt_style)
@@ -485,7 +492,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
               "device": args.device, "new_tokens": args.new_tokens, "prompts": args.prompts,
-              "contexts": contexts, "strategies": {s.label: vars(s.options) for s in specs}}
+              "contexts": contexts, "profile": profile_name,
+              "strategies": {s.label: {**vars(s.options), "profile": profile_name}
+                             for s in specs}}
     log.info("bench: %s", header["command"])
 
     if not args.no_warmup:

@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import logging
-import platform
 import statistics
 import sys
 import time
@@ -147,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
 
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from knapspec_dist import local
+    from knapspec_dist.bench import machine
     from knapspec_dist.corpus import document_of_tokens
 
     loaded = local.load("smollm2")
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = {}
     for n in contexts:
-        prompts[n] = local.encode(loaded.tokenizer, document_of_tokens(loaded.tokenizer, n, args.book))
+        doc = document_of_tokens(loaded.tokenizer, n, args.book)
+        prompts[n] = local.encode(loaded.tokenizer, doc)
         log.info("context %d: prompt of %d tokens", n, len(prompts[n]))
 
     warm = prompts[contexts[0]][:64]
@@ -202,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             mismatches.append(f"context {n}: token ids differ first at new token {first}")
         summary.append(row)
 
+    cpu = machine("cpu")["cpu"]
     print(f"\nSmolLM2-135M-Instruct fp32, greedy, {args.new_tokens} new tokens, median of "
-          f"{args.repeats}; {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"{datetime.date.today().isoformat()}")
+          f"{args.repeats}; {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, {datetime.date.today().isoformat()}")
     print("| context | prompt tokens | ours tok/s | HF tok/s | ratio | ours decode tok/s "
           "| HF decode tok/s | decode ratio | ids equal |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "threads": torch.get_num_threads(),
+            json.dump({"argv": sys.argv, "cpu": cpu, "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "date": datetime.datetime.now().isoformat(),
                        "summary": summary, "runs": runs}, f, indent=1)
     for m in mismatches:

@@ -11,14 +11,12 @@ from knapspec_dist.cli import main
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 
-from models import make_checkpoint
-
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint("llama-gqa", tmp_path_factory.mktemp("bench"))
+def checkpoint(checkpoints):
+    return checkpoints["llama-gqa"]  # random weights, no tokenizer: prompts are UTF-8 bytes
 
 
 def bench(checkpoint, out, *extra):
@@ -39,7 +37,7 @@ def test_bench_writes_results_table_and_plots(checkpoint, tmp_path, capsys):
     assert {r["context"] for r in runs} == {64, 128}
     assert len({r["prompt"] for r in runs}) == 2  # two different documents
     assert all(r["matches_ar"] and r["stats"]["new_tokens"] == 8 for r in runs)
-    assert all(r["prompt_tokens"] == r["context"] for r in runs)
+    assert all(r["context"] - 3 <= r["prompt_tokens"] <= r["context"] for r in runs)
     static = [r["stats"] for r in runs if r["strategy"] == "static:a1@2"]
     assert sum(s["drafted"] for s in static) > 0
     assert all(s["attention_skipped"] == 1 and s["mlp_skipped"] == 0 for s in static

@@ -6,12 +6,14 @@ decoding through the preallocated cache, and the skip-set semantics of the 2L su
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from conftest import CONFIG_NAMES, random_prompt
 from knapspec_dist.cache import KVCache
-from knapspec_dist.model import Capture
+from knapspec_dist.model import Capture, rope_frequencies
 
 TOL = 1e-4
 # Long enough that positions run past original_max_position_embeddings=256 of the llama3
@@ -58,11 +60,8 @@ def test_logits_match_transformers(name, engine_model, hf_reference):
     assert (got - expected).abs().max().item() <= TOL
 
 
-def test_llama3_rope_scaling_matters(engine_model, checkpoints):
+def test_llama3_rope_scaling_matters(engine_model):
     """Guard: the llama3 scaled frequencies differ from plain rope, so the test above can fail."""
-    from knapspec_dist.model import rope_frequencies
-    from dataclasses import replace
-
     cfg = engine_model("llama-tied-llama3rope").cfg
     scaled, _ = rope_frequencies(cfg)
     plain, _ = rope_frequencies(replace(cfg, rope={"rope_type": "default",

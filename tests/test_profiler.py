@@ -50,6 +50,7 @@ def test_measure_records_every_context_and_query_length(profile, checkpoint) -> 
     dev = profile.device
     assert dev["kind"] == "cpu" and dev["threads"] == torch.get_num_threads()
     assert dev["cpu_model"] in dev["name"] and f"{dev['threads']} threads" in dev["name"]
+    assert len(dev["load_average"]) == 2 and all(x >= 0 for x in dev["load_average"])
 
 
 def test_profile_json_has_raw_samples_and_loads_back(profile, tmp_path) -> None:

@@ -148,6 +148,7 @@ class LatencyProfile:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, 0o644)  # mkstemp makes 0600; a profile is a shared, readable artifact
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_json(), f, indent=2, sort_keys=True)
                 f.write("\n")

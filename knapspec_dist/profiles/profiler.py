@@ -37,6 +37,10 @@ stored sample of each (kind, n[, q]) is the median of ``repeats`` timings. With 
 group of more than one rank (tensor parallelism) every rank measures, samples are reduced
 with MAX (a replica runs at its slowest rank's pace), and ``measure_allreduce`` adds the
 all-reduce cost at the message sizes decoding uses.
+
+Other processes on the machine distort every number (on a 2-core CPU with two OpenMP threads,
+a load average of 10 made decode steps ~20x slower), so the 1-minute load average before and
+after is stored in ``device["load_average"]`` and a busy CPU is warned about.
 """
 
 from __future__ import annotations
@@ -55,13 +59,20 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from .profile import DTYPE_BYTES, LatencyProfile, fit_profile
+from .profile import LatencyProfile, fit_profile
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_MAX_Q = 11  # D + 1: ten drafted tokens and the target's own
+#: A short sweep for measuring on the fly when no stored profile matches (profiles/store.py).
+QUICK_CONTEXTS = (256, 1024, 4096)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a profile records for a torch dtype: fp32, bf16, fp16 (the CLI's --dtype)."""
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 # --------------------------------------------------------------------------- device identity
@@ -258,6 +269,13 @@ def fill_cache(model, cache, length: int, fill: str = "random", chunk: int = 512
         cache.commit(row, length)
 
 
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
@@ -364,6 +382,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     capacity = contexts[-1] + max_q
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(cfg, batch, capacity, dtype=dtype, device=device, kv_heads=kv_heads)
+    load_before = _load_average()
     started = time.perf_counter()
     fill_cache(model, cache, contexts[-1], fill, generator=gen)
     log.info("filled a %d-token KV cache (%s) in %.1fs", contexts[-1], fill, time.perf_counter() - started)
@@ -442,10 +461,18 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
         log.info("n=%d: attention %.3f ms, mlp %.3f ms, head %.3f ms; hooked step %.2f ms, "
                  "plain step %.2f ms", n, 1e3 * _median(attn[n]), 1e3 * _median(mlp[n]),
                  1e3 * _median(head[n]), 1e3 * _median(total[n]), 1e3 * _median(ver[(1, n)]))
+    info = device_info(device)
+    load = [load_before, _load_average()]
+    if None not in load:
+        info["load_average"] = load  # 1-minute load average before and after measuring
+        if device.type == "cpu" and max(load) > 0.75 * (os.cpu_count() or 1):
+            log.warning("the machine was busy while measuring (load average %.1f -> %.1f on %d CPUs): "
+                        "timings include contention from other processes; re-run on an idle machine",
+                        load[0], load[1], os.cpu_count() or 1)
     meta = {
-        "device": device_info(device),
+        "device": info,
         "model": dict(shape if shape is not None else cfg.shape()),
-        "dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "dtype": dtype_name(dtype),
         "batch": batch,
         "tp": tp,
         "torch_version": torch.__version__,
@@ -548,6 +575,10 @@ def summary(profile: LatencyProfile, path: Path | str, seconds: float) -> str:
              f"  t_attn(n) = {a.slope * 1e6:.4f} us * n + {a.intercept * 1e3:.4f} ms",
              f"  t_mlp     = {profile.mlp * 1e3:.4f} ms",
              f"  t_head    = {profile.head * 1e3:.4f} ms"]
+    load = profile.device.get("load_average")
+    if load:
+        lines.append(f"  load average while measuring: {load[0]} -> {load[1]} "
+                     f"(on {profile.device.get('logical_cpus', '?')} logical CPUs)")
     qs = sorted(profile.verify)
     for n in ns:
         vals = ", ".join(f"{q}:{profile.verify_time(q, n) * 1e3:.1f}" for q in qs)
