@@ -1,9 +1,9 @@
 """Self-speculative decoding: the model drafts with a subset of its sublayers, then verifies.
 
 One round: draft up to gamma tokens with the sublayers in ``plan.skip`` skipped (the draft
-writes K/V only for the attention sublayers it runs), stopping early when the draft's top-1
-probability falls below ``tau_conf``; verify the pending token and all drafts in one full
-forward (which overwrites every layer's K/V at those positions); keep the longest agreeing
+writes K/V only for the attention sublayers it runs), stopping early after a token whose
+draft top-1 probability falls below ``tau_conf``; verify the pending token and all drafts in
+one full forward (which overwrites every layer's K/V at those positions); keep the longest agreeing
 prefix plus one target token, and roll the cache back by moving its length. A ``Selector``
 chooses the plan: fixed (``static``), or re-chosen from the full model's hidden states
 (``knapspec``, ``clasp``).
@@ -114,12 +114,12 @@ class SelfSpeculative(Strategy):
                 logits = model(torch.tensor([[tok]], device=dev),
                                torch.tensor([[pos + i]], device=dev), cache, skip=plan.skip)[0, -1]
                 q = probabilities(logits, sampling)
-                if float(q.max()) < self.tau_conf:
-                    break
                 tok = int(logits.argmax()) if sampling.greedy else \
                     int(torch.multinomial(q, 1, generator=gen))
                 drafts.append(tok)
                 draft_probs.append(q)
+                if float(q.max()) < self.tau_conf:
+                    break  # unsure: verify what is drafted (the draft step is not wasted)
             t2 = timer.now()
             capture = Capture() if sel.wants_reference() else None
             tokens = torch.tensor([[out[-1]] + drafts], device=dev)
