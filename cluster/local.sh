@@ -22,6 +22,8 @@
 #                        short: Ray puts Unix sockets under it)
 #   RAY_PORT             GCS port (default 6379)
 #   RAY_DASHBOARD_PORT   dashboard / job API port (default 8265)
+#   RAY_CLIENT_PORT, RAY_AGENT_PORT   Ray Client server and dashboard agent ports (default
+#                        10001 and 52365); set all four to run two heads on one machine
 #   RAY_NUM_CPUS, RAY_NUM_GPUS   resources of the head (default: detected)
 #
 # The head runs `ray start --head --block` in the background; `stop` sends SIGTERM to that
@@ -33,6 +35,8 @@ set -euo pipefail
 STATE="${KNAPSPEC_RAY_DIR:-/tmp/knapspec-ray-${USER:-$(id -un)}}"
 PORT="${RAY_PORT:-6379}"
 DASH_PORT="${RAY_DASHBOARD_PORT:-8265}"
+CLIENT_PORT="${RAY_CLIENT_PORT:-10001}"
+AGENT_PORT="${RAY_AGENT_PORT:-52365}"
 AUTH="${KNAPSPEC_RAY_AUTH:-token}"
 PIDFILE="$STATE/head.pid"
 TOKEN="$STATE/auth_token"
@@ -46,14 +50,14 @@ running() { [[ -f "$PIDFILE" ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
 
 write_env() {
   {
-    echo "export RAY_ADDRESS=http://127.0.0.1:$DASH_PORT"
+    echo "export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASH_PORT  # ray job submit / SDK"
+    echo "export RAY_ADDRESS=127.0.0.1:$PORT  # drivers: ray.init(), knapspec job"
     echo "export RAY_AUTH_MODE=$AUTH"
     if [[ "$AUTH" == token ]]; then
       echo "export RAY_AUTH_TOKEN_PATH=$TOKEN"
     else
       echo "unset RAY_AUTH_TOKEN_PATH"
     fi
-    echo "# drivers inside the cluster connect with ray.init(address='127.0.0.1:$PORT')"
   } >"$ENVFILE"
 }
 
@@ -69,6 +73,7 @@ start() {
   chmod 700 "$STATE"
   local args=(start --head --block --temp-dir "$STATE/ray" --port "$PORT"
     --dashboard-host 127.0.0.1 --dashboard-port "$DASH_PORT" --include-dashboard true
+    --ray-client-server-port "$CLIENT_PORT" --dashboard-agent-listen-port "$AGENT_PORT"
     --disable-usage-stats)
   [[ -n "${RAY_NUM_CPUS:-}" ]] && args+=(--num-cpus "$RAY_NUM_CPUS")
   [[ -n "${RAY_NUM_GPUS:-}" ]] && args+=(--num-gpus "$RAY_NUM_GPUS")

@@ -47,10 +47,13 @@ def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--chat: the model's tokenizer has no chat template")
+        # verbose=False: the context-window check is ours (check_prompt), with one clear
+        # error line; transformers' "sequence length is longer" warning would add a second.
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
+                                            add_generation_prompt=True, tokenize=True,
+                                            tokenizer_kwargs={"verbose": False})
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
+    return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
 
 
 def generate_texts(loaded: LoadedModel, prompts: list[list[int]], options: StrategyOptions,

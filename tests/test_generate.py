@@ -61,6 +61,8 @@ NEW = 64
 def test_ar_greedy_equals_transformers_generate(name, engine_model, hf_reference):
     model, ref = engine_model(name), hf_reference(name)
     prompts = tiny_prompts(model.cfg.vocab_size)
+    if "llama3rope" not in name:  # the 240-token prompt matters where rope scaling does
+        prompts = prompts[:2]
     for prompt in prompts:
         got = ar(model, [prompt], NEW, **NO_EOS)[0]
         assert got.finish_reason == "length"
@@ -85,7 +87,7 @@ def test_batched_ar_equals_unbatched(name, engine_model):
     # With an EOS that row 0 emits at step >= 5, rows finish at different steps.
     eos = next(t for t in single[0][5:] if t not in single[0][:5])
     m = with_eos(model, eos)
-    single = [ar(m, [p], 40) for p in prompts]
+    single = [ar(m, [p], 40)[0] for p in prompts]
     batched = ar(m, prompts, 40)
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [r.finish_reason for r in batched] == [r.finish_reason for r in single]
@@ -134,31 +136,42 @@ def check_stats(r, limit_reached: bool) -> None:
         assert s.new_tokens == 1 + s.accepted + s.steps
 
 
-@pytest.mark.parametrize("tau", [0.7, 0.0])
+# The random test models are flat (the top-1 probability rarely exceeds 0.3), so at the
+# default tau_conf=0.7 their drafts nearly always exit at once; tau_conf=0.25 exercises drafts
+# cut short mid-way, and tau_conf=0 drafts the full gamma every round. SmolLM2 below is
+# confident enough for tau_conf=0.7 to draft.
+@pytest.mark.parametrize("tau", [0.0, 0.25, 0.7])
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_static_equals_ar(name, tau, engine_model):
     model = engine_model(name)
     prompts = tiny_prompts(model.cfg.vocab_size)
-    new = 40
+    new = 24
     reference = [ar(model, [p], new, **NO_EOS)[0].token_ids for p in prompts]
-    drafted = rejected = 0
+    drafted = rejected = full_drafts = 0
     gammas = set()
-    for k, skip in enumerate(skip_sets(model.cfg.num_layers)):
+    sets = list(enumerate(skip_sets(model.cfg.num_layers)))
+    if 0 < tau < 0.5:
+        sets = sets[::2]
+    for k, skip in sets:
         gamma = 1 + k % 10 if tau else 10 - k % 10
         gammas.add(gamma)
-        for j in (k % 3, (k + 1) % 3):  # two of the three prompts per skip set
-            r = static(model, prompts[j], skip, gamma, tau, new, **NO_EOS)
-            assert r.token_ids == reference[j], (format_skip(frozenset(skip)), gamma, j)
-            assert r.finish_reason == "length"
-            check_stats(r, limit_reached=True)
-            drafted += r.stats.drafted
-            rejected += r.stats.drafted - r.stats.accepted
-            if not skip and tau == 0:  # drafting with the full model: everything accepted
-                assert r.stats.acceptance_rate == 1.0
-    assert gammas == set(range(1, 11))
+        j = k % 3
+        r = static(model, prompts[j], skip, gamma, tau, new, **NO_EOS)
+        assert r.token_ids == reference[j], (format_skip(frozenset(skip)), gamma, j)
+        assert r.finish_reason == "length"
+        check_stats(r, limit_reached=True)
+        drafted += r.stats.drafted
+        rejected += r.stats.drafted - r.stats.accepted
+        full_drafts += r.stats.steps * gamma
+        if not skip and tau == 0:  # drafting with the full model: everything accepted
+            assert r.stats.acceptance_rate == 1.0
+    if tau == 0 or tau >= 0.5:
+        assert gammas == set(range(1, 11)) and len(sets) >= 10
     # The comparison is not vacuous: drafts were made and some were rejected (rollbacks).
-    assert drafted > 100 and rejected > 10
-
+    if tau == 0:
+        assert drafted > 100 and rejected > 10
+    elif tau < 0.5:  # confidence exit cut drafts short, yet drafts happened
+        assert 5 < drafted < full_drafts / 2 and rejected > 0
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3-headdim"])
 def test_static_stops_at_eos_inside_a_draft(name, engine_model):
@@ -175,27 +188,30 @@ def test_static_stops_at_eos_inside_a_draft(name, engine_model):
         check_stats(r, limit_reached=False)
 
 
-SMOL_NEW = 24
+SMOL_NEW = 20
 
 
 def smol_plans() -> list[tuple[set[int], int, float]]:
-    """(skip, gamma, tau_conf) on SmolLM2's 30 layers: 12 skip sets, gamma 1..10, two taus."""
+    """(skip, gamma, tau_conf) on SmolLM2's 30 layers: 11 skip sets, gamma 1..10, two taus.
+
+    Its drafts are rarely confident (top-1 probability > 0.7), so the tau_conf=0.7 plans use
+    mild skip sets (sublayers whose removal keeps ~90% top-1 agreement); the heavy ones run at
+    tau_conf=0 with short drafts, since nearly every draft they make is rejected."""
     a = lambda *ls: {2 * l for l in ls}  # noqa: E731
     m = lambda *ls: {2 * l + 1 for l in ls}  # noqa: E731
-    rng = random.Random(7)
+    mild = sorted(a(4, 5, 6, 7, 9, 17, 22, 23, 25, 26, 28, 29) | m(12, 13, 23, 25))
     return [
-        (a(*range(10, 20)), 4, 0.7),  # attention only
-        (m(*range(12, 18)), 6, 0.7),  # MLP only
-        (a(5, 20) | m(7, 25), 8, 0.7),  # mixed
-        (a(*range(5, 20)) | m(*range(5, 20)), 2, 0.7),  # 50% of the sublayers
-        (a(0, 29) | m(0, 29), 10, 0.7),  # first and last layer
-        (a(*range(30)), 3, 0.7),  # every attention (50%)
-        (a(*range(1, 30, 2)) | m(*range(2, 30, 4)), 5, 0.0),  # mixed, 37%
-        (a(15), 1, 0.0),  # one attention
-        (a(*range(4, 24)) | m(*range(8, 20)), 7, 0.0),  # 53%
-        (m(0, 29), 9, 0.0),  # first and last MLP
-        (set(rng.sample(range(60), 12)), 5, 0.0),  # random 20%
-        (set(), 4, 0.0),  # the full model as its own draft
+        (a(4, 5, 6, 7, 22, 23, 25), 4, 0.7),  # attention only
+        (m(23, 25), 6, 0.7),  # MLP only
+        (a(17, 29) | m(23), 8, 0.7),  # mixed
+        (a(29), 10, 0.7),  # the last layer's attention
+        (a(*range(30)), 2, 0.7),  # every attention (50%)
+        (a(0, 29) | m(0, 29), 1, 0.0),  # first and last layer
+        (a(*range(4, 24)) | m(*range(8, 20)), 2, 0.0),  # 53% of the sublayers, mixed
+        (a(*range(4, 30)) - a(10, 11, 21, 24), 3, 0.0),  # attention only, 22 of 30
+        (a(7, 25) | m(23), 9, 0.0),  # mixed, mild
+        (set(random.Random(7).sample(mild, 8)), 5, 0.0),  # random mild
+        (set(), 7, 0.0),  # the full model as its own draft
     ]
 
 
@@ -204,10 +220,10 @@ def smol_prompts(smollm2, corpus_prompt):
     from knapspec_dist.local import encode
 
     tok = smollm2.tokenizer
-    return [corpus_prompt[:150],
-            encode(tok, "Write a short poem about the sea and the wind.", chat=True),
+    return [encode(tok, "Write a short poem about the sea and the wind.", chat=True),
             encode(tok, "Summarize in one sentence:\n\n" + tok.decode(corpus_prompt[200:420]),
-                   chat=True)]
+                   chat=True),
+            corpus_prompt[:150]]
 
 
 def test_static_equals_ar_smollm2(smollm2, smol_prompts):
@@ -217,6 +233,7 @@ def test_static_equals_ar_smollm2(smollm2, smol_prompts):
     assert len({frozenset(s) for s, _, _ in plans}) >= 10
     assert {g for _, g, _ in plans} == set(range(1, 11))
     drafted = rejected = 0
+    drafted_at, accepted_at, full_at = ({0.7: 0, 0.0: 0} for _ in range(3))
     for k, (skip, gamma, tau) in enumerate(plans):
         j = k % len(smol_prompts)
         r = static(model, smol_prompts[j], skip, gamma, tau, SMOL_NEW, **NO_EOS)
@@ -224,6 +241,11 @@ def test_static_equals_ar_smollm2(smollm2, smol_prompts):
         check_stats(r, limit_reached=True)
         drafted += r.stats.drafted
         rejected += r.stats.drafted - r.stats.accepted
+        drafted_at[tau] += r.stats.drafted
+        accepted_at[tau] += r.stats.accepted
+        full_at[tau] += r.stats.steps * gamma
         if not skip:
             assert r.stats.acceptance_rate >= 0.9
-    assert drafted > 50 and rejected > 5
+    # Not vacuous: drafts were made, accepted and rejected, at both confidence thresholds.
+    assert drafted > 50 and rejected > 20 and min(accepted_at.values()) > 0
+    assert drafted_at[0.7] < full_at[0.7] / 2  # the confidence exit did cut drafts short

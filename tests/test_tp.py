@@ -24,7 +24,7 @@ from conftest import random_prompt
 from models import hf_model, make_checkpoint
 
 WORLD = 2
-NEW = 24
+NEW = 16
 PREFILL = [3, 17, 99, 5, 42, 7, 200, 11]
 DECODE = [64, 9, 130]  # fed one at a time through the KV cache after the prefill
 STATIC_SKIP = frozenset({3, 4})  # m1, a2
@@ -55,7 +55,8 @@ def _strategies(model):
     from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
     from knapspec_dist.strategies import StrategyOptions, build_strategy
 
-    knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8),
+    knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8,
+                                              tau_conf=0.0),
                               model)
     return {"ar": Autoregressive(),
             "static": spmd_strategy(SelfSpeculative(StaticSelector(STATIC_SKIP, 3), tau_conf=0.0),

@@ -22,15 +22,23 @@ import sys
 
 from ..errors import UserError
 from .options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_args
-from .runner import JobResult, run_job
 
-__all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "add_job_args", "config_from_args",
-           "main", "register", "run_job", "report"]
+__all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "JobTerminated", "add_job_args",
+           "config_from_args", "main", "register", "run_job", "report"]
 
 log = logging.getLogger(__name__)
 
 
-def report(result: JobResult) -> str:
+def __getattr__(name: str):
+    # The runner pulls in pyarrow; `knapspec --help` and `register` should not pay for it.
+    if name in ("JobResult", "JobTerminated", "run_job"):
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def report(result) -> str:
     """A few lines for the user: what happened and where the results are."""
     s = result.summary
     rows, base = s["rows"], s["baseline"]
@@ -57,7 +65,8 @@ def report(result: JobResult) -> str:
 
 def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
     """``jobs/summarize.py`` / ``jobs/generate.py``: exit 0 when done (rows may have errors),
-    2 on a user error (one ``error:`` line), 1 when the job could not finish (resubmit)."""
+    2 on a user error (one ``error:`` line), 143 when terminated (SIGTERM), 1 when the job
+    could not finish otherwise; resubmit to continue in the last two cases."""
     parser = argparse.ArgumentParser(
         prog=f"{mode}.py",
         description="Summarize documents from Parquet with KnapSpec on Ray" if mode == "summarize"
@@ -71,11 +80,16 @@ def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
 
 
 def _run(args: argparse.Namespace, mode: str) -> int:
+    from .runner import JobTerminated, run_job
+
     try:
         result = run_job(config_from_args(args, mode))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except JobTerminated:
+        log.warning("terminated; the rows written so far are kept: resubmit to continue")
+        return 143
     print(report(result))
     return 0
 
@@ -91,6 +105,8 @@ def register(sub) -> None:
 
 
 def _cli_job(args: argparse.Namespace) -> int:
+    from .runner import run_job
+
     if not args.verbose:  # progress lines are the point of a batch job
         logging.getLogger("knapspec_dist.jobs").setLevel(logging.INFO)
         if not logging.getLogger().handlers:

@@ -1,8 +1,9 @@
 """Read the job's input Parquet and check it as a whole, before any model is loaded.
 
 ``--input`` is a Parquet file, a directory of them (searched recursively; names starting
-with ``.`` or ``_`` are skipped, as pyarrow and Spark do) or a glob, given as a local path
-or a URI any pyarrow filesystem reads (``s3://``, ``gs://``, ``hdfs://``, ``file://``).
+with ``.`` or ``_`` are skipped, as pyarrow and Spark do) or a glob (``*`` and ``?`` within
+one path segment, ``**`` across segments: ``/data/**/*.parquet``), given as a local path or
+a URI any pyarrow filesystem reads (``s3://``, ``gs://``, ``hdfs://``, ``file://``).
 
 File-level problems raise :class:`~knapspec_dist.errors.UserError` with a message that
 names the file and the fix: nothing found, a file that is not Parquet, a missing column, a
@@ -13,10 +14,10 @@ that row's ``error`` (see :mod:`.prompts`).
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -59,6 +60,35 @@ def _visible(path: str, base: str) -> bool:
     return not any(part.startswith((".", "_")) for part in rel.split("/") if part)
 
 
+def glob_regex(pattern: str) -> re.Pattern:
+    """Shell-style glob to regex: ``*``/``?`` stay within a segment, ``**`` crosses them."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end]
+            if body.startswith("!"):
+                body = "^" + body[1:]
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
 def list_input_files(spec: str) -> tuple[pafs.FileSystem, list[str]]:
     """Expand ``--input`` into a sorted list of files."""
     fs, path = filesystem_and_path(spec)
@@ -71,8 +101,9 @@ def list_input_files(spec: str) -> tuple[pafs.FileSystem, list[str]]:
             infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
         except OSError as e:
             raise UserError(f"--input {spec!r}: cannot list {base!r}: {e}") from None
+        pattern = glob_regex(path)
         files = sorted(i.path for i in infos if i.type == pafs.FileType.File
-                       and fnmatch.fnmatchcase(i.path, path) and _visible(i.path, base))
+                       and pattern.match(i.path) and _visible(i.path, base))
         if not files:
             raise UserError(f"--input {spec!r}: no file matches the pattern")
         return fs, files

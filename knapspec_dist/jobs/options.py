@@ -26,6 +26,7 @@ class JobConfig:
     tp: int = 1
     replicas: int = 1
     address: str | None = None  # Ray address; None: the job's cluster, or a new local one
+    cpus_per_rank: int = 1  # CPUs reserved per TP rank (its torch threads on CPU)
     strategy: str = "knapspec"
     strategy_options: dict = field(default_factory=dict)  # StrategyOptions fields but name
     max_new_tokens: int = 128
@@ -51,12 +52,14 @@ class JobConfig:
         checks = [
             (self.tp >= 1, f"--tp must be >= 1, got {self.tp}"),
             (self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}"),
+            (self.cpus_per_rank >= 1, f"--cpus-per-rank must be >= 1, got {self.cpus_per_rank}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (0 <= self.baseline_fraction <= 1,
              f"--baseline-fraction must be in [0, 1], got {self.baseline_fraction}"),
             (self.max_inflight >= 1, f"--max-inflight must be >= 1, got {self.max_inflight}"),
             (self.max_attempts >= 1, f"--max-attempts must be >= 1, got {self.max_attempts}"),
-            (self.checkpoint_rows >= 1, f"--checkpoint-rows must be >= 1, got {self.checkpoint_rows}"),
+            (self.checkpoint_rows >= 1,
+             f"--checkpoint-rows must be >= 1, got {self.checkpoint_rows}"),
             (self.checkpoint_seconds >= 0, "--checkpoint-seconds must be >= 0"),
             (self.stop_after is None or self.stop_after >= 1, "--stop-after must be >= 1"),
             (self.row_timeout is None or self.row_timeout > 0, "--row-timeout must be > 0"),
@@ -103,7 +106,7 @@ class JobConfig:
             "model": self.model,
             "dtype": self.dtype,
             "strategy": self.strategy,
-            "strategy_options": {k: self.strategy_options[k] for k in sorted(self.strategy_options)},
+            "strategy_options": dict(sorted(self.strategy_options.items())),
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -151,6 +154,9 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     run.add_argument("--replicas", type=int, default=1, help="model replicas (TP groups)")
     run.add_argument("--address", default=None,
                      help="Ray address (default: the job's cluster, else a new local Ray)")
+    run.add_argument("--cpus-per-rank", type=int, default=1,
+                     help="CPUs reserved per tensor-parallel rank; on CPU also its torch "
+                          "threads (default 1)")
     _add_strategy_args(p)
     _add_sampling_args(p)
     rows = p.add_argument_group("rows")
@@ -196,6 +202,7 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         input=args.input, output=args.output, id_column=args.id_column, text_column=text,
         prompt_column=prompt, instruction=args.instruction, model=args.model, dtype=args.dtype,
         device=args.device, tp=args.tp, replicas=args.replicas, address=args.address,
+        cpus_per_rank=args.cpus_per_rank,
         strategy=args.strategy, strategy_options=options, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         truncate=args.truncate, max_model_len=args.max_model_len,

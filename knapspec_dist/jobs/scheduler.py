@@ -15,10 +15,11 @@ the tail, so replicas do not idle at the end of the job).  Each replica gets up 
 when one finishes).  When a row's call fails because its replica died (a shard or
 coordinator actor crashed), the replica is restarted once (later failures of its other rows
 from the same incarnation do not restart it again) and every row it held goes back to the
-front of the queue; a row that saw ``max_attempts`` replica failures is failed with an error
-instead of retried forever (a poison row must not kill the job).  A row's own error (a
-UserError from the strategy, any other exception from its generation) becomes its error
-row.  Each row is handed to ``on_result`` exactly once.
+front of the queue, to be retried alone on an idle replica (see :class:`Scheduler`); a row
+that saw ``max_attempts`` replica failures is failed with an error instead of retried
+forever (a poison row must not kill the job, nor take its neighbours with it).  A row's own
+error (a UserError from the strategy, any other exception from its generation) becomes its
+error row.  Each row is handed to ``on_result`` exactly once.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def describe_error(exc: BaseException) -> str:
 class Task:
     key: Any  # row id
     prompt_ids: list[int]
-    attempts: int = 0
+    attempts: int = 0  # submissions
+    failures: int = 0  # replica failures seen while this row was on the replica
     last_failure: str = ""
 
 
@@ -126,11 +128,28 @@ class Outcome:
     replica: int | None = None
 
 
+@dataclass
+class _Flight:
+    task: Task
+    replica: int
+    epoch: int
+    started: float
+    alone: bool  # a suspect row, running with nothing else on its replica
+
+
 class ReplicaLost(RuntimeError):
     """No replica is left to run the remaining rows (they stay pending for a resume)."""
 
 
 class Scheduler:
+    """Runs tasks over ``backend``'s replicas; see the module docstring.
+
+    Blame: when a replica dies, every row it held saw the failure, but only one may have
+    caused it.  A row that saw a failure becomes a suspect and is retried *alone* on an
+    idle replica, so a poison row exhausts its own ``max_attempts`` while the rows that
+    merely shared a replica with it succeed on their next (solo) try.
+    """
+
     def __init__(self, backend: Backend, config, *, max_inflight: int = 2,
                  max_attempts: int = 3, row_timeout: float | None = None,
                  restart_tries: int = 3, restart_backoff: float = 2.0,
@@ -146,50 +165,52 @@ class Scheduler:
         n = backend.num_replicas
         self.epoch = [0] * n  # incarnation of each replica
         self.alive = [True] * n
+        self.load = [0] * n
+        self.alone = [False] * n  # running a suspect row: take nothing else
         self.restarts = 0
         self.retried_rows = 0
+        self.queue: deque[Task] = deque()
+        self.inflight: dict[Any, _Flight] = {}
 
     def run(self, tasks: list[Task], on_result: Callable[[Outcome], None],
             on_tick: Callable[[], None] | None = None,
             should_stop: Callable[[int], bool] | None = None) -> None:
         """Run ``tasks`` (already in priority order) until every one reached ``on_result``.
 
-        ``should_stop(submitted_and_done)`` may end the run early: no new row is started and
-        the rows in flight are finished and reported.
+        ``should_stop(finished + in flight)`` may end the run early: no new row is started
+        and the rows in flight are finished and reported.
         """
-        queue = deque(tasks)
-        inflight: dict[Any, tuple[Task, int, int, float]] = {}  # handle -> task, replica, epoch, t0
-        load = [0] * self.backend.num_replicas
+        self.queue = deque(tasks)
+        self.inflight = {}
         self._finished = 0
         self._on_result = on_result
         stopping = False
-        while queue or inflight:
+        while self.queue or self.inflight:
             if (should_stop is not None and not stopping
-                    and should_stop(self._finished + len(inflight))):
+                    and should_stop(self._finished + len(self.inflight))):
                 stopping = True
-                if queue:
-                    log.info("stopping early: %d row(s) left for a later run", len(queue))
-                queue.clear()
-            self._fill(queue, inflight, load)
-            if not inflight:
-                if queue:
-                    raise ReplicaLost(f"no replica left to run {len(queue)} row(s)")
+                if self.queue:
+                    log.info("stopping early: %d row(s) left for a later run", len(self.queue))
+                self.queue.clear()
+            self._fill()
+            if not self.inflight:
+                if self.queue:
+                    raise ReplicaLost(f"no replica left to run {len(self.queue)} row(s)")
                 break
-            ready = self.backend.wait(list(inflight), self.tick_seconds)
-            for handle in ready:
-                task, replica, epoch, _ = inflight.pop(handle)
-                load[replica] -= 1
+            for handle in self.backend.wait(list(self.inflight), self.tick_seconds):
+                flight = self._land(handle)
                 try:
                     result = self.backend.result(handle)
                 except Exception as exc:  # noqa: BLE001 - sorted into replica vs row failures
                     if self.backend.is_replica_failure(exc):
-                        self._retry_or_fail(task, replica, exc, queue)
-                        self._restart(replica, epoch, exc)
+                        self._retry_or_fail(flight, exc)
+                        self._restart(flight.replica, flight.epoch, exc)
                     else:
-                        self._emit(Outcome(task, error=describe_error(exc), replica=replica))
+                        self._emit(Outcome(flight.task, error=describe_error(exc),
+                                           replica=flight.replica))
                     continue
-                self._emit(Outcome(task, result=result, replica=replica))
-            self._check_timeouts(inflight, load, queue)
+                self._emit(Outcome(flight.task, result=result, replica=flight.replica))
+            self._check_timeouts()
             if on_tick is not None:
                 on_tick()
 
@@ -197,38 +218,53 @@ class Scheduler:
         self._finished += 1
         self._on_result(outcome)
 
-    def _fill(self, queue, inflight, load) -> None:
-        while queue:
-            candidates = [r for r in range(len(load))
-                          if self.alive[r] and load[r] < self.max_inflight]
+    def _land(self, handle) -> _Flight:
+        flight = self.inflight.pop(handle)
+        self.load[flight.replica] -= 1
+        if flight.alone:
+            self.alone[flight.replica] = False
+        return flight
+
+    def _fill(self) -> None:
+        while self.queue:
+            task = self.queue[0]
+            suspect = task.failures > 0
+            candidates = [r for r in range(len(self.load)) if self.alive[r] and (
+                self.load[r] == 0 if suspect
+                else self.load[r] < self.max_inflight and not self.alone[r])]
             if not candidates:
-                return
-            replica = min(candidates, key=lambda r: (load[r], r))
-            task = queue.popleft()
+                return  # a suspect waits for an idle replica; the rest wait behind it
+            replica = min(candidates, key=lambda r: (self.load[r], r))
+            self.queue.popleft()
             task.attempts += 1
+            epoch = self.epoch[replica]
             try:
                 handle = self.backend.submit(replica, task.prompt_ids, self.config)
             except Exception as exc:  # noqa: BLE001
                 if not self.backend.is_replica_failure(exc):
                     raise
-                self._retry_or_fail(task, replica, exc, queue)
-                self._restart(replica, self.epoch[replica], exc)
+                self._retry_or_fail(_Flight(task, replica, epoch, time.monotonic(), suspect),
+                                    exc)
+                self._restart(replica, epoch, exc)
                 continue
-            inflight[handle] = (task, replica, self.epoch[replica], time.monotonic())
-            load[replica] += 1
+            self.inflight[handle] = _Flight(task, replica, epoch, time.monotonic(), suspect)
+            self.load[replica] += 1
+            self.alone[replica] = suspect
 
-    def _retry_or_fail(self, task, replica, exc, queue) -> None:
+    def _retry_or_fail(self, flight: _Flight, exc: BaseException) -> None:
         """A row whose replica failed: back to the front of the queue, or failed for good."""
+        task = flight.task
+        task.failures += 1
         task.last_failure = describe_error(exc)
-        if task.attempts >= self.max_attempts:
+        if task.failures >= self.max_attempts:
             log.error("row %r failed: its replica failed %d time(s) while generating it (%s)",
-                      task.key, task.attempts, task.last_failure)
+                      task.key, task.failures, task.last_failure)
             self._emit(Outcome(task, error=(
-                f"replica failed {task.attempts} time(s) while generating this row; "
-                f"last: {task.last_failure}"), replica=replica))
+                f"replica failed {task.failures} time(s) while generating this row; "
+                f"last: {task.last_failure}"), replica=flight.replica))
         else:
             self.retried_rows += 1
-            queue.appendleft(task)
+            self.queue.appendleft(task)
 
     def _restart(self, replica: int, epoch: int, exc: BaseException) -> None:
         if epoch != self.epoch[replica] or not self.alive[replica]:
@@ -251,21 +287,17 @@ class Scheduler:
         self.epoch[replica] += 1
         log.error("giving up on replica %d; %d replica(s) left", replica, sum(self.alive))
 
-    def _check_timeouts(self, inflight, load, queue) -> None:
+    def _check_timeouts(self) -> None:
         if self.row_timeout is None:
             return
         now = time.monotonic()
-        stale = {}
-        for handle, (task, replica, epoch, t0) in inflight.items():
-            if now - t0 > self.row_timeout and epoch == self.epoch[replica]:
-                stale.setdefault(replica, epoch)
+        stale = {f.replica: f.epoch for f in self.inflight.values()
+                 if now - f.started > self.row_timeout and f.epoch == self.epoch[f.replica]}
         for replica, epoch in stale.items():
             err = TimeoutError(f"no answer from replica {replica} within --row-timeout "
                                f"{self.row_timeout:g} s")
             # Everything the hung replica holds is retried; the restart kills its actors, so
             # the old calls can never deliver a second result (and they are forgotten here).
-            for handle in [h for h, v in inflight.items() if v[1] == replica]:
-                task, _, _, _ = inflight.pop(handle)
-                load[replica] -= 1
-                self._retry_or_fail(task, replica, err, queue)
+            for handle in [h for h, f in self.inflight.items() if f.replica == replica]:
+                self._retry_or_fail(self._land(handle), err)
             self._restart(replica, epoch, err)

@@ -111,6 +111,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
         buckets.append({
             "bucket": _label(lo, hi), "min_tokens": lo, "max_tokens": None if hi == math.inf
             else hi, "rows": len(members), "ok": len(b_ok), "failed": len(members) - len(b_ok),
+            "mean_input_tokens": statistics.fmean(r["num_input_tokens"] for r in members),
             "generated_tokens": sum(r["num_generated_tokens"] for r in b_ok),
             "decode_tokens_per_s": _throughput(b_ok) if b_ok else None,
             **{k: v for k, v in _acceptance(b_ok).items()
@@ -143,6 +144,7 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out = [r for r in rows.to_pylist() if r["error"] is None]
     base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
@@ -152,7 +154,7 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
     ys = [r["tokens_per_s"] / base[r[id_column]]["tokens_per_s"] for r in out
           if r[id_column] in base and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
     ax1.scatter(xs, ys, s=24, alpha=0.7, label="baseline rows")
-    bx = [_center(b) for b in summary["buckets"] if b["baseline"]["speedup"]]
+    bx = [b["mean_input_tokens"] for b in summary["buckets"] if b["baseline"]["speedup"]]
     by = [b["baseline"]["speedup"] for b in summary["buckets"] if b["baseline"]["speedup"]]
     ax1.plot(bx, by, "s-", color="C1", label="per length bucket")
     ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
@@ -162,17 +164,25 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
     ax1.set_title(f"{summary['job'].get('strategy')} on {summary['job'].get('model')}: {title}")
     ax1.set_ylabel("speedup (tokens/s ratio)")
     ax1.legend(loc="best", fontsize=8)
-    ax2.scatter([r["num_input_tokens"] for r in out],
-                [r["acceptance_rate"] for r in out], s=16, alpha=0.6, label="rows")
-    ax2.plot([_center(b) for b in summary["buckets"] if b["acceptance_rate"] is not None],
+    drafting = [r for r in out if r["drafted"]]  # acceptance is undefined without drafts
+    ax2.scatter([r["num_input_tokens"] for r in drafting],
+                [r["acceptance_rate"] for r in drafting], s=16, alpha=0.6, label="rows")
+    ax2.plot([b["mean_input_tokens"] for b in summary["buckets"]
+              if b["acceptance_rate"] is not None],
              [b["acceptance_rate"] for b in summary["buckets"] if b["acceptance_rate"] is not None],
              "s-", color="C1", label="per length bucket")
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("draft acceptance rate")
     ax2.set_xlabel("prompt tokens")
     ax2.legend(loc="best", fontsize=8)
-    if out and min(r["num_input_tokens"] for r in out) > 0:
+    if not drafting:
+        ax2.text(0.5, 0.5, "no drafted tokens", transform=ax2.transAxes, ha="center",
+                 color="grey")
+    lengths = [r["num_input_tokens"] for r in out if r["num_input_tokens"]]
+    if lengths:  # all panels share the x axis: the prompt lengths of the rows
         ax2.set_xscale("log", base=2)
+        ax2.set_xlim(min(lengths) / 1.25, max(lengths) * 1.25)
+        ax2.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -180,13 +190,6 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     path_bytes_writer(buf.getvalue())
-
-
-def _center(bucket: dict) -> float:
-    lo, hi = bucket["min_tokens"], bucket["max_tokens"]
-    if hi is None:
-        return lo * 1.5
-    return math.sqrt(max(lo, 1) * hi) if lo else hi / 2
 
 
 def dumps(summary: dict) -> bytes:

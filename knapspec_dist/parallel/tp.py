@@ -353,7 +353,11 @@ def spmd_strategy(strategy, model: Transformer):
 
 class SyncedSelector:
     """Wraps a Selector: every rank runs it (its DP issues the same collectives everywhere),
-    then rank 0's plan is broadcast so all ranks draft with the same subnet and gamma."""
+    then rank 0's plan -- and its selection schedule (``next_selection``, which KnapSpec sets
+    from its measured selection time, a per-rank wall-clock quantity) -- is broadcast, so all
+    ranks draft with the same subnet and gamma and run the DP at the same steps."""
+
+    SCHEDULE = "next_selection"
 
     def __init__(self, inner, comm: Comm):
         self.inner, self.comm = inner, comm
@@ -375,17 +379,23 @@ class SyncedSelector:
         from ..speculation.selfspec import Plan
 
         plan = self.inner.plan(model, cache, generated)
-        n = model.cfg.num_items
-        code = torch.zeros(n + 1, dtype=torch.int64)
+        schedule = getattr(self.inner, self.SCHEDULE, None)
+        code = torch.zeros(model.cfg.num_items + 2, dtype=torch.int64)
         code[0] = plan.gamma
-        code[1 + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
+        code[1] = -1 if schedule is None else int(schedule)
+        if plan.skip:
+            code[2 + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
         if self.comm.cuda:
             code = code.cuda()
         self.comm.broadcast(code, src=0)
         code = code.cpu()
-        agreed = Plan(frozenset(torch.nonzero(code[1:]).flatten().tolist()), int(code[0]))
+        agreed = Plan(frozenset(torch.nonzero(code[2:]).flatten().tolist()), int(code[0]))
+        if schedule is not None:
+            setattr(self.inner, self.SCHEDULE, int(code[1]))
         if agreed != plan:
             self.divergences += 1
             log.warning("rank %d: selector plan %s differs from rank 0's %s; using rank 0's",
                         self.comm.rank, plan, agreed)
+            if hasattr(self.inner, "plan_now"):
+                self.inner.plan_now = agreed
         return agreed

@@ -115,22 +115,26 @@ class HiddenStateEvaluator:
         kv, hd = attn.num_kv_heads, attn.head_dim
         g = attn.num_heads // kv
         q = q.reshape(n, kv, g * m, hd) * hd ** -0.5
-        kp = self.cache.k[layer][0:1, :, :self.prefix]
-        vp = self.cache.v[layer][0:1, :, :self.prefix]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, m, hd]
         own = q @ k.transpose(-1, -2)  # [N, KV, g*m, m]
         own = own.masked_fill(~self.causal.repeat(g, 1), float("-inf"))
         top = own.amax(dim=-1, keepdim=True)
         if self.prefix:
-            ctx = q @ kp.transpose(-1, -2)  # [N, KV, g*m, P]
-            top = torch.maximum(top, ctx.amax(dim=-1, keepdim=True))
-            ctx = (ctx - top).exp_()
+            # All N states share the prefix: one GEMM per KV head with N folded into the rows.
+            kp = self.cache.k[layer][0, :, :self.prefix]  # [KV, P, hd]
+            vp = self.cache.v[layer][0, :, :self.prefix]
+            rows = q.transpose(0, 1).reshape(kv, n * g * m, hd)
+            ctx = rows @ kp.transpose(-1, -2)  # [KV, N*g*m, P]
+            ctx_top = ctx.amax(dim=-1, keepdim=True).reshape(kv, n, g * m, 1).transpose(0, 1)
+            top = torch.maximum(top, ctx_top)
+            ctx = ctx.sub_(top.transpose(0, 1).reshape(kv, n * g * m, 1)).exp_()
         own = (own - top).exp_()
         out = own @ v
         denom = own.sum(dim=-1, keepdim=True)
         if self.prefix:
-            out = out + ctx @ vp
-            denom = denom + ctx.sum(dim=-1, keepdim=True)
+            shape = (kv, n, g * m, -1)
+            out = out + (ctx @ vp).reshape(shape).transpose(0, 1)
+            denom = denom + ctx.sum(dim=-1, keepdim=True).reshape(shape).transpose(0, 1)
         out = (out / denom).reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
         return x + attn.reduce(attn.o_proj(out.to(x.dtype)))
 

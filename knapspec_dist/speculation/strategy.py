@@ -43,6 +43,13 @@ class GenerationStats:
     selections: int = 0
     attention_skipped: float = 0.0  # mean attention sublayers skipped per drafted token
     mlp_skipped: float = 0.0
+    # Time split of a request served by the Ray engine (runtime/accounting.py); they sum to
+    # the coordinator-observed time of the request. Zero when run in-process.
+    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
+    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
+    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, coordinator search calls)
+    other_s: float = 0.0  # Python of the decode loop outside the above
+    comm_calls: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -63,6 +70,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "eos" | "length"
     text: str = ""
+    replica: int | None = None  # the engine replica that generated it (None: in-process)
 
 
 class Strategy(ABC):

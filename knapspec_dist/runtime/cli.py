@@ -1,0 +1,90 @@
+"""Command-line glue for the Ray engine: ``generate --tp K --replicas R`` and ``profile --tp K``.
+
+Kept here so the main cli.py only dispatches: with K * R > 1, generation runs through the
+:class:`~knapspec_dist.runtime.engine.Engine`; ``knapspec profile --tp K`` (K > 1) starts one
+replica of K shard actors and has them measure the sharded model, including the all-reduce
+each sublayer pays (``profiler.measure`` with the replica's process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import asdict
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Ray engine if > 1)")
+    p.add_argument("--replicas", type=int, default=1, help="model replicas (Ray engine if > 1)")
+    p.add_argument("--address", default=None,
+                   help="Ray address ('auto' joins a running cluster; default: start a local one)")
+    p.add_argument("--cpus-per-rank", type=int, default=1,
+                   help="CPUs reserved per rank, and its torch threads")
+
+
+def uses_engine(args: argparse.Namespace) -> bool:
+    return getattr(args, "tp", 1) * getattr(args, "replicas", 1) > 1 or \
+        getattr(args, "address", None) is not None
+
+
+def generate_on_engine(args: argparse.Namespace, text: str, options, config):
+    """One prompt through the engine; returns its GenerationResult (text filled)."""
+    from .engine import Engine
+
+    fields = {k: v for k, v in asdict(options).items() if k != "name"}
+    with Engine(args.model, tp=args.tp, replicas=args.replicas, strategy=options.name,
+                dtype=args.dtype, device=args.device, address=args.address,
+                cpus_per_rank=args.cpus_per_rank, **fields) as engine:
+        return engine.generate([text], config, chat=args.chat)[0]
+
+
+def extend_profile(sub) -> None:
+    """Add ``--tp`` / ``--address`` / ``--cpus-per-rank`` to ``knapspec profile``."""
+    parser = sub.choices.get("profile")
+    if parser is None:
+        return
+    add_engine_args(parser)
+    single = parser.get_default("func")
+
+    def cmd(args: argparse.Namespace) -> int:
+        if args.replicas != 1:
+            from ..errors import UserError
+
+            raise UserError("profile measures one replica: drop --replicas")
+        if args.tp == 1 and args.address is None:
+            return single(args)
+        return profile_on_engine(args)
+
+    parser.set_defaults(func=cmd)
+
+
+def profile_on_engine(args: argparse.Namespace) -> int:
+    from ..errors import UserError
+    from ..profiles import profiler
+    from .engine import Engine
+
+    contexts = profiler.parse_contexts(args.contexts)
+    for name in ("batch", "max_q", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    started = time.perf_counter()
+    with Engine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
+                address=args.address, cpus_per_rank=args.cpus_per_rank) as engine:
+        limit = engine.config.max_position_embeddings
+        if contexts[-1] > limit:
+            raise UserError(f"--contexts: {contexts[-1]} exceeds the model's context length "
+                            f"{limit}")
+        profile = engine.measure_profile(contexts, batch=args.batch, max_q=args.max_q,
+                                         repeats=args.repeats, warmup=args.warmup,
+                                         fill=args.fill)
+    elapsed = time.perf_counter() - started
+    out = profiler.output_path(args.out, profile)
+    try:
+        profile.save(out)
+    except OSError as e:
+        raise UserError(f"cannot write profile to {str(out)!r}: {e.strerror or e}") from None
+    print(profiler.summary(profile, out, elapsed))
+    return 0

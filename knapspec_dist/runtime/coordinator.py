@@ -1,0 +1,218 @@
+"""The coordinator actor of one replica: its latency profile, TPT search and request order.
+
+* Profiles: the stored profile matching the replica's device, model shape, dtype, batch 1
+  and tp (``profiles/``, see profiles/store.py), or the one the user named; when none matches
+  it says so in the log and has the shards measure one (all ranks, MAX over ranks, the
+  all-reduce included) rather than guessing. A replica whose ranks report different devices
+  never matches a stored profile and is measured (priced at its slowest rank).
+* TPT search: rank 0's KnapSpec selector sends its candidate table (skip sets, acceptance
+  estimates, context length) and gets the choice back, priced with this replica's profile.
+* Requests: one at a time per replica, dispatched to every rank in the same order (an
+  asyncio lock), so the SPMD ranks always run the same prompt. A dead shard fails the request
+  with its RayActorError; the engine restarts the replica.
+
+An async actor: awaiting the shards leaves it free to answer rank 0's search calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import replace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXTS = (64, 256, 1024)  # a quick measurement when no stored profile matches
+
+
+async def _awaitable(ref):
+    return await ref
+
+
+def _kind(e: BaseException) -> str:
+    """The original error's class (Ray builds a new RayTaskError(...) class per instance)."""
+    return type(getattr(e, "cause", None) or e).__name__
+
+
+class Coordinator:
+    def __init__(self, replica: int, model_path: str, vocab_size: int, tp: int, dtype: str):
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.replica, self.path, self.vocab, self.tp, self.dtype = (replica, model_path,
+                                                                     vocab_size, tp, dtype)
+        self.shards: list = []
+        self.profile = None
+        self.profile_source = None
+        self._lock = None
+        self._tokenizer = None
+        self._tokenizer_tried = False
+        self.served = 0
+        self.grace_s = 10.0  # how long other ranks may take to fail like the first one
+
+    # ------------------------------------------------------------------ startup
+
+    async def prepare(self, shards: list, options, infos: list[dict], measure: dict) -> dict:
+        """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy."""
+        import ray
+
+        from ..profiles.profile import LatencyProfile
+
+        self.shards = shards
+        self._decode([])  # load the tokenizer now, not on the first request
+        profile_json = None
+        if options.name in ("knapspec", "clasp"):
+            if isinstance(options.profile, LatencyProfile):
+                self.profile, self.profile_source = options.profile, "given"
+            elif options.profile:
+                self.profile, self.profile_source = self._load(options.profile), options.profile
+            else:
+                self.profile, self.profile_source = self._find(options, infos), None
+            if self.profile is None:
+                self.profile = await self._measure(infos, measure)
+                self.profile_source = "measured"
+            elif self.profile.tp != self.tp:
+                log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
+                            "tp=%d: its all-reduce costs do not match", self.replica,
+                            self.profile_source, self.profile.tp, self.tp)
+            profile_json = self.profile.to_json()
+        me = ray.get_runtime_context().current_actor
+        await asyncio.gather(*[s.configure.remote(replace(options, profile=None), profile_json,
+                                                  me) for s in shards])
+        return {"profile": self.profile_source,
+                "profile_key": self.profile.key() if self.profile else None}
+
+    def _load(self, path: str):
+        from ..errors import UserError
+        from ..profiles.profile import LatencyProfile
+
+        try:
+            return LatencyProfile.load(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"cannot load latency profile {path!r}: {e}") from None
+
+    def _find(self, options, infos: list[dict]):
+        from ..config import load_config
+        from ..profiles.store import find_profile, profiles_dir
+
+        devices = [i["device"] for i in infos]
+        shape = load_config(self.path).shape()
+        names = sorted({d.get("name") for d in devices})
+        where = profiles_dir()
+        if len(names) > 1:
+            log.warning("replica %d: ranks run on different devices %s; no stored profile "
+                        "applies, measuring one (priced at the slowest rank)", self.replica, names)
+            return None
+        found = find_profile(where, devices[0], shape, self.dtype, 1, self.tp)
+        if found is None:
+            log.warning("replica %d: no latency profile in %s matches device %r, model %s, "
+                        "%s, batch 1, tp %d: measuring one now on the shards (store one with "
+                        "`knapspec profile --tp %d --out %s/` to skip this)", self.replica,
+                        where, names[0], shape, self.dtype, self.tp, self.tp, where)
+        return found
+
+    async def _measure(self, infos: list[dict], measure: dict):
+        from ..profiles.profile import LatencyProfile
+
+        contexts = list(measure.get("contexts") or DEFAULT_CONTEXTS)
+        repeats = int(measure.get("repeats", 3))
+        start = time.perf_counter()
+        outs = await asyncio.gather(*[s.measure_profile.remote(contexts, repeats)
+                                      for s in self.shards])
+        profile = LatencyProfile.from_json(outs[0])  # samples are MAX-reduced over ranks
+        log.info("replica %d: measured profile %s in %.0fs", self.replica, profile.key(),
+                 time.perf_counter() - start)
+        return profile
+
+    # ------------------------------------------------------------------ search
+
+    def search(self, skips: list[list[int]], alphas: list[float], n: int, num_layers: int,
+               max_gamma: int, objective: str):
+        """TPT choice over the shards' candidate table, priced with this replica's profile."""
+        from ..speculation import tpt
+
+        draft = [self.profile.draft_time(frozenset(s), n, num_layers) for s in skips]
+        return tpt.search(alphas, draft, lambda q: self.profile.verify_time(q, n),
+                          max_gamma=max_gamma, objective=objective)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, prompt_ids: list[int], config):
+        """One prompt on every rank; rank 0's result, with text, replica and Ray time."""
+        from ..errors import UserError
+
+        ids = list(prompt_ids)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab]
+        if bad:  # a vocab-parallel embedding would silently embed these as zeros
+            raise UserError(f"prompt has token ids outside the vocabulary 0..{self.vocab - 1}: "
+                            f"{bad[:5]}")
+        if not config.sampling.greedy and config.sampling.seed is None:
+            # every rank must draw the same samples: one seed for the whole replica
+            config = replace(config, sampling=replace(config.sampling,
+                                                      seed=random.getrandbits(63)))
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # same order on every rank
+            start = time.perf_counter()
+            refs = [s.generate.remote(ids, config) for s in self.shards]
+            outs = await self._gather(refs)
+            elapsed = time.perf_counter() - start
+        result, inside = outs[0]
+        for rank, (other, _) in enumerate(outs[1:], 1):
+            if other.token_ids != result.token_ids:
+                raise RuntimeError(f"replica {self.replica}: rank {rank} generated different "
+                                   f"tokens than rank 0 (ranks out of sync)")
+        result.stats.ray_s += max(0.0, elapsed - max(t for _, t in outs))
+        result.replica = self.replica
+        result.text = self._decode(result.token_ids)
+        self.served += 1
+        return result
+
+    async def _gather(self, refs: list) -> list:
+        """Every rank's result. If a rank fails, the others get a moment to fail the same way
+        (a bad prompt fails on every rank before any collective); if they do not, the ranks
+        are out of step (some may wait in a collective forever), so the replica's shards are
+        killed: later requests then fail with RayActorError and the replica is restarted."""
+        import ray
+
+        tasks = [asyncio.ensure_future(_awaitable(r)) for r in refs]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if not failed:
+            return [t.result() for t in tasks]
+        if pending:
+            more, pending = await asyncio.wait(pending, timeout=self.grace_s)
+            done |= more
+        errors = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+        consistent = not pending and len(errors) == len(tasks) and \
+            len({_kind(e) for e in errors}) == 1 and \
+            not isinstance(errors[0], ray.exceptions.RayActorError)
+        if not consistent:
+            log.error("replica %d: ranks failed inconsistently (%s); killing its shards",
+                      self.replica, errors[0])
+            for shard in self.shards:
+                try:
+                    ray.kill(shard, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        raise errors[0]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not self._tokenizer_tried:
+            self._tokenizer_tried = True
+            try:
+                from ..loading import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.path)
+            except Exception as e:  # a checkpoint without tokenizer: results keep token ids
+                log.warning("replica %d: no tokenizer (%s); results carry token ids only",
+                            self.replica, str(e).strip().splitlines()[0])
+        if self._tokenizer is None:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def info(self) -> dict:
+        return {"replica": self.replica, "served": self.served,
+                "profile": self.profile_source,
+                "profile_key": self.profile.key() if self.profile else None}

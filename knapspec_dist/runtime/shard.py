@@ -1,0 +1,154 @@
+"""A shard actor: one tensor-parallel rank of one replica.
+
+Each rank loads only its slice of the weights, joins the replica's torch.distributed group
+(gloo on CPU, NCCL on CUDA) and runs the strategy SPMD: every rank receives the same request
+(one Ray call per prompt, never per token or sublayer) and executes identical forwards; the
+collectives inside the model keep the ranks in lock step, and rank 0 broadcasts each round's
+draft plan (``parallel.tp.SyncedSelector``). The class is plain Python; ``ray.remote`` is
+applied by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Shard:
+    def __init__(self, replica: int, rank: int, world: int, threads: int, device: str):
+        self.replica, self.rank, self.world, self.device = replica, rank, world, device
+        torch.set_num_threads(max(1, threads))
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.model = self.strategy = self.meter = None
+        self.ray_inside = 0.0  # Ray calls made during a request (coordinator TPT search)
+
+    # ------------------------------------------------------------------ startup
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: this node's address and a free port for the process group."""
+        import ray
+
+        from ..parallel import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, path: str, address: str, port: int, dtype: str,
+              fail: bool = False) -> dict:
+        """Join the group and load this rank's shard; returns what the coordinator needs."""
+        from ..loading import resolve_dtype
+        from ..parallel import init_distributed, load_sharded, parameter_bytes
+        from ..profiles.profiler import device_info
+        from .accounting import Meter
+
+        if fail:  # test hook: this rank dies while starting, as a crashed process would
+            log.error("replica %d rank %d: failing on purpose (test hook)", self.replica,
+                      self.rank)
+            os._exit(1)
+        start = time.perf_counter()
+        if self.world > 1:
+            init_distributed(self.rank, self.world, address, port, device=self.device)
+        self.model = load_sharded(path, self.rank, self.world, dtype=resolve_dtype(dtype),
+                                  device=self.device, timed=self.device == "cpu")
+        self.meter = Meter()
+        self.meter.install(self.model)
+        log.info("replica %d rank %d/%d loaded %.0f MiB of weights in %.1fs", self.replica,
+                 self.rank, self.world, parameter_bytes(self.model) / 2 ** 20,
+                 time.perf_counter() - start)
+        return {"rank": self.rank, "params": parameter_bytes(self.model),
+                "device": device_info(self.model.device), "pid": os.getpid()}
+
+    def measure_profile(self, contexts: list[int], repeats: int, **kwargs) -> dict:
+        """Measure a latency profile (collective: every rank of the replica calls it).
+        ``kwargs``: profiler.measure's batch, max_q, warmup, fill."""
+        import torch.distributed as dist
+
+        from ..profiles import profiler
+
+        group = dist.group.WORLD if self.world > 1 else None
+        profile = profiler.measure(self.model, contexts, repeats=repeats, group=group,
+                                   shape=self.model.cfg.shape(), **kwargs)
+        return profile.to_json()
+
+    def measure_allreduce(self, sizes: list[int], repeats: int = 5) -> list[list[float]]:
+        """[[bytes, seconds], ...] of one all-reduce on this replica's group (collective)."""
+        import torch.distributed as dist
+
+        from ..profiles import profiler
+
+        if self.world == 1:
+            return [[float(b), 0.0] for b in sizes]
+        return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
+                                          repeats=repeats)
+
+    def configure(self, options, profile: dict | None, coordinator=None) -> None:
+        """Build the strategy (same on every rank). KnapSpec's TPT search is delegated to the
+        coordinator (rank 0 asks it; the plan is then broadcast to the other ranks)."""
+        from ..parallel import spmd_strategy
+        from ..profiles.profile import LatencyProfile
+        from ..strategies import build_strategy
+
+        if profile is not None:
+            options = replace(options, profile=LatencyProfile.from_json(profile))
+        strategy = build_strategy(options, self.model)
+        selector = getattr(strategy, "selector", None)
+        if selector is not None and coordinator is not None and self.rank == 0:
+            self._delegate_search(selector, coordinator)
+        strategy = spmd_strategy(strategy, self.model)
+        if getattr(strategy, "selector", None) is not None:
+            self.meter.wrap(strategy.selector, "plan")  # the DP counts as compute
+        self.strategy = strategy
+
+    def _delegate_search(self, selector, coordinator) -> None:
+        """Rank 0's KnapSpec selector asks the coordinator for the TPT choice (one Ray round
+        trip per selection, i.e. per ``interval`` tokens, never per token)."""
+        import ray
+
+        local = getattr(selector, "_choose", None)
+        config = getattr(selector, "config", None)
+        if local is None or config is None:
+            log.info("selector %s has no TPT search to delegate", type(selector).__name__)
+            return
+        shard = self
+
+        def choose(candidates, alphas, n, num_layers):
+            if config.fixed_gamma is not None:  # CLaSp: no search
+                return local(candidates, alphas, n, num_layers)
+            start = time.perf_counter()
+            choice = ray.get(coordinator.search.remote(
+                [sorted(c.skipped) for c in candidates], list(alphas), n, num_layers,
+                config.max_gamma, config.objective))
+            shard.ray_inside += time.perf_counter() - start
+            return choice
+
+        selector._choose = choose
+
+    # ------------------------------------------------------------------ requests
+
+    def generate(self, prompt_ids: list[int], config):
+        """One prompt, SPMD on every rank; the result carries this rank's time split."""
+        from .accounting import split
+
+        if self.strategy is None:
+            raise RuntimeError("shard not configured")
+        comm = self.model.tp.comm
+        comm.reset()
+        self.meter.seconds, self.ray_inside = 0.0, 0.0
+        start = time.perf_counter()
+        result = self.strategy.generate(self.model, [list(prompt_ids)], config)[0]
+        elapsed = time.perf_counter() - start
+        parts = split(elapsed, self.meter.seconds, comm.seconds, self.ray_inside)
+        s = result.stats
+        s.compute_s, s.comm_s, s.ray_s, s.other_s = (parts.compute_s, parts.comm_s,
+                                                     parts.ray_s, parts.other_s)
+        s.comm_calls = comm.calls
+        return result, elapsed
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}

@@ -1,0 +1,184 @@
+"""The Ray engine on a real local Ray cluster (4 logical CPUs, gloo, 1 thread per rank).
+
+* tp=2 gives the same greedy tokens as tp=1 for ar, static and knapspec (a given profile,
+  then one the coordinator has the shards measure because none is stored);
+* replicas=2 x tp=1 spreads text prompts over both replicas and returns results in input
+  order, with text filled; a replica whose shard died fails its requests with the actor
+  error, and restart_replica brings it back;
+* indivisible heads, a missing checkpoint, a rank that dies while starting and a replica
+  that cannot be placed each raise a clear error and leave no actor or placement group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import random_prompt
+
+ray = pytest.importorskip("ray")
+
+NEW = 12
+NO_EOS = dict(max_new_tokens=NEW, stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    # no stored profile can match: the knapspec test below must measure one
+    os.environ["KNAPSPEC_PROFILES"] = str(tmp_path_factory.mktemp("profiles"))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def leftovers() -> list[str]:
+    """Engine actors not DEAD and engine placement groups not REMOVED, by name."""
+    from ray._private import state
+
+    left = [f"actor {a.get('Name')} {a.get('State')}" for a in state.actors().values()
+            if (a.get("Name") or "").startswith("knapspec-") and a.get("State") != "DEAD"]
+    left += [f"placement group {p.get('name')} {p.get('state')}"
+             for p in ray.util.placement_group_table().values()
+             if (p.get("name") or "").startswith("knapspec-") and p.get("state") != "REMOVED"]
+    return left
+
+
+def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
+    from knapspec_dist.speculation.strategy import GenerationConfig
+    from knapspec_dist.strategies import StrategyOptions, build_strategy
+
+    s = build_strategy(StrategyOptions(name=strategy, **options), model)
+    config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)
+    return [s.generate(model, [p], config)[0].token_ids for p in prompts]
+
+
+def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
+    from test_tp import _profile
+
+    from knapspec_dist.runtime import Engine
+
+    model = engine_model("llama-gqa")
+    prompts = [random_prompt(n, model.cfg.vocab_size, seed=40 + n) for n in (5, 11)]
+    profile = _profile()
+    runs = [("ar", {}), ("static", dict(skip="m1,a2", gamma=3, tau_conf=0.0)),
+            ("knapspec", dict(profile=profile, interval=8, tau_conf=0.0))]
+    with Engine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
+        for i, (name, options) in enumerate(runs):
+            if i:
+                engine.reconfigure(name, **options)
+            if name == "ar":  # a bad row fails on every rank alike; the replica lives on
+                from knapspec_dist.errors import UserError
+                from knapspec_dist.speculation.strategy import GenerationConfig
+
+                too_long = [5] * model.cfg.max_position_embeddings
+                with pytest.raises(UserError, match="context window"):
+                    ray.get(engine.submit(0, too_long, GenerationConfig(max_new_tokens=2)))
+            results = engine.generate(prompts, **NO_EOS)
+            expected = local_tokens(model, name, prompts, **options)
+            assert [r.token_ids for r in results] == expected, name
+            for r in results:
+                s = r.stats
+                assert r.replica == 0 and s.comm_calls > 0 and s.comm_s > 0 and s.ray_s > 0
+                assert s.compute_s > 0 and s.other_s >= 0
+            if name == "knapspec":
+                assert all(r.stats.selections >= 1 for r in results)
+                assert sum(r.stats.drafted for r in results) > 0
+        job = engine.last_job
+        assert 0 <= job["control_plane_share"] <= 1 and job["comm_share"] > 0
+        # No stored profile matches: the shards measure one (with the all-reduce, at tp=2).
+        engine.measure = {"contexts": [16, 64], "repeats": 1}
+        engine.reconfigure("knapspec", interval=8)
+        info = engine.replica_info(0)
+        assert info["profile"] == "measured" and info["profile_key"].endswith("tp2"), info
+        results = engine.generate(prompts, **NO_EOS)
+        assert [r.token_ids for r in results] == local_tokens(model, "ar", prompts)
+    assert leftovers() == []
+
+
+def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
+    from knapspec_dist.errors import UserError
+    from knapspec_dist.local import encode
+    from knapspec_dist.runtime import Engine
+    from knapspec_dist.speculation.strategy import GenerationConfig
+
+    texts = ["The capital of France is", "One, two, three,", "Water boils at",
+             "The quick brown fox", "In the beginning"]
+    ids = [encode(smollm2.tokenizer, t) for t in texts]
+    expected = local_tokens(smollm2.model, "ar", ids)
+    with Engine("smollm2", tp=1, replicas=2, strategy="ar") as engine:
+        results = engine.generate(texts, **NO_EOS)
+        assert [r.replica for r in results] == [0, 1, 0, 1, 0]
+        assert [r.token_ids for r in results] == expected
+        assert [r.text for r in results] == [smollm2.tokenizer.decode(t, skip_special_tokens=True)
+                                             for t in expected]
+        assert engine.last_job["replicas_used"] == 2
+        # A bad row fails alone, with its own error.
+        config = GenerationConfig(**NO_EOS)
+        with pytest.raises(UserError, match="outside the vocabulary"):
+            ray.get(engine.submit(0, [10 ** 9], config))
+        # A dead shard fails the replica's requests with the actor error; restart heals it.
+        ray.kill(engine._replicas[1].shards[0], no_restart=True)
+        with pytest.raises(ray.exceptions.RayError) as info:
+            ray.get(engine.submit(1, ids[0], config), timeout=60)
+        assert _dead_actor(info.value), repr(info.value)
+        engine.restart_replica(1)
+        assert ray.get(engine.submit(1, ids[0], config)).token_ids == expected[0]
+    assert leftovers() == []
+
+
+def _dead_actor(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ray.exceptions.RayActorError):
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
+@pytest.mark.parametrize("case", ["indivisible", "missing", "rank-dies", "unplaceable"])
+def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case):
+    from knapspec_dist.errors import UserError
+    from knapspec_dist.runtime import Engine, StartupError
+
+    ckpt = str(checkpoints["llama-gqa"])  # 4 heads, 2 KV heads
+    kwargs, error, match = {
+        "indivisible": (dict(model=ckpt, tp=4), UserError, "KV heads 2 not divisible by 4"),
+        "missing": (dict(model=str(tmp_path / "nope")), UserError, "does not exist"),
+        "rank-dies": (dict(model=ckpt, tp=2, _fail_rank=1), StartupError,
+                      "replica 0 rank 1 failed to load its shard: its actor died"),
+        "unplaceable": (dict(model=ckpt, tp=2, cpus_per_rank=3, startup_timeout_s=3),
+                        StartupError, r"could not reserve 2 x \{'CPU': 3\} on one node"),
+    }[case]
+    with pytest.raises(error, match=match):
+        Engine(strategy="ar", **kwargs)
+    assert leftovers() == []
+
+
+def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
+    from knapspec_dist.cli import main
+
+    code = main(["generate", "--model", str(checkpoints["llama-gqa"]), "--prompt", "hi",
+                 "--tp", "4", "--strategy", "ar"])
+    assert code == 2
+    assert "error: cannot shard the model over tp=4" in capsys.readouterr().err
+    assert leftovers() == []
+
+
+@pytest.mark.slow
+def test_cli_profile_tp2_measures_the_allreduce(cluster, checkpoints, tmp_path, capsys):
+    from knapspec_dist.cli import main
+    from knapspec_dist.profiles import LatencyProfile
+
+    code = main(["profile", "--model", str(checkpoints["llama-gqa"]), "--tp", "2",
+                 "--contexts", "16,32", "--repeats", "1", "--max-q", "2",
+                 "--out", str(tmp_path) + "/"])
+    assert code == 0, capsys.readouterr().err
+    (path,) = tmp_path.glob("*.json")
+    profile = LatencyProfile.load(path)
+    assert profile.tp == 2 and profile.allreduce > 0 and profile.samples["allreduce"]
+    assert "all-reduce per sublayer" in capsys.readouterr().out
+    assert leftovers() == []
