@@ -78,7 +78,8 @@ def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_promp
     model = smollm2.model
     prompt = corpus_prompt[:200]
     profile = synthetic_profile(model, [(200, 1e-5), (330, 1.3e-2)], mlp=1e-3, verify_growth=0.0)
-    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9))
+    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9,
+                                                        min_gain=1.0))
     result = SelfSpeculative(selector, name="knapspec").generate_one(
         model, prompt, GenerationConfig(max_new_tokens=170, stop_at_eos=False))
     first, last = selector.history[0], selector.history[-1]
@@ -103,3 +104,26 @@ def test_interval_stretches_when_selection_is_expensive(engine_model):
 def test_smoothed_alpha():
     assert smoothed_alpha(5, 5) == pytest.approx(6 / 7)
     assert smoothed_alpha(0, 5) == pytest.approx(1 / 7)
+
+
+def test_speculation_needs_a_predicted_margin(engine_model):
+    """A predicted gain under min_gain falls back to plain decoding; a larger one speculates."""
+    from knapspec_dist.speculation import tpt
+    from knapspec_dist.speculation.knapsack import Candidate
+
+    model = engine_model("llama-gqa")
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0)
+    n, layers = 1000, model.cfg.num_layers
+    selector = KnapSpecSelector(profile, KnapSpecConfig(min_gain=1.05))
+    plain = 1 / profile.verify_time(1, n)
+    candidate = [Candidate(frozenset({2, 4}), 2, 0.99)]
+    draft = profile.draft_time(candidate[0].skipped, n, layers)
+    for alpha in (0.05, 0.3, 0.6, 0.9):
+        best = tpt.search([alpha], [draft], lambda q: profile.verify_time(q, n))
+        choice = selector._choose(candidate, [alpha], n, layers)
+        if best.candidate is not None and best.tokens_per_time >= 1.05 * plain:
+            assert choice == best
+        else:
+            assert choice.candidate is None and choice.gamma == 0
+    assert selector._choose(candidate, [0.9], n, layers).candidate == 0
+    assert selector._choose(candidate, [0.05], n, layers).candidate is None

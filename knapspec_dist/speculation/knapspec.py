@@ -45,6 +45,7 @@ class KnapSpecConfig:
     m: int = 5  # reference positions
     interval: int = 64  # generated tokens between selections (at least)
     overhead_budget: float = 0.05  # stretch the interval so selection stays under this share
+    min_gain: float = 1.05  # speculate only when predicted tokens/s beat plain decoding by this
     weight_cap: float = 5.0
     max_skip_fraction: float = 0.5
     keep_first_last: bool = True  # always execute the first and the last layer
@@ -221,8 +222,14 @@ class KnapSpecSelector(Selector):
                        key=lambda k: (abs(len(candidates[k].skipped) - target), -alphas[k]))
             return tpt.Choice(best, cfg.fixed_gamma, 0.0)
         draft_times = [self.profile.draft_time(c.skipped, n, num_layers) for c in candidates]
-        return tpt.search(alphas, draft_times, lambda q: self.profile.verify_time(q, n),
-                          max_gamma=cfg.max_gamma, objective=cfg.objective)
+        verify = lambda q: self.profile.verify_time(q, n)  # noqa: E731
+        choice = tpt.search(alphas, draft_times, verify, max_gamma=cfg.max_gamma,
+                            objective=cfg.objective)
+        plain = tpt.tokens_per_time(1.0, 0, 0.0, verify)
+        if choice.candidate is not None and choice.tokens_per_time < cfg.min_gain * plain:
+            # m = 5 reference tokens estimate alpha too coarsely to bet on a thinner margin.
+            return tpt.Choice(None, 0, plain)
+        return choice
 
 
 def build_selector(options, model: Transformer) -> KnapSpecSelector:
