@@ -47,11 +47,12 @@ import os
 import platform
 import re
 import shlex
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
+
+from .cli import emit
 
 log = logging.getLogger(__name__)
 
@@ -517,11 +518,11 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     rows = summarize(runs)
     write_markdown(out / "results.md", header, rows, mismatches)
     plot(out, rows)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}, "
+    emit(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}, "
           f"{out / 'skipped.png'}")
     if mismatches:
-        print(f"error: {len(mismatches)} run(s) differ from ar; first: {mismatches[0]}",
-              file=sys.stderr)
+        emit(f"error: {len(mismatches)} run(s) differ from ar; first: {mismatches[0]}",
+             error=True)
         return 1
     return 0
 

@@ -17,6 +17,12 @@ from .errors import UserError
 log = logging.getLogger("knapspec_dist")
 
 
+def emit(text: str, *, error: bool = False) -> None:
+    """A command's final report (stdout) or error line (stderr): the one place commands print;
+    progress and diagnostics go through logging."""
+    print(text, file=sys.stderr if error else sys.stdout)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])

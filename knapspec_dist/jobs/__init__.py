@@ -5,7 +5,7 @@ Entry points: ``jobs/summarize.py`` and ``jobs/generate.py`` (for ``ray job subm
 
     from knapspec_dist.jobs import JobConfig, run_job
     result = run_job(JobConfig(input="/data/docs.parquet", output="/data/out", model="smollm2"))
-    print(result.summary["baseline"]["speedup"])
+    speedup = result.summary["baseline"]["speedup"]
 
 The modules, bottom up: :mod:`.inputs` (read and check the input files),
 :mod:`.prompts` (rows to prompt ids; row-level errors; truncation; baseline rows),
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from ..errors import UserError
 from .options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_args
 
 __all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "JobTerminated", "add_job_args",
            "config_from_args", "main", "register", "run_job", "report"]
+
+from ..cli import emit
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,12 @@ def _run(args: argparse.Namespace, mode: str) -> int:
     try:
         result = run_job(config_from_args(args, mode))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        emit(f"error: {e}", error=True)
         return 2
     except JobTerminated:
         log.warning("terminated; the rows written so far are kept: resubmit to continue")
         return 143
-    print(report(result))
+    emit(report(result))
     return 0
 
 
@@ -112,5 +113,5 @@ def _cli_job(args: argparse.Namespace) -> int:
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = run_job(config_from_args(args, "summarize"))  # UserError: handled by the CLI
-    print(report(result))
+    emit(report(result))
     return 0

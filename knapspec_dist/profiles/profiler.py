@@ -61,6 +61,8 @@ import torch
 from ..errors import UserError
 from .profile import LatencyProfile, fit_profile
 
+from ..cli import emit
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
@@ -562,7 +564,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         profile.save(out)
     except OSError as e:
         raise UserError(f"cannot write profile to {str(out)!r}: {e.strerror or e}") from None
-    print(summary(profile, out, elapsed))
+    emit(summary(profile, out, elapsed))
     return 0
 
 

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import emit
+
 log = logging.getLogger(__name__)
 
 SHAPE = dict(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=8, kv_heads=2,
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
               [int(n) for n in args.profile_contexts.split(",")])
     for r in out["runs"]:
-        print(f"tp={r['tp']} {r['strategy']}: {_line(r)}")
+        emit(f"tp={r['tp']} {r['strategy']}: {_line(r)}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
