@@ -300,6 +300,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "mlp_skipped": (sum(s["mlp_skipped"] * s["drafted"] for s in mine) / drafted
                             if drafted else 0.0),
             "selection_pct": 100 * sum(s["select_s"] for s in mine) / wall if wall else 0.0,
+            "selections": sum(s["selections"] for s in mine),
+            "fallbacks": sum(s.get("fallbacks", 0) for s in mine),
             "draft_s": sum(s["draft_s"] for s in mine),
             "verify_s": sum(s["verify_s"] for s in mine),
             "matches_ar": all(r["matches_ar"] for r in runs
@@ -368,7 +370,8 @@ def write_markdown(path: Path, header: dict, rows: list[dict], mismatches: list[
         "tok/s: new tokens / wall seconds, prefill included; decode tok/s: tokens after the "
         "first / seconds after prefill (the part strategies change). Speedups are against "
         "`ar` on the same prompts. Skipped: mean attention / MLP sublayers skipped per drafted "
-        "token. Selection: select_s / wall_s.", "",
+        "token. Selection: select_s / wall_s; selections (fallbacks): subnet selections run, "
+        "and plans the guard dropped for plain decoding after their drafts fell short.", "",
     ]
     if mismatches:
         lines += ["**ERROR: outputs differ from `ar`:**", ""] + [f"- {x}" for x in mismatches]
@@ -377,14 +380,16 @@ def write_markdown(path: Path, header: dict, rows: list[dict], mismatches: list[
         group = [r for r in rows if r["context"] == n]
         lines += [f"## context {n} (prompt {group[0]['prompt_tokens']:.0f} tokens)", "",
                   "| strategy | tok/s | speedup | decode tok/s | decode speedup | acceptance "
-                  "| attn skipped | MLP skipped | selection % | same tokens as ar |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+                  "| attn skipped | MLP skipped | selection % | selections (fallbacks) "
+                  "| same tokens as ar |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
         for r in group:
             lines.append(
                 f"| {r['strategy']} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | "
                 f"{r['decode_tokens_per_s']:.2f} | {r['decode_speedup']:.3f}x | "
                 f"{_fmt(r['acceptance'], '.3f')} | {r['attention_skipped']:.1f} | "
                 f"{r['mlp_skipped']:.1f} | {r['selection_pct']:.1f} | "
+                f"{r.get('selections', 0)} ({r.get('fallbacks', 0)}) | "
                 f"{'yes' if r['matches_ar'] else '**NO**'} |")
         lines.append("")
     path.write_text("\n".join(lines))

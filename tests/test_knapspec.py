@@ -7,8 +7,12 @@ import torch
 
 from knapspec_dist.profiles.profile import fit_profile
 from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
-from knapspec_dist.speculation.selfspec import SelfSpeculative
+from knapspec_dist.cache import KVCache
+from knapspec_dist.model import Capture
+from knapspec_dist.speculation.knapspec import (HiddenStateEvaluator, KnapSpecConfig,
+                                                KnapSpecSelector, prefix_attention,
+                                                reference_prefix_attention, smoothed_alpha)
+from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 from knapspec_dist.speculation.strategy import GenerationConfig
 
 
@@ -120,10 +124,90 @@ def test_speculation_needs_a_predicted_margin(engine_model):
     draft = profile.draft_time(candidate[0].skipped, n, layers)
     for alpha in (0.05, 0.3, 0.6, 0.9):
         best = tpt.search([alpha], [draft], lambda q: profile.verify_time(q, n))
-        choice = selector._choose(candidate, [alpha], n, layers)
+        choice = selector.choose(candidate, [alpha], n, layers)
         if best.candidate is not None and best.tokens_per_time >= 1.05 * plain:
             assert choice == best
         else:
             assert choice.candidate is None and choice.gamma == 0
-    assert selector._choose(candidate, [0.9], n, layers).candidate == 0
-    assert selector._choose(candidate, [0.05], n, layers).candidate is None
+    assert selector.choose(candidate, [0.9], n, layers).candidate == 0
+    assert selector.choose(candidate, [0.05], n, layers).candidate is None
+
+
+def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, monkeypatch):
+    """A plan whose drafts are rejected falls back to plain decoding after GUARD_ROUNDS rounds,
+    and the next selection's alphas are scaled by the realized/predicted acceptance."""
+    from knapspec_dist.speculation.knapspec import PlanRun
+
+    model = engine_model("llama-gqa")
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=10_000))
+    selector.start(model, 100)
+    selector.states.append(torch.zeros(1))  # select() is replaced below; it only needs a state
+    skip, n = frozenset({2, 3}), 100
+    selected = []
+
+    def select(model, cache):  # what select() records for a chosen plan, at alpha 0.9
+        selector.run = PlanRun(n, 0.9, profile.draft_time(skip, n, model.cfg.num_layers))
+        selected.append(selector.calibration)
+        return type("S", (), {"plan": Plan(skip, 3)})()
+
+    monkeypatch.setattr(selector, "select", select)
+    cache = type("C", (), {"lengths": [n]})()
+    assert selector.plan(model, cache, 0) == Plan(skip, 3)
+    for i in range(PlanRun.GUARD_ROUNDS):
+        assert selector.plan(model, cache, i + 1) == Plan(skip, 3)
+        selector.record(3, 0)  # every draft rejected: one token per round at a higher cost
+    assert selector.plan(model, cache, 9) == Plan(frozenset(), 0)
+    assert selector.fallbacks == 1
+    assert selector.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
+    selector.record(3, 0)  # no plan in force: nothing recorded
+    assert selector.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
+
+
+def test_guard_keeps_a_plan_that_pays(engine_model):
+    from knapspec_dist.speculation.knapspec import PlanRun
+
+    model = engine_model("llama-gqa")
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    run = PlanRun(100, 0.9, profile.draft_time(frozenset({2, 3}), 100, model.cfg.num_layers))
+    for _ in range(PlanRun.GUARD_ROUNDS):
+        run.rounds, run.tokens = run.rounds + 1, run.tokens + 4
+        run.modeled_s += 3 * run.draft_time + profile.verify_time(4, 100)
+    assert not run.losing(profile)
+    run.tokens = run.rounds  # the same rounds had yielded one token each
+    assert run.losing(profile)
+
+
+def test_fused_prefix_attention_matches_plain_ops():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, r, 16, generator=gen) for r in (30, 500, 500))
+    out, lse = prefix_attention(q, k, v, 0.25)
+    want_out, want_lse = reference_prefix_attention(q, k, v, 0.25)
+    assert torch.allclose(out, want_out, atol=1e-5)
+    assert torch.allclose(lse, want_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-headdim"])
+def test_dp_states_equal_a_drafted_forward(engine_model, name):
+    """The DP's state for a skip set is what the draft with that skip set computes at the m
+    reference positions: the full model's K/V for the prefix, its own K/V for the m tokens."""
+    model = engine_model(name)
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(2, 256, (1, 90), generator=gen)
+    m, items = 5, 2 * model.cfg.num_layers
+    skip = frozenset(int(i) for i in torch.randperm(items, generator=gen)[:items // 3])
+    cache = KVCache(model.cfg, 1, 100, dtype=model.dtype, device="cpu")
+    with torch.inference_mode():
+        model(prompt[:, :-m], torch.arange(90 - m)[None], cache)
+        cache.commit(0, 90 - m)
+        full = Capture()
+        model(prompt[:, -m:], torch.arange(90 - m, 90)[None], cache, capture=full)
+        states = torch.stack([h[0] for h in full])  # [2L+1, m, d]
+        evaluator = HiddenStateEvaluator(model, cache, states, 90 - m)
+        for item in range(items):
+            evaluator.evaluate(item, [0], item not in skip)
+            evaluator.keep(item, {0: (0, item not in skip)})
+        drafted = Capture()
+        model(prompt[:, -m:], torch.arange(90 - m, 90)[None], cache, skip=skip, capture=drafted)
+    assert torch.allclose(evaluator.current[0], drafted[-1][0], atol=1e-3, rtol=1e-4)
+    assert not torch.allclose(evaluator.current[0], states[-1], atol=1e-3, rtol=1e-4)

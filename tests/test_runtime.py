@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from conftest import random_prompt
 

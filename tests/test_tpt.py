@@ -49,6 +49,15 @@ def test_good_cheap_draft_beats_autoregressive() -> None:
     assert choice.tokens_per_time > 1.0
 
 
+def test_min_gain_keeps_plain_decoding_on_a_thin_margin() -> None:
+    best = search([0.5], [0.2], lambda q: 1.0)  # 1.5 tokens per 1.2 s: 1.25x plain
+    assert best.candidate == 0 and best.tokens_per_time == pytest.approx(1.25)
+    assert search([0.5], [0.2], lambda q: 1.0, min_gain=1.2) == best
+    assert search([0.5], [0.2], lambda q: 1.0, min_gain=1.3) == Choice(None, 0, 1.0)
+    # the alpha ablation ignores TPT when choosing, so it ignores the margin too
+    assert search([0.5], [0.2], lambda q: 1.0, min_gain=1.3, objective="alpha").candidate == 0
+
+
 def test_expected_tokens_limits() -> None:
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 5) == 6.0

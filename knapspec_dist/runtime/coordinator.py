@@ -128,13 +128,13 @@ class Coordinator:
     # ------------------------------------------------------------------ search
 
     def search(self, skips: list[list[int]], alphas: list[float], n: int, num_layers: int,
-               max_gamma: int, objective: str):
+               max_gamma: int, objective: str, min_gain: float = 1.0):
         """TPT choice over the shards' candidate table, priced with this replica's profile."""
         from ..speculation import tpt
 
         draft = [self.profile.draft_time(frozenset(s), n, num_layers) for s in skips]
         return tpt.search(alphas, draft, lambda q: self.profile.verify_time(q, n),
-                          max_gamma=max_gamma, objective=objective)
+                          max_gamma=max_gamma, objective=objective, min_gain=min_gain)
 
     # ------------------------------------------------------------------ requests
 

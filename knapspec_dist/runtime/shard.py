@@ -110,24 +110,21 @@ class Shard:
         trip per selection, i.e. per ``interval`` tokens, never per token)."""
         import ray
 
-        local = getattr(selector, "_choose", None)
         config = getattr(selector, "config", None)
-        if local is None or config is None:
+        if not hasattr(selector, "search") or config is None:
             log.info("selector %s has no TPT search to delegate", type(selector).__name__)
             return
         shard = self
 
-        def choose(candidates, alphas, n, num_layers):
-            if config.fixed_gamma is not None:  # CLaSp: no search
-                return local(candidates, alphas, n, num_layers)
+        def search(candidates, alphas, n, num_layers):
             start = time.perf_counter()
             choice = ray.get(coordinator.search.remote(
                 [sorted(c.skipped) for c in candidates], list(alphas), n, num_layers,
-                config.max_gamma, config.objective))
+                config.max_gamma, config.objective, config.min_gain))
             shard.ray_inside += time.perf_counter() - start
             return choice
 
-        selector._choose = choose
+        selector.search = search
 
     # ------------------------------------------------------------------ requests
 

@@ -46,11 +46,15 @@ class Selector(ABC):
     def observe(self, hidden: Capture, valid: int) -> None:
         """Full-model hidden states of the last forward; its first ``valid`` positions were kept."""
 
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verify round under the current plan: ``accepted`` of ``drafted`` tokens kept."""
+
     @abstractmethod
     def plan(self, model: Transformer, cache: KVCache, generated: int) -> Plan:
         """The plan for the next round; ``generated`` tokens have been emitted so far."""
 
     selections: int = 0
+    fallbacks: int = 0
 
 
 class StaticSelector(Selector):
@@ -85,22 +89,37 @@ class SelfSpeculative(Strategy):
     def generate_one(self, model: Transformer, prompt: list[int],
                      config: GenerationConfig) -> GenerationResult:
         limit = check_prompt(model, prompt, config)
-        sampling, sel, dev = config.sampling, self.selector, model.device
+        sel, dev = self.selector, model.device
         timer = Timer(dev)
         start = timer.now()
-        stats = GenerationStats(prompt_tokens=len(prompt))
         cache = KVCache(model.cfg, 1, len(prompt) + limit + MAX_GAMMA + 2,
                         dtype=model.dtype, device=dev,
                         kv_heads=model.layers[0].attention.num_kv_heads)  # local under TP
-        gen = sampling.generator()
+        gen = config.sampling.generator()
         sel.start(model, len(prompt))
-        selections0 = sel.selections
         capture = Capture(sel.reference_positions) if sel.wants_reference() else None
         first = prefill(model, cache, 0, prompt, capture)
         if capture is not None:
             sel.observe(capture, capture[0].shape[1])
-        out, reason = finish(choose(first[None], sampling, gen).tolist(), limit, model, config)
-        stats.prefill_s = timer.now() - start
+        out = choose(first[None], config.sampling, gen).tolist()
+        prefill_s = timer.now() - start
+        result = self.decode(model, cache, out, limit, config, gen)
+        result.stats.prompt_tokens, result.stats.prefill_s = len(prompt), prefill_s
+        result.stats.wall_s = timer.now() - start
+        return result
+
+    @torch.inference_mode()
+    def decode(self, model: Transformer, cache: KVCache, out: list[int], limit: int,
+               config: GenerationConfig, gen: torch.Generator | None = None) -> GenerationResult:
+        """Draft/verify rounds from a prefilled row 0 whose first new token is ``out``; the
+        stats' ``wall_s`` covers these rounds only. Benchmarks call it directly to run several
+        plans from one prefill (the cache rolls back to any length, see ``cache.commit``)."""
+        sampling, sel, dev = config.sampling, self.selector, model.device
+        timer = Timer(dev)
+        start = timer.now()
+        stats = GenerationStats()
+        selections0, fallbacks0 = sel.selections, sel.fallbacks
+        out, reason = finish(list(out), limit, model, config)
         attn_skipped = mlp_skipped = 0
         while reason is None:
             t0 = timer.now()
@@ -132,6 +151,7 @@ class SelfSpeculative(Strategy):
             cache.commit(0, pos + n + 1)
             if capture is not None:
                 sel.observe(capture, n + 1)
+            sel.record(len(drafts), n)
             out, reason = finish(out + drafts[:n] + [nxt], limit, model, config)
             t3 = timer.now()
             stats.select_s += t1 - t0
@@ -145,6 +165,7 @@ class SelfSpeculative(Strategy):
         stats.wall_s = timer.now() - start
         stats.new_tokens = len(out)
         stats.selections = sel.selections - selections0
+        stats.fallbacks = sel.fallbacks - fallbacks0
         if stats.drafted:
             stats.attention_skipped = attn_skipped / stats.drafted
             stats.mlp_skipped = mlp_skipped / stats.drafted

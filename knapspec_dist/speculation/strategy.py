@@ -41,6 +41,7 @@ class GenerationStats:
     verify_s: float = 0.0
     select_s: float = 0.0  # subnet selection (KnapSpec DP, TPT search)
     selections: int = 0
+    fallbacks: int = 0  # speculative plans dropped for plain decoding by KnapSpec's guard
     attention_skipped: float = 0.0  # mean attention sublayers skipped per drafted token
     mlp_skipped: float = 0.0
     # Time split of a request served by the Ray engine (runtime/accounting.py); they sum to

@@ -60,6 +60,7 @@ def search(
     max_gamma: int = 10,
     allow_ar: bool = True,
     objective: str = "tpt",
+    min_gain: float = 1.0,
 ) -> Choice:
     """Grid search over (candidate, gamma in 1..max_gamma), plus autoregressive when allowed.
 
@@ -67,6 +68,9 @@ def search(
     acceptance instead of TPT") takes the candidate with the highest alpha (ties: lower draft
     time, then lower index) and the gamma that maximizes its TPT; autoregressive is then only
     the fallback when there are no candidates.
+
+    With objective="tpt", ``min_gain`` > 1 keeps plain decoding unless the best speculative
+    choice beats it by that factor (a margin for alphas estimated from a handful of tokens).
     """
     if len(alphas) != len(draft_times):
         raise ValueError(f"{len(alphas)} alphas but {len(draft_times)} draft times")
@@ -88,6 +92,10 @@ def search(
     if allow_ar and (objective == "tpt" or not alphas):
         options.append(Choice(None, 0, tokens_per_time(1.0, 0, 0.0, verify_time)))
     best = max(options, key=_rank)
+    plain = tokens_per_time(1.0, 0, 0.0, verify_time)
+    if (allow_ar and objective == "tpt" and best.candidate is not None
+            and best.tokens_per_time < min_gain * plain):
+        best = Choice(None, 0, plain)
     logger.debug("tpt search (%s): %s", objective, best)
     return best
 
