@@ -167,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _extra_commands():
     """Subcommands defined beside their modules (profile, bench, job)."""
-    from . import bench, jobs
-    from .profiles import profiler
+    from . import jobs
+    from .bench import command as bench
+    from .profiles import command as profile
 
-    return [profiler.register, bench.register, jobs.register]
+    return [profile.register, bench.register, jobs.register]
 
 
 if __name__ == "__main__":

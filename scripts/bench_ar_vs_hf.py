@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from knapspec_dist import local
-    from knapspec_dist.bench import machine
+    from knapspec_dist.bench.report import machine
     from knapspec_dist.corpus import document_of_tokens
 
     loaded = local.load("smollm2")

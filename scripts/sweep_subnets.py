@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from knapspec_dist.bench import build_prompts, resolve_tokenizer
+from knapspec_dist.bench.prompts import build_prompts, resolve_tokenizer
 from knapspec_dist.cache import KVCache
 from knapspec_dist.local import load
 from knapspec_dist.model import Capture

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from knapspec_dist.bench import parse_strategies
+from knapspec_dist.bench.specs import parse_strategies
 from knapspec_dist.cli import main
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.selfspec import SelfSpeculative

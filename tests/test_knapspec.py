@@ -60,6 +60,8 @@ def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
         assert got.token_ids == want.token_ids
         assert got.stats.selections >= (1 if variant == "once" else 2)
     assert sum(r.stats.drafted for r in results) > 0, "speculation never ran"
+    if variant == "clasp":  # the baseline has no guard: it drafts whatever it yields
+        assert selector.fallbacks == 0
 
 
 def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
@@ -77,17 +79,19 @@ def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
 
 
 def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_prompt):
-    """Attention nearly free at the prompt's length, ten times an MLP 130 tokens later: the
-    selection after prefill skips MLPs, later ones skip attention."""
+    """Attention nearly free at the first selection (m tokens after the prompt), ten times an
+    MLP 130 tokens later: the first selection skips MLPs, later ones skip attention."""
     model = smollm2.model
     prompt = corpus_prompt[:200]
-    profile = synthetic_profile(model, [(200, 1e-5), (330, 1.3e-2)], mlp=1e-3, verify_growth=0.0)
+    first_n = 200 + KnapSpecConfig().m  # the first selection waits for m generated tokens
+    profile = synthetic_profile(model, [(first_n, 1e-5), (first_n + 130, 1.3e-2)], mlp=1e-3,
+                                verify_growth=0.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9,
                                                         min_gain=1.0))
     result = SelfSpeculative(selector, name="knapspec").generate_one(
         model, prompt, GenerationConfig(max_new_tokens=170, stop_at_eos=False))
     first, last = selector.history[0], selector.history[-1]
-    assert first.context == 200 and last.context > 320
+    assert first.context == first_n and last.context > first_n + 120
     attention = lambda sel: sum(1 for i in sel.plan.skip if i % 2 == 0)  # noqa: E731
     mlp = lambda sel: sum(1 for i in sel.plan.skip if i % 2 == 1)  # noqa: E731
     assert first.weights[:2] == [1, 5] and last.weights[:2] == [5, 1]
@@ -142,6 +146,8 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=10_000))
     selector.start(model, 100)
+    assert selector.next_selection == selector.config.m + 1  # m generated tokens first
+    selector.next_selection = 0
     selector.states.append(torch.zeros(1))  # select() is replaced below; it only needs a state
     skip, n = frozenset({2, 3}), 100
     selected = []

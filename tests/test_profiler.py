@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 from knapspec_dist.cli import main
 from knapspec_dist.loading import load_model
 from knapspec_dist.profiles import LatencyProfile
-from knapspec_dist.profiles.profiler import fill_cache, measure, measure_allreduce, parse_contexts
+from knapspec_dist.profiles.command import parse_contexts
+from knapspec_dist.profiles.profiler import fill_cache, measure, measure_allreduce
 from knapspec_dist.errors import UserError
 
 from models import make_checkpoint

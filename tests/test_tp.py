@@ -171,7 +171,6 @@ def test_tp2_tokens_equal_tp1(tp_runs, name):
     assert all(s["selections"] >= 1 for s in rank0["knapspec_stats"])
     assert sum(s["drafted"] for s in rank0["knapspec_stats"]) > 0
     assert rank0["comm_calls"] > 0
-    print(name, [(s["selections"], s["drafted"], s["accepted"]) for s in rank0["knapspec_stats"]])
 
 
 # --------------------------------------------------------------------------- errors

@@ -1,7 +1,7 @@
 """Latency profiler: measure sublayer, head, verify and all-reduce costs on the real device.
 
 ``measure`` times the model the way decoding runs it, and hands the raw samples to
-``fit_profile`` (profile.py); ``knapspec profile`` (``register``) is its command line. A
+``fit_profile`` (profile.py); ``knapspec profile`` (command.py) is its command line. A
 profile is only ever written from such a measurement.
 
 Method
@@ -45,23 +45,18 @@ after is stored in ``device["load_average"]`` and a busy CPU is warned about.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
-import platform
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import UserError
+from .device import device_info, dtype_name
 from .profile import LatencyProfile, fit_profile
-
-from ..cli import emit
 
 log = logging.getLogger(__name__)
 
@@ -69,100 +64,6 @@ DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_MAX_Q = 11  # D + 1: ten drafted tokens and the target's own
 #: A short sweep for measuring on the fly when no stored profile matches (profiles/store.py).
 QUICK_CONTEXTS = (256, 1024, 4096)
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name a profile records for a torch dtype: fp32, bf16, fp16 (the CLI's --dtype)."""
-    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-# --------------------------------------------------------------------------- device identity
-
-
-def device_info(device: torch.device | str) -> dict[str, Any]:
-    """Who measured: NVML name and memory on NVIDIA GPUs; CPU model and thread count otherwise.
-
-    On a CPU the thread count is part of ``name`` (hence of the profile key): a profile taken
-    with 2 threads says nothing about 16.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _cuda_info(device)
-    threads = torch.get_num_threads()
-    model = _cpu_model_name()
-    info: dict[str, Any] = {"kind": "cpu", "name": f"{model} ({threads} threads)", "cpu_model": model,
-                            "threads": threads, "logical_cpus": os.cpu_count(),
-                            "machine": platform.machine()}
-    info.update(_cpuinfo_details())
-    return info
-
-
-def _cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
-
-
-def _cpuinfo_details() -> dict[str, Any]:
-    """Family/model/stepping and the vector ISA flags that decide CPU matmul speed."""
-    out: dict[str, Any] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read().split("\n\n", 1)[0]
-    except OSError:
-        return out
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model_id"), ("stepping", "stepping")):
-        if key in fields:
-            out[name] = fields[key]
-    flags = set(fields.get("flags", "").split())
-    out["isa"] = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
-                                  "amx_bf16", "amx_tile", "neon", "asimd"})
-    return out
-
-
-def _cuda_info(device: torch.device) -> dict[str, Any]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    info: dict[str, Any] = {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
-                            "capability": f"{props.major}.{props.minor}",
-                            "multiprocessors": props.multi_processor_count, "source": "torch"}
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = None
-            uuid = getattr(props, "uuid", None)
-            if uuid is not None:  # NVML indices ignore CUDA_VISIBLE_DEVICES; UUIDs do not
-                try:
-                    handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-                except pynvml.NVMLError:
-                    handle = None
-            if handle is None:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            info["name"] = name.decode() if isinstance(name, bytes) else name
-            info["memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
-            try:
-                info["max_sm_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
-            except pynvml.NVMLError:
-                pass
-            info["source"] = "nvml"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:  # NVML missing or unusable: torch's name is still a real identity
-        log.warning("NVML unavailable (%s); device name from torch", e)
-    return info
 
 
 # --------------------------------------------------------------------------- timing
@@ -485,106 +386,3 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     return profile
 
 
-# --------------------------------------------------------------------------- command line
-
-
-def parse_contexts(text: str) -> list[int]:
-    """``"256,1024,4k"`` -> [256, 1024, 4096]; anything else is a UserError."""
-    out = []
-    for part in (p.strip() for p in str(text).split(",")):
-        if not part:
-            continue
-        mult = 1
-        if part[-1] in "kK":
-            part, mult = part[:-1], 1024
-        try:
-            n = int(part) * mult
-        except ValueError:
-            raise UserError(f"--contexts: {part!r} is not an integer context length "
-                            f"(expected e.g. 256,1024,4096)") from None
-        if n < 1:
-            raise UserError(f"--contexts: context lengths must be >= 1, got {n}")
-        out.append(n)
-    if not out:
-        raise UserError("--contexts: give at least one context length, e.g. 256,1024,4096")
-    return sorted(set(out))
-
-
-def output_path(out: str, profile: LatencyProfile) -> Path:
-    """``--out``: a directory (existing, or written with a trailing slash) gets ``<key>.json``."""
-    path = Path(out).expanduser()
-    if path.is_dir() or str(out).endswith(("/", os.sep)):
-        return path / f"{profile.key()}.json"
-    return path
-
-
-def register(sub) -> None:
-    """Add ``knapspec profile`` to the CLI's subparsers."""
-    p = sub.add_parser("profile", help="measure a latency profile (sublayers, head, verify) to JSON",
-                       description="Measure per-sublayer decode latency against context length, "
-                                   "the head, and the verify cost of q tokens; fit and write JSON.")
-    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
-                   help="comma-separated context lengths (default %(default)s)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--max-q", type=int, default=DEFAULT_MAX_Q, help="verify q = 1..max-q tokens")
-    p.add_argument("--repeats", type=int, default=5, help="timings per point; the median is kept")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs of every shape first")
-    p.add_argument("--fill", default="random", choices=["random", "prefill"],
-                   help="KV cache contents: random K/V (default) or a real prefill of random tokens")
-    p.add_argument("--out", required=True, help="output JSON file, or a directory (file named by key)")
-    p.set_defaults(func=cmd_profile)
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    from ..embedded import resolve_model_path
-    from ..loading import load_model, resolve_dtype
-    from ..local import resolve_device
-
-    contexts = parse_contexts(args.contexts)
-    for name in ("batch", "max_q", "repeats"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise UserError(f"--warmup must be >= 0, got {args.warmup}")
-    device = resolve_device(args.device)
-    path = resolve_model_path(args.model)
-    model = load_model(path, dtype=resolve_dtype(args.dtype), device=device)
-    limit = model.cfg.max_position_embeddings
-    if contexts[-1] > limit:
-        raise UserError(f"--contexts: {contexts[-1]} exceeds the model's context length {limit}")
-    started = time.perf_counter()
-    profile = measure(model, contexts, args.batch, args.max_q, args.repeats, warmup=args.warmup,
-                      fill=args.fill)
-    elapsed = time.perf_counter() - started
-    out = output_path(args.out, profile)
-    try:
-        profile.save(out)
-    except OSError as e:
-        raise UserError(f"cannot write profile to {str(out)!r}: {e.strerror or e}") from None
-    emit(summary(profile, out, elapsed))
-    return 0
-
-
-def summary(profile: LatencyProfile, path: Path | str, seconds: float) -> str:
-    """Human-readable fitted coefficients (what the CLI prints after writing the file)."""
-    a = profile.attention
-    ns = sorted({int(n) for n, _ in profile.samples["attention"]})
-    lines = [f"wrote {path} ({seconds:.0f}s, device {profile.device.get('name')}, {profile.dtype}, "
-             f"batch {profile.batch}, tp {profile.tp})",
-             f"  t_attn(n) = {a.slope * 1e6:.4f} us * n + {a.intercept * 1e3:.4f} ms",
-             f"  t_mlp     = {profile.mlp * 1e3:.4f} ms",
-             f"  t_head    = {profile.head * 1e3:.4f} ms"]
-    load = profile.device.get("load_average")
-    if load:
-        lines.append(f"  load average while measuring: {load[0]} -> {load[1]} "
-                     f"(on {profile.device.get('logical_cpus', '?')} logical CPUs)")
-    qs = sorted(profile.verify)
-    for n in ns:
-        vals = ", ".join(f"{q}:{profile.verify_time(q, n) * 1e3:.1f}" for q in qs)
-        lines.append(f"  t_verify(q, n={n}) ms  {vals}")
-    if profile.tp > 1:
-        lines.append(f"  all-reduce per sublayer = {profile.allreduce * 1e6:.1f} us")
-    return "\n".join(lines)

@@ -55,9 +55,10 @@ def resolve_profile(spec, model, tp: int = 1, batch: int = 1) -> LatencyProfile:
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot load latency profile {spec!r}: {e}") from None
     from . import profiler
+    from .device import device_info, dtype_name
 
-    device = profiler.device_info(model.device)
-    dtype = profiler.dtype_name(model.dtype)
+    device = device_info(model.device)
+    dtype = dtype_name(model.dtype)
     found = find_profile(profiles_dir(), device, model.cfg.shape(), dtype, batch, tp)
     if found is not None:
         return found

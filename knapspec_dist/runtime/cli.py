@@ -62,29 +62,15 @@ def extend_profile(sub) -> None:
 
 
 def profile_on_engine(args: argparse.Namespace) -> int:
-    from ..errors import UserError
-    from ..profiles import profiler
+    from ..profiles.command import check_window, checked_contexts, write
     from .engine import Engine
 
-    contexts = profiler.parse_contexts(args.contexts)
-    for name in ("batch", "max_q", "repeats"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    contexts = checked_contexts(args)
     started = time.perf_counter()
     with Engine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
                 address=args.address, cpus_per_rank=args.cpus_per_rank) as engine:
-        limit = engine.config.max_position_embeddings
-        if contexts[-1] > limit:
-            raise UserError(f"--contexts: {contexts[-1]} exceeds the model's context length "
-                            f"{limit}")
+        check_window(contexts, engine.config.max_position_embeddings)
         profile = engine.measure_profile(contexts, batch=args.batch, max_q=args.max_q,
                                          repeats=args.repeats, warmup=args.warmup,
                                          fill=args.fill)
-    elapsed = time.perf_counter() - started
-    out = profiler.output_path(args.out, profile)
-    try:
-        profile.save(out)
-    except OSError as e:
-        raise UserError(f"cannot write profile to {str(out)!r}: {e.strerror or e}") from None
-    print(profiler.summary(profile, out, elapsed))
-    return 0
+    return write(profile, args.out, time.perf_counter() - started)

@@ -44,7 +44,7 @@ class Shard:
         """Join the group and load this rank's shard; returns what the coordinator needs."""
         from ..loading import resolve_dtype
         from ..parallel import init_distributed, load_sharded, parameter_bytes
-        from ..profiles.profiler import device_info
+        from ..profiles.device import device_info
         from .accounting import Meter
 
         if fail:  # test hook: this rank dies while starting, as a crashed process would

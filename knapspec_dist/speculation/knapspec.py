@@ -1,8 +1,9 @@
 """KnapSpec selection: the knapsack DP over hidden states, then the Tokens-per-Time search.
 
 The selector keeps the full model's hidden states (input of every sublayer and output of
-every sublayer) at the last ``m`` committed positions, captured for free during prefill and
-verification. After prefill and every ``interval`` generated tokens it:
+every sublayer) at the last ``m`` committed positions, captured for free during verification.
+Once ``m`` tokens have been generated, and then every ``interval`` generated tokens (stretched
+while the DP is slow next to decoding, see ``interval``), it:
 
 1. prices each sublayer from the latency profile at the current context length n
    (integer weights, attention growing with n, MLP constant, all-reduce included under TP);
@@ -12,6 +13,10 @@ verification. After prefill and every ``interval`` generated tokens it:
 3. estimates each candidate's acceptance from top-1 agreement with the full model;
 4. picks subnet and draft length by Tokens-per-Time (tpt.py), where gamma = 0 means plain
    autoregressive decoding until the next selection.
+
+Between selections a guard (``PlanRun``) drops a plan for plain decoding once its drafts,
+priced by the profile at the acceptance actually seen, yield fewer tokens per second than plain
+decoding; the realized/predicted acceptance ratio calibrates the next selection's alphas.
 
 The DP runs where the hidden states are (inside each TP rank, SPMD); nothing here is per token.
 """
@@ -44,7 +49,7 @@ class KnapSpecConfig:
     tau: float = 0.5  # prune DP states whose mean cosine is below this
     m: int = 5  # reference positions
     interval: int = 64  # generated tokens between selections (at least)
-    overhead_budget: float = 0.05  # stretch the interval so selection stays under this share
+    overhead_budget: float = 0.025  # stretch the interval so selection stays under this share
     min_gain: float = 1.05  # speculate only when predicted tokens/s beat plain decoding by this
     weight_cap: float = 5.0
     max_skip_fraction: float = 0.5
@@ -75,7 +80,7 @@ class PlanRun:
     wall clock, so every TP rank reaches the same decision without a broadcast."""
 
     context: int
-    alpha: float  # the acceptance its selection predicted
+    alpha: float  # the acceptance the DP estimated for it (before calibration)
     draft_time: float
     rounds: int = 0
     tokens: int = 0  # accepted drafts plus the verifier's token, over all rounds
@@ -198,7 +203,11 @@ class KnapSpecSelector(Selector):
     def start(self, model: Transformer, prompt_len: int) -> None:
         self.states: deque[torch.Tensor] = deque(maxlen=self.config.m)  # [2L+1, d] per position
         self.plan_now = Plan(frozenset(), 0)
-        self.next_selection = 0  # generated-token count at which to select again
+        # The paper's reference is the hidden states of the tokens generated in the last m
+        # steps: the first selection waits for m of them (m plain decode steps, which cost
+        # nothing over ar) instead of judging drafts on the prompt's last positions -- with a
+        # chat template those are the assistant header, a poor sample of what gets drafted.
+        self.next_selection = self.config.m + 1  # generated-token count of the next selection
         self.history = []
         self.run: PlanRun | None = None
         self.accepted = self.expected = 0.0  # this sequence: accepted vs predicted drafts
@@ -266,12 +275,14 @@ class KnapSpecSelector(Selector):
         candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
                                     max_skip_fraction=cfg.max_skip_fraction,
                                     always_execute=keep, coupled=cfg.coupled)
-        alphas = self._alphas(model, evaluator, states, candidates)
+        raw = self._alphas(model, evaluator, states, candidates)
+        alphas = [min(1.0, self.calibration * a) for a in raw]
         choice = self.choose(candidates, alphas, n, num_layers)
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
         selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
-        self.run = None if choice.candidate is None or not choice.gamma else PlanRun(
-            n, alphas[choice.candidate], self.profile.draft_time(skip, n, num_layers))
+        guarded = cfg.fixed_gamma is None  # CLaSp, the baseline, drafts whatever it yields
+        self.run = None if choice.candidate is None or not choice.gamma or not guarded else \
+            PlanRun(n, raw[choice.candidate], self.profile.draft_time(skip, n, num_layers))
         self.history.append(selection)
         self.selections += 1
         log.debug("selection at n=%d: %d candidates, chose %s gamma=%d (tpt %.1f tok/s)", n,
@@ -285,8 +296,7 @@ class KnapSpecSelector(Selector):
         reference = model.logits(states[-1]).argmax(dim=-1)  # [m]
         finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
         agree = (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
-        scale = self.calibration
-        return [min(1.0, scale * smoothed_alpha(a, states.shape[1])) for a in agree]
+        return [smoothed_alpha(a, states.shape[1]) for a in agree]
 
     def choose(self, candidates, alphas, n: int, num_layers: int) -> tpt.Choice:
         cfg = self.config

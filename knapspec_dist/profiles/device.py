@@ -1,0 +1,104 @@
+"""Who measured: the device identity a latency profile records (and is keyed by)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a profile records for a torch dtype: fp32, bf16, fp16 (the CLI's --dtype)."""
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def device_info(device: torch.device | str) -> dict[str, Any]:
+    """Who measured: NVML name and memory on NVIDIA GPUs; CPU model and thread count otherwise.
+
+    On a CPU the thread count is part of ``name`` (hence of the profile key): a profile taken
+    with 2 threads says nothing about 16.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_info(device)
+    threads = torch.get_num_threads()
+    model = cpu_model_name()
+    info: dict[str, Any] = {"kind": "cpu", "name": f"{model} ({threads} threads)", "cpu_model": model,
+                            "threads": threads, "logical_cpus": os.cpu_count(),
+                            "machine": platform.machine()}
+    info.update(_cpuinfo_details())
+    return info
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cpuinfo_details() -> dict[str, Any]:
+    """Family/model/stepping and the vector ISA flags that decide CPU matmul speed."""
+    out: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return out
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model_id"), ("stepping", "stepping")):
+        if key in fields:
+            out[name] = fields[key]
+    flags = set(fields.get("flags", "").split())
+    out["isa"] = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
+                                  "amx_bf16", "amx_tile", "neon", "asimd"})
+    return out
+
+
+def _cuda_info(device: torch.device) -> dict[str, Any]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    info: dict[str, Any] = {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
+                            "capability": f"{props.major}.{props.minor}",
+                            "multiprocessors": props.multi_processor_count, "source": "torch"}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = None
+            uuid = getattr(props, "uuid", None)
+            if uuid is not None:  # NVML indices ignore CUDA_VISIBLE_DEVICES; UUIDs do not
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                except pynvml.NVMLError:
+                    handle = None
+            if handle is None:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            info["name"] = name.decode() if isinstance(name, bytes) else name
+            info["memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+            try:
+                info["max_sm_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+            except pynvml.NVMLError:
+                pass
+            info["source"] = "nvml"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # NVML missing or unusable: torch's name is still a real identity
+        log.warning("NVML unavailable (%s); device name from torch", e)
+    return info
