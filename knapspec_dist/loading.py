@@ -120,3 +120,30 @@ def load_tokenizer(model_dir: str | Path):
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as e:
         raise UserError(f"{model_dir}: cannot load tokenizer ({e})") from None
+
+
+def random_llama_weights(*, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+                         kv_heads: int, head_dim: int, tied: bool = True, seed: int = 0,
+                         std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random tensors under Hugging Face Llama names, for checkpoints of a chosen shape (the
+    TP benchmark's TP-divisible SmolLM2 shape, the tests' large model); norms are ones."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    t = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    if not tied:
+        t["lm_head.weight"] = rnd(vocab, hidden)
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        t[p + "input_layernorm.weight"] = torch.ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        t[p + "self_attn.q_proj.weight"] = rnd(heads * head_dim, hidden)
+        t[p + "self_attn.k_proj.weight"] = rnd(kv_heads * head_dim, hidden)
+        t[p + "self_attn.v_proj.weight"] = rnd(kv_heads * head_dim, hidden)
+        t[p + "self_attn.o_proj.weight"] = rnd(hidden, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = rnd(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = rnd(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = rnd(hidden, intermediate)
+    return t

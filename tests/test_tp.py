@@ -203,6 +203,8 @@ def write_big_checkpoint(root: Path) -> tuple[Path, int]:
     """A random Llama of ~370 MB (fp32), written directly with safetensors (fast)."""
     from safetensors.torch import save_file
 
+    from knapspec_dist.loading import random_llama_weights
+
     b, hd = BIG, BIG["hidden"] // BIG["heads"]
     h, i, v = b["hidden"], b["intermediate"], b["vocab"]
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=v,
@@ -212,24 +214,8 @@ def write_big_checkpoint(root: Path) -> tuple[Path, int]:
                eos_token_id=1)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g) * 0.02
-
-    t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-         "model.norm.weight": torch.ones(h)}
-    for layer in range(b["layers"]):
-        p = f"model.layers.{layer}."
-        t[p + "input_layernorm.weight"] = torch.ones(h)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        t[p + "self_attn.q_proj.weight"] = rnd(b["heads"] * hd, h)
-        t[p + "self_attn.k_proj.weight"] = rnd(b["kv_heads"] * hd, h)
-        t[p + "self_attn.v_proj.weight"] = rnd(b["kv_heads"] * hd, h)
-        t[p + "self_attn.o_proj.weight"] = rnd(h, b["heads"] * hd)
-        t[p + "mlp.gate_proj.weight"] = rnd(i, h)
-        t[p + "mlp.up_proj.weight"] = rnd(i, h)
-        t[p + "mlp.down_proj.weight"] = rnd(h, i)
+    t = random_llama_weights(vocab=v, hidden=h, intermediate=i, layers=b["layers"],
+                             heads=b["heads"], kv_heads=b["kv_heads"], head_dim=hd, tied=False)
     save_file(t, str(root / "model.safetensors"))
     return root, sum(x.numel() * x.element_size() for x in t.values())
 

@@ -38,10 +38,10 @@ def smollm2_shaped_checkpoint() -> Path:
     """SmolLM2's shape with TP-2-divisible heads, random weights, SmolLM2's tokenizer."""
     import shutil
 
-    import torch
     from safetensors.torch import save_file
 
     from ..embedded import cache_dir, resolve_model_path
+    from ..loading import random_llama_weights
 
     root = Path(cache_dir()) / "bench-smollm2-shape"
     if (root / "model.safetensors").is_file():
@@ -59,25 +59,11 @@ def smollm2_shaped_checkpoint() -> Path:
     config.update(num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
                   head_dim=s["head_dim"])
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g) * 0.02
-
-    h, i, hd = s["hidden"], s["intermediate"], s["head_dim"]
-    t = {"model.embed_tokens.weight": rnd(s["vocab"], h), "model.norm.weight": torch.ones(h)}
-    for layer in range(s["layers"]):
-        p = f"model.layers.{layer}."
-        t[p + "input_layernorm.weight"] = torch.ones(h)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        t[p + "self_attn.q_proj.weight"] = rnd(s["heads"] * hd, h)
-        t[p + "self_attn.k_proj.weight"] = rnd(s["kv_heads"] * hd, h)
-        t[p + "self_attn.v_proj.weight"] = rnd(s["kv_heads"] * hd, h)
-        t[p + "self_attn.o_proj.weight"] = rnd(h, s["heads"] * hd)
-        t[p + "mlp.gate_proj.weight"] = rnd(i, h)
-        t[p + "mlp.up_proj.weight"] = rnd(i, h)
-        t[p + "mlp.down_proj.weight"] = rnd(h, i)
-    save_file(t, str(tmp / "model.safetensors"))
+    weights = random_llama_weights(vocab=s["vocab"], hidden=s["hidden"],
+                                   intermediate=s["intermediate"], layers=s["layers"],
+                                   heads=s["heads"], kv_heads=s["kv_heads"],
+                                   head_dim=s["head_dim"])
+    save_file(weights, str(tmp / "model.safetensors"))
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     return root
