@@ -49,7 +49,7 @@ def sweep(loaded, profile, n: int, args) -> list[str]:
                     dtype=model.dtype, device=model.device)
     selector = KnapSpecSelector(profile, KnapSpecConfig())
     selector.start(model, len(prompt))
-    capture = Capture(selector.reference_positions)
+    capture = Capture(selector.config.m)  # select on the prompt's last m positions
     with torch.inference_mode():
         first = choose(prefill(model, cache, 0, prompt, capture)[None], config.sampling, None).tolist()
         selector.observe(capture, capture[0].shape[1])

@@ -363,7 +363,7 @@ class SyncedSelector:
         self.inner, self.comm = inner, comm
         self.divergences = 0
 
-    def __getattr__(self, name):  # selections, reference_positions, history, ...
+    def __getattr__(self, name):  # selections, fallbacks, history, ...
         return getattr(self.inner, name)
 
     def start(self, model, prompt_len):

@@ -194,7 +194,6 @@ class KnapSpecSelector(Selector):
 
     def __init__(self, profile: LatencyProfile, config: KnapSpecConfig = KnapSpecConfig()):
         self.profile, self.config = profile, config
-        self.reference_positions = config.m
         self.history: list[Selection] = []
         self.selections = 0
         self.fallbacks = 0  # plans dropped for plain decoding by the guard (all sequences)

@@ -35,8 +35,6 @@ class Plan:
 class Selector(ABC):
     """Chooses the draft plan for each round of one sequence."""
 
-    reference_positions: int = 0  # how many recent positions of full-model states it wants
-
     def start(self, model: Transformer, prompt_len: int) -> None:
         """A new sequence begins."""
 
@@ -97,10 +95,7 @@ class SelfSpeculative(Strategy):
                         kv_heads=model.layers[0].attention.num_kv_heads)  # local under TP
         gen = config.sampling.generator()
         sel.start(model, len(prompt))
-        capture = Capture(sel.reference_positions) if sel.wants_reference() else None
-        first = prefill(model, cache, 0, prompt, capture)
-        if capture is not None:
-            sel.observe(capture, capture[0].shape[1])
+        first = prefill(model, cache, 0, prompt)  # selectors observe generated tokens only
         out = choose(first[None], config.sampling, gen).tolist()
         prefill_s = timer.now() - start
         result = self.decode(model, cache, out, limit, config, gen)

@@ -89,10 +89,10 @@ def search(
         for k in pool
         for g in range(1, max_gamma + 1)
     ]
-    if allow_ar and (objective == "tpt" or not alphas):
-        options.append(Choice(None, 0, tokens_per_time(1.0, 0, 0.0, verify_time)))
-    best = max(options, key=_rank)
     plain = tokens_per_time(1.0, 0, 0.0, verify_time)
+    if allow_ar and (objective == "tpt" or not alphas):
+        options.append(Choice(None, 0, plain))
+    best = max(options, key=_rank)
     if (allow_ar and objective == "tpt" and best.candidate is not None
             and best.tokens_per_time < min_gain * plain):
         best = Choice(None, 0, plain)
