@@ -28,21 +28,15 @@ class KVCache:
     def batch(self) -> int:
         return len(self.lengths)
 
-    def positions(self, rows: slice, num_new: int, device: torch.device | str) -> torch.Tensor:
-        """Positions [B, T] of ``num_new`` tokens appended after each row's current length."""
-        starts = torch.tensor(self.lengths[rows], device=device)
-        return starts[:, None] + torch.arange(num_new, device=device)[None, :]
-
     def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, T, KV, hd] at ``step.positions``; return the keys/values to attend to."""
+        """Store k, v [B, T, KV, hd] at ``step.positions``; return the keys/values to attend to
+        (the first ``step.kv_len`` of each row: the longest row's length, or the capacity)."""
         kc, vc = self.k[layer][step.rows], self.v[layer][step.rows]
-        if step.kv_len > self.capacity:
-            raise ValueError(f"KV cache capacity {self.capacity} exceeded (need {step.kv_len})")
         if step.start is not None:
             t = k.shape[1]
             kc[:, :, step.start:step.start + t] = k.transpose(1, 2)
             vc[:, :, step.start:step.start + t] = v.transpose(1, 2)
-        else:
+        else:  # index writes from device positions: no host sync, capturable
             b = torch.arange(k.shape[0], device=k.device)[:, None]
             kc[b, :, step.positions] = k
             vc[b, :, step.positions] = v

@@ -3,14 +3,15 @@
 Sublayer ``item`` 2l is the Attention of layer l, 2l+1 its MLP; each is ``h + f(norm(h))``, so
 skipping one is the identity. Sequences in a batch keep their own positions (no padding): a
 forward feeds T new tokens per sequence at positions ``start[b] .. start[b]+T-1`` and writes
-their K/V into the preallocated cache (see cache.py). Tensor parallelism is applied from outside
+their K/V into the preallocated cache (see cache.py); attention over the cache, per device, is
+execution/attention.py. Tensor parallelism is applied from outside
 (parallel/tp.py): a sublayer calls ``self.reduce`` on its partial output, and the embedding and
 lm_head modules are swapped for vocab-parallel ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 
 from .cache import KVCache
 from .config import ModelConfig
+from .execution.attention import Step, attend, default_backend, length_block_mask
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -56,20 +58,6 @@ def _rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-@dataclass
-class Step:
-    """Per-forward inputs shared by every layer: positions, rotary tables, mask, cache rows."""
-
-    positions: torch.Tensor  # [B, T] absolute positions
-    cos: torch.Tensor  # [B, 1, T, head_dim]
-    sin: torch.Tensor
-    mask: torch.Tensor | None  # [B, 1, T, S] bool, None when plain causal-free (T == 1, equal lengths)
-    kv_len: int  # keys read from the cache: max position + 1
-    rows: slice  # cache rows of this batch
-    start: int | None  # common start position if all rows share it (slice writes), else None
-    causal: bool = False  # a fresh prefill: plain causal attention, no mask tensor
 
 
 class Capture(list):
@@ -115,21 +103,7 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
         q, k, v = self.qkv(self.norm(h), step)
         keys, values = cache.write(layer, step, k, v)
-        b, t, _ = h.shape
-        if step.causal:  # fresh prefill: the kernel's causal path, KV heads shared by GQA
-            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
-        else:
-            # Decode and verify: fold each KV head's query group into rows, [B, KV, g*T, hd],
-            # so the kernel reads every cached key once per KV head rather than once per
-            # query head (1.6-1.8x faster attention at 8k on the CPU).
-            g = self.num_heads // self.num_kv_heads
-            mask = None if step.mask is None else step.mask.repeat(1, 1, g, 1)
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, self.num_kv_heads, g * t, self.head_dim), keys, values,
-                attn_mask=mask).view(b, self.num_heads, t, self.head_dim)
-        o = o.transpose(1, 2).reshape(b, t, -1)
-        return h + self.reduce(self.o_proj(o))
+        return h + self.reduce(self.o_proj(attend(q, keys, values, step)))
 
 
 class MLP(nn.Module):
@@ -163,6 +137,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self.backend: str | None = None  # attention backend; None: the device's default
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
@@ -173,25 +148,42 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def step(self, positions: torch.Tensor, rows: slice) -> Step:
-        """Rotary tables and mask for new tokens at ``positions`` [B, T] (shared by all layers)."""
+    def step(self, starts: Sequence[int] | torch.Tensor, t: int, cache: KVCache,
+             rows: slice) -> Step:
+        """Everything the layers share for ``t`` new tokens per row at ``starts[b] ..``.
+
+        Host ``starts`` (eager forwards) give the largest key count, a common start and a fresh
+        prefill for free; a device tensor (CUDA-graph capture) gives none of them, and attention
+        then reads all ``cache.capacity`` keys with the lengths on the device. Nothing here
+        reads a device tensor back.
+        """
+        backend = self.backend or default_backend(self.device)
+        if isinstance(starts, torch.Tensor):
+            if starts.dim() != 1:
+                raise ValueError(f"starts must be one position per row, got shape {tuple(starts.shape)}")
+            starts_dev, kv_len, start, causal = starts, cache.capacity, None, False
+        else:
+            starts = list(starts)
+            kv_len = max(starts) + t
+            if kv_len > cache.capacity:
+                raise ValueError(f"KV cache capacity {cache.capacity} exceeded (need {kv_len})")
+            start = starts[0] if all(s == starts[0] for s in starts) else None
+            # A fresh prefill says is_causal instead of passing a mask: only then does the CPU
+            # kernel skip the masked-out blocks (-39% prefill time at 4k).
+            causal = start == 0 and t > 1
+            starts_dev = torch.tensor(starts, device=self.device)
+            if backend == "flex" and not causal:
+                kv_len = cache.capacity  # static shapes: one compiled kernel per (B, T)
+        positions = starts_dev[:, None] + torch.arange(t, device=self.device)[None]
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         cos = (emb.cos() * self.rope_scale).to(self.dtype)
         sin = (emb.sin() * self.rope_scale).to(self.dtype)
-        b, t = positions.shape
-        first = positions[:, 0]
-        common = bool((first == first[0]).all())
-        kv_len = int(positions[:, -1].max()) + 1
-        # A fresh prefill says is_causal instead of passing a mask: only then does the CPU
-        # kernel skip the masked-out blocks (-39% prefill time at 4k).
-        causal = common and t > 1 and int(first[0]) == 0 and t == kv_len
-        mask = None
-        if not causal and (t > 1 or not common):
-            keys = torch.arange(kv_len, device=positions.device)
-            mask = (keys[None, None, None, :] <= positions[:, None, :, None])
-        return Step(positions, cos, sin, mask, kv_len, rows, int(first[0]) if common else None,
-                    causal)
+        block_mask = None
+        if backend == "flex" and not causal:
+            block_mask = length_block_mask(starts_dev, t, kv_len)
+        return Step(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
+                    block_mask)
 
     def forward_items(self, h: torch.Tensor, step: Step, cache: KVCache,
                       skip: frozenset[int] = frozenset(),
@@ -216,13 +208,13 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, tokens: torch.Tensor, starts: Sequence[int] | torch.Tensor, cache: KVCache,
                 rows: slice | None = None, skip: frozenset[int] = frozenset(),
                 last_only: bool = False,
                 capture: Capture | None = None) -> torch.Tensor:
-        """Logits (fp32) for ``tokens`` [B, T] at ``positions`` [B, T], writing their K/V."""
+        """Logits (fp32) for ``tokens`` [B, T] at positions ``starts[b] ..``, writing their K/V."""
         rows = rows if rows is not None else slice(0, tokens.shape[0])
-        step = self.step(positions, rows)
+        step = self.step(starts, tokens.shape[1], cache, rows)
         h = self.forward_items(self.embed(tokens), step, cache, skip, capture)
         if last_only:
             h = h[:, -1:]

@@ -33,10 +33,12 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator | None:
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """Random numbers come from the model's device: a CPU generator cannot drive CUDA
+        sampling, and a device one keeps draws off the host."""
         if self.greedy:
             return None
-        g = torch.Generator()
+        g = torch.Generator(device=device)
         g.manual_seed(self.seed if self.seed is not None else torch.seed())
         return g
 
@@ -66,29 +68,46 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
     return torch.multinomial(probabilities(logits, cfg), 1, generator=gen).squeeze(-1)
 
 
-def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """Longest prefix of ``drafts`` equal to the target's argmax, and the target's next token.
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor,
+                  limit: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix of ``drafts`` [g] equal to the target's argmax (at most ``limit`` long),
+    and the target's next token; both 0-d tensors on the device (no host sync).
 
     ``target_logits`` [g+1, V] are the full model's logits at the pending token and each draft.
     """
-    target = target_logits.argmax(dim=-1).tolist()
-    n = 0
-    while n < len(drafts) and drafts[n] == target[n]:
-        n += 1
+    target = target_logits.argmax(dim=-1)
+    g = drafts.shape[0]
+    n = (drafts == target[:g]).long().cumprod(0).sum()
+    if limit is not None:
+        n = torch.clamp(n, max=limit)
     return n, target[n]
 
 
-def accept_sampling(drafts: list[int], draft_probs: list[torch.Tensor], target_logits: torch.Tensor,
-                    cfg: SamplingConfig, gen: torch.Generator | None) -> tuple[int, int]:
-    """Speculative rejection sampling: (number accepted, token emitted after them)."""
-    p = probabilities(target_logits, cfg)
-    u = torch.rand(len(drafts), generator=gen).tolist()
-    for i, (d, q) in enumerate(zip(drafts, draft_probs)):
-        pd, qd = float(p[i, d]), float(q[d])
-        if qd > 0 and u[i] < min(1.0, pd / qd):
-            continue
-        residual = (p[i] - q).clamp_min(0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[i]
-        return i, int(torch.multinomial(dist, 1, generator=gen))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+def accept_sampling(drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
+                    cfg: SamplingConfig, gen: torch.Generator | None,
+                    limit: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling: (number accepted, token emitted after them), 0-d tensors.
+
+    All drafts are judged at once on the device. ``limit`` caps the accepted count (drafts
+    after the draft's first unsure token were never meant to be verified); reaching it emits
+    a token from the target's own distribution there, as if those drafts did not exist.
+    """
+    drafts, draft_probs = torch.as_tensor(drafts), torch.as_tensor(draft_probs)
+    if draft_probs.dim() == 1:
+        draft_probs = draft_probs[None]
+    p = probabilities(target_logits, cfg)  # [g+1, V]
+    g = drafts.shape[0]
+    dev = p.device
+    pd = p[:g].gather(1, drafts[:, None].to(dev)).squeeze(1)
+    qd = draft_probs.to(dev).gather(1, drafts[:, None].to(dev)).squeeze(1)
+    u = torch.rand(g, generator=gen, device=dev)
+    ok = (qd > 0) & (u * qd < pd)  # u < min(1, p/q), without dividing by q
+    n = ok.long().cumprod(0).sum()
+    cap = torch.as_tensor(g if limit is None else limit, device=dev)
+    n = torch.minimum(n, cap)
+    residual = (p[:g] - draft_probs.to(dev)).clamp_min(0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[:g])
+    rejected = torch.cat([residual, p[g:g + 1]])  # row g: every draft accepted
+    dist = torch.where(n < cap, rejected[n], p[n])
+    return n, torch.multinomial(dist, 1, generator=gen).squeeze(0)

@@ -98,7 +98,7 @@ def profile_ours(model, prompt: list[int], steps: int, rows: int = 15) -> str:
         rows_ = slice(0, 1)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                logits = model(torch.tensor([[tok]]), cache.positions(rows_, 1, model.device),
+                logits = model(torch.tensor([[tok]]), cache.lengths[rows_],
                                cache, rows_)
                 cache.commit(0, cache.lengths[0] + 1)
                 tok = int(logits[0, -1].argmax())

@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_prompt
 from knapspec_dist.cache import KVCache
-from knapspec_dist.speculation import autoregressive, selfspec
+from knapspec_dist.execution import runner
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.speculation.strategy import GenerationConfig
@@ -23,7 +23,7 @@ def new_cache(model, capacity=64, batch=1) -> KVCache:
 
 def run(model, cache, tokens, skip=frozenset(), commit=True):
     with torch.inference_mode():
-        logits = model(torch.tensor([tokens]), cache.positions(slice(0, 1), len(tokens), "cpu"),
+        logits = model(torch.tensor([tokens]), cache.lengths[slice(0, 1)],
                        cache, skip=frozenset(skip))[0]
     if commit:
         cache.commit(0, cache.lengths[0] + len(tokens))
@@ -85,7 +85,7 @@ def test_draft_writes_only_executed_attention_and_verify_overwrites(engine_model
     run(model, cache, [pending], skip=skip, commit=False)  # draft step 1 at pos
     assert cache.lengths[0] == pos  # nothing committed while drafting
     with torch.inference_mode():  # draft step 2 at pos+1
-        model(torch.tensor([[draft2]]), torch.tensor([[pos + 1]]), cache, skip=frozenset(skip))
+        model(torch.tensor([[draft2]]), [pos + 1], cache, skip=frozenset(skip))
     for layer in range(model.cfg.num_layers):
         for t in (cache.k[layer], cache.v[layer]):
             slots = t[:, :, pos:pos + 2]
@@ -139,8 +139,7 @@ class RecordingCache(KVCache):
 @pytest.fixture
 def recording(monkeypatch):
     RecordingCache.made = []
-    monkeypatch.setattr(selfspec, "KVCache", RecordingCache)
-    monkeypatch.setattr(autoregressive, "KVCache", RecordingCache)
+    monkeypatch.setattr(runner, "KVCache", RecordingCache)  # strategies' caches come from it
     return RecordingCache.made
 
 

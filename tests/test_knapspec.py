@@ -204,16 +204,16 @@ def test_dp_states_equal_a_drafted_forward(engine_model, name):
     skip = frozenset(int(i) for i in torch.randperm(items, generator=gen)[:items // 3])
     cache = KVCache(model.cfg, 1, 100, dtype=model.dtype, device="cpu")
     with torch.inference_mode():
-        model(prompt[:, :-m], torch.arange(90 - m)[None], cache)
+        model(prompt[:, :-m], [0], cache)
         cache.commit(0, 90 - m)
         full = Capture()
-        model(prompt[:, -m:], torch.arange(90 - m, 90)[None], cache, capture=full)
+        model(prompt[:, -m:], [90 - m], cache, capture=full)
         states = torch.stack([h[0] for h in full])  # [2L+1, m, d]
         evaluator = HiddenStateEvaluator(model, cache, states, 90 - m)
         for item in range(items):
             evaluator.evaluate(item, [0], item not in skip)
             evaluator.keep(item, {0: (0, item not in skip)})
         drafted = Capture()
-        model(prompt[:, -m:], torch.arange(90 - m, 90)[None], cache, skip=skip, capture=drafted)
+        model(prompt[:, -m:], [90 - m], cache, skip=skip, capture=drafted)
     assert torch.allclose(evaluator.current[0], drafted[-1][0], atol=1e-3, rtol=1e-4)
     assert not torch.allclose(evaluator.current[0], states[-1], atol=1e-3, rtol=1e-4)

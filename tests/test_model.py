@@ -28,7 +28,7 @@ def new_cache(model, batch: int = 1, capacity: int = SEQ + 8) -> KVCache:
 def one_shot(model, tokens: list[int], skip=frozenset(), capture=None) -> torch.Tensor:
     cache = new_cache(model, capacity=len(tokens) + 1)
     with torch.inference_mode():
-        return model(torch.tensor([tokens]), cache.positions(slice(0, 1), len(tokens), "cpu"),
+        return model(torch.tensor([tokens]), cache.lengths[slice(0, 1)],
                      cache, skip=frozenset(skip), capture=capture)[0]
 
 
@@ -108,9 +108,8 @@ def test_sublayer_outputs_match_transformers(name, engine_model, hf_reference):
 def manual_composition(model, tokens: list[int], skip: set[int]) -> torch.Tensor:
     """Call the sublayers one by one, leaving out those in ``skip`` (identity)."""
     cache = new_cache(model, capacity=len(tokens) + 1)
-    positions = cache.positions(slice(0, 1), len(tokens), "cpu")
     with torch.inference_mode():
-        step = model.step(positions, slice(0, 1))
+        step = model.step(cache.lengths[0:1], len(tokens), cache, slice(0, 1))
         h = model.embed(torch.tensor([tokens]))
         for item in range(model.cfg.num_items):
             if item in skip:
@@ -164,7 +163,7 @@ def test_prefill_then_incremental_equals_one_shot(name, engine_model):
     got = []
     with torch.inference_mode():
         for piece in pieces:
-            pos = cache.positions(rows, len(piece), "cpu")
+            pos = cache.lengths[rows]
             got.append(model(torch.tensor([piece]), pos, cache)[0])
             cache.commit(0, cache.lengths[0] + len(piece))
     got = torch.cat(got)
@@ -184,17 +183,17 @@ def test_batched_rows_at_different_positions(name, engine_model):
     with torch.inference_mode():
         for b, s in enumerate(seqs):  # prefill each row alone, all but the last `extra` tokens
             rows = slice(b, b + 1)
-            model(torch.tensor([s[:-extra]]), cache.positions(rows, len(s) - extra, "cpu"),
+            model(torch.tensor([s[:-extra]]), cache.lengths[rows],
                   cache, rows)
             cache.commit(b, len(s) - extra)
         everyone = slice(0, len(seqs))
         for j in range(extra - 2):  # one token per row per step, rows at different positions
             tok = torch.tensor([[s[-extra + j]] for s in seqs])
-            logits = model(tok, cache.positions(everyone, 1, "cpu"), cache, everyone)
+            logits = model(tok, cache.lengths[everyone], cache, everyone)
             for b in range(len(seqs)):
                 assert (logits[b, 0] - full[b][len(seqs[b]) - extra + j]).abs().max() <= TOL
                 cache.commit(b, cache.lengths[b] + 1)
         tok = torch.tensor([s[-2:] for s in seqs])  # two tokens per row at once
-        logits = model(tok, cache.positions(everyone, 2, "cpu"), cache, everyone)
+        logits = model(tok, cache.lengths[everyone], cache, everyone)
         for b in range(len(seqs)):
             assert (logits[b] - full[b][-2:]).abs().max() <= TOL

@@ -137,7 +137,7 @@ def test_accept_sampling_first_token_is_distributed_as_p(case, cfg):
     draws = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
     emitted, accepted = [], 0
     for d in draws:
-        k, nxt = accept_sampling([d], [q], TARGET[:2], cfg, gen)
+        k, nxt = map(int, accept_sampling(torch.tensor([d]), q[None], TARGET[:2], cfg, gen))
         assert k in (0, 1)
         accepted += k
         emitted.append(d if k == 1 else nxt)
@@ -163,12 +163,13 @@ def test_accept_sampling_chain_of_drafts_gives_joint_of_targets():
     for _ in range(n):
         d1 = int(torch.multinomial(q1, 1, generator=gen))
         d2 = int(torch.multinomial(q2, 1, generator=gen))
-        k, nxt = accept_sampling([d1, d2], [q1, q2], TARGET, cfg, gen)
+        k, nxt = map(int, accept_sampling(torch.tensor([d1, d2]), torch.stack([q1, q2]),
+                                          TARGET, cfg, gen))
         if k >= 1:
             pairs.append((d1, d2 if k == 2 else nxt))
         else:  # next round: the target row for position 2 is TARGET[1] again here
             d = int(torch.multinomial(q2, 1, generator=gen))
-            k2, nxt2 = accept_sampling([d], [q2], TARGET[1:], cfg, gen)
+            k2, nxt2 = map(int, accept_sampling(torch.tensor([d]), q2[None], TARGET[1:], cfg, gen))
             pairs.append((nxt, d if k2 else nxt2))
     probs = {(a, b): float(p[0, a] * p[1, b]) for a in range(V) for b in range(V)}
     assert_fits(pairs, probs, "joint of two emitted tokens")
@@ -193,7 +194,7 @@ def exact_distribution(model, cfg: SamplingConfig) -> dict[tuple[int, ...], floa
     batch = torch.tensor([PROMPT + list(pre) for pre in prefixes])
     cache = KVCache(model.cfg, len(prefixes), batch.shape[1], dtype=model.dtype, device="cpu")
     with torch.inference_mode():
-        logits = model(batch, cache.positions(slice(0, len(prefixes)), batch.shape[1], "cpu"),
+        logits = model(batch, cache.lengths[slice(0, len(prefixes))],
                        cache)
     start = len(PROMPT) - 1
     step_probs = hf_probs(logits[:, start:start + NEW].reshape(-1, vocab), cfg)

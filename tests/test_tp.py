@@ -73,11 +73,11 @@ def _run_model(model) -> dict:
     cache = KVCache(model.cfg, 1, 32, dtype=model.dtype, device="cpu", kv_heads=kv_heads(model))
     rows = slice(0, 1)
     with torch.inference_mode():
-        logits = [model(torch.tensor([PREFILL]), cache.positions(rows, len(PREFILL), "cpu"),
+        logits = [model(torch.tensor([PREFILL]), cache.lengths[rows],
                         cache)[0]]
         cache.commit(0, len(PREFILL))
         for t in DECODE:
-            logits.append(model(torch.tensor([[t]]), cache.positions(rows, 1, "cpu"), cache)[0])
+            logits.append(model(torch.tensor([[t]]), cache.lengths[rows], cache)[0])
             cache.commit(0, cache.lengths[0] + 1)
     out["logits"] = torch.cat(logits)
     config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)

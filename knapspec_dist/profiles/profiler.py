@@ -57,6 +57,7 @@ import torch
 
 from .device import device_info, dtype_name
 from .profile import LatencyProfile, fit_profile
+from .replay import ReplayTimer
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def fill_cache(model, cache, length: int, fill: str = "random", chunk: int = 512
         while done < length:
             t = min(chunk, length - done)
             tokens = torch.randint(vocab, (cache.batch, t), generator=generator).to(model.device)
-            model(tokens, cache.positions(rows, t, model.device), cache, rows, last_only=True)
+            model(tokens, cache.lengths[rows], cache, rows, last_only=True)
             done += t
             for row in range(cache.batch):
                 cache.commit(row, done)
@@ -260,7 +261,7 @@ def decode_allreduce_sizes(hidden: int, batch: int, max_q: int, dtype: torch.dty
 def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT_MAX_Q,
             repeats: int = 5, *, warmup: int = 1, fill: str = "random", group=None,
             shape: dict[str, Any] | None = None, allreduce_sizes: Sequence[int] | None = None,
-            seed: int = 0) -> LatencyProfile:
+            seed: int = 0, mode: str = "eager") -> LatencyProfile:
     """Measure ``model`` (a loaded ``Transformer``) and fit its latency profile.
 
     contexts: context lengths n (tokens already in the KV cache); batch: sequences per forward;
@@ -269,8 +270,11 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     filled (see ``fill_cache``); group: the tensor-parallel process group when the model is a
     shard (tp = its size; samples are MAX-reduced over ranks and all-reduce samples added);
     shape: the model shape to record (defaults to ``model.cfg.shape()``; a TP shard passes the
-    full model's). See the module docstring for the method.
+    full model's); mode: "eager" (hooked sublayers) or "graph" (replayed forwards, the way
+    decoding runs on a GPU; see replay.py). See the module docstring for the method.
     """
+    if mode not in ("eager", "graph"):
+        raise ValueError(f"unknown profile mode {mode!r}; choose eager or graph")
     contexts = sorted(set(int(n) for n in contexts))
     if not contexts or contexts[0] < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
@@ -299,18 +303,25 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
         for row in range(batch):
             cache.commit(row, n)
 
+    replay = ReplayTimer(model, cache, rows, tokens) if mode == "graph" else None
+
     def hooked_step(n: int) -> dict[str, list[float]]:
         at(n)
+        if replay is not None:
+            return {k: [v] * (cfg.num_layers if k in ("attention", "mlp") else 1)
+                    for k, v in replay.split(n).items()}
         timer = _SublayerTimer(model, clock)
         try:
-            model(tokens(1), cache.positions(rows, 1, device), cache, rows)
+            model(tokens(1), cache.lengths[rows], cache, rows)
         finally:
             timer.remove()
         return timer.split()
 
     def verify(n: int, q: int) -> float:
         at(n)
-        x, pos = tokens(q), cache.positions(rows, q, device)
+        if replay is not None:
+            return replay.time(n, q)
+        x, pos = tokens(q), cache.lengths[rows]
         clock.sync()
         start = time.perf_counter()
         model(x, pos, cache, rows)

@@ -16,7 +16,7 @@ def prefill(model: Transformer, cache: KVCache, row: int, prompt: list[int],
     """Run one prompt into its cache row (padding-free); return its last-position logits [V]."""
     tokens = torch.tensor([prompt], device=model.device)
     rows = slice(row, row + 1)
-    logits = model(tokens, cache.positions(rows, len(prompt), model.device), cache, rows,
+    logits = model(tokens, cache.lengths[rows], cache, rows,
                    last_only=True, capture=capture)
     cache.commit(row, len(prompt))
     return logits[0, -1]
@@ -32,10 +32,10 @@ class Autoregressive(Strategy):
         timer = Timer(model.device)
         start = timer.now()
         batch = len(prompts)
-        cache = KVCache(model.cfg, batch, max(map(len, prompts)) + max(limits) + 1,
-                        dtype=model.dtype, device=model.device,
-                        kv_heads=model.layers[0].attention.num_kv_heads)  # local under TP
-        gen = config.sampling.generator()
+        forward = self.runner(model)
+        cache = forward.new_cache(batch, max(map(len, prompts)) + max(limits) + 1,
+                                  model.layers[0].attention.num_kv_heads)  # local under TP
+        gen = config.sampling.generator(model.device)
         first = torch.stack([prefill(model, cache, b, p) for b, p in enumerate(prompts)])
         outputs = [[t] for t in choose(first, config.sampling, gen).tolist()]
         prefill_s = timer.now() - start
@@ -46,7 +46,7 @@ class Autoregressive(Strategy):
         everyone = slice(0, batch)
         while None in reasons:
             tokens = torch.tensor([[out[-1]] for out in outputs], device=model.device)
-            logits = model(tokens, cache.positions(everyone, 1, model.device), cache, everyone)
+            logits = forward(tokens, cache.lengths[everyone], cache, everyone)
             nxt = choose(logits[:, 0], config.sampling, gen).tolist()
             steps += 1
             for b in range(batch):

@@ -113,8 +113,7 @@ class HiddenStateEvaluator:
         self.reference = states  # [2L + 1, m, d]: input, then after each item
         m = states.shape[1]
         self.prefix = start  # cache positions before the reference tokens
-        positions = torch.arange(start, start + m, device=states.device)[None]
-        self.step = model.step(positions, slice(0, 1))
+        self.step = model.step([start], m, cache, slice(0, 1))  # rotary tables of the m tokens
         self.current: dict[int, torch.Tensor] = {0: states[0]}
         self.pending: dict[tuple[int, bool], torch.Tensor] = {}
         causal = torch.ones(m, m, dtype=torch.bool, device=states.device).tril()

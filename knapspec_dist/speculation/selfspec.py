@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache
+from ..execution.runner import ModelRunner
 from ..model import Capture, Transformer
 from ..sampling import accept_greedy, accept_sampling, choose, probabilities
 from .autoregressive import prefill
@@ -76,8 +77,10 @@ def validate_plan(plan: Plan, num_items: int) -> None:
 class SelfSpeculative(Strategy):
     """Draft with a subnet of the model, verify with the whole model; one sequence at a time."""
 
-    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static"):
+    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static",
+                 early_exit: bool | None = None):
         self.selector, self.tau_conf, self.name = selector, tau_conf, name
+        self.early_exit = early_exit  # None: stop drafting on the host only on a CPU
 
     def generate(self, model: Transformer, prompts: list[list[int]],
                  config: GenerationConfig) -> list[GenerationResult]:
@@ -90,10 +93,9 @@ class SelfSpeculative(Strategy):
         sel, dev = self.selector, model.device
         timer = Timer(dev)
         start = timer.now()
-        cache = KVCache(model.cfg, 1, len(prompt) + limit + MAX_GAMMA + 2,
-                        dtype=model.dtype, device=dev,
-                        kv_heads=model.layers[0].attention.num_kv_heads)  # local under TP
-        gen = config.sampling.generator()
+        cache = self.runner(model).new_cache(1, len(prompt) + limit + MAX_GAMMA + 2,
+                                             model.layers[0].attention.num_kv_heads)
+        gen = config.sampling.generator(dev)
         sel.start(model, len(prompt))
         first = prefill(model, cache, 0, prompt)  # selectors observe generated tokens only
         out = choose(first[None], config.sampling, gen).tolist()
@@ -116,47 +118,43 @@ class SelfSpeculative(Strategy):
         selections0, fallbacks0 = sel.selections, sel.fallbacks
         out, reason = finish(list(out), limit, model, config)
         attn_skipped = mlp_skipped = 0
+        early_exit = self.early_exit if self.early_exit is not None else dev.type == "cpu"
+        forward = self.runner(model)
         while reason is None:
             t0 = timer.now()
             plan = sel.plan(model, cache, len(out))
             t1 = timer.now()
             pos = cache.lengths[0]
-            drafts: list[int] = []
-            draft_probs: list[torch.Tensor] = []
-            tok = out[-1]
-            for i in range(min(plan.gamma, limit - len(out) - 1)):
-                logits = model(torch.tensor([[tok]], device=dev),
-                               torch.tensor([[pos + i]], device=dev), cache, skip=plan.skip)[0, -1]
-                q = probabilities(logits, sampling)
-                tok = int(logits.argmax()) if sampling.greedy else \
-                    int(torch.multinomial(q, 1, generator=gen))
-                drafts.append(tok)
-                draft_probs.append(q)
-                if float(q.max()) < self.tau_conf:
-                    break  # unsure: verify what is drafted (the draft step is not wasted)
+            gamma = min(plan.gamma, limit - len(out) - 1)
+            drafts, draft_probs, unsure = self._draft(forward, cache, plan.skip, out[-1], pos,
+                                                      gamma, sampling, gen, early_exit)
             t2 = timer.now()
             capture = Capture() if sel.wants_reference() else None
-            tokens = torch.tensor([[out[-1]] + drafts], device=dev)
-            logits = model(tokens, cache.positions(slice(0, 1), len(drafts) + 1, dev), cache,
-                           capture=capture)[0]
+            pending = torch.tensor([out[-1]], device=dev)
+            logits = forward(torch.cat([pending, drafts])[None], [pos], cache,
+                             capture=capture)[0]
             if sampling.greedy:
-                n, nxt = accept_greedy(drafts, logits)
+                n, nxt = accept_greedy(drafts, logits, unsure)
             else:
-                n, nxt = accept_sampling(drafts, draft_probs, logits, sampling, gen)
+                n, nxt = accept_sampling(drafts, draft_probs, logits, sampling, gen, unsure)
+            # The round's one read-back: accepted count, next token, the drafts to verify, drafts.
+            back = torch.cat([torch.stack([n, nxt, torch.as_tensor(unsure, device=dev)]).long(),
+                              drafts.long()]).tolist()
+            n, nxt, verified, tokens = back[0], back[1], back[2], back[3:]
             cache.commit(0, pos + n + 1)
             if capture is not None:
                 sel.observe(capture, n + 1)
-            sel.record(len(drafts), n)
-            out, reason = finish(out + drafts[:n] + [nxt], limit, model, config)
+            sel.record(verified, n)
+            out, reason = finish(out + tokens[:n] + [nxt], limit, model, config)
             t3 = timer.now()
             stats.select_s += t1 - t0
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2
             stats.steps += 1
-            stats.drafted += len(drafts)
+            stats.drafted += verified
             stats.accepted += n
-            attn_skipped += len(drafts) * sum(1 for i in plan.skip if i % 2 == 0)
-            mlp_skipped += len(drafts) * sum(1 for i in plan.skip if i % 2 == 1)
+            attn_skipped += len(tokens) * sum(1 for i in plan.skip if i % 2 == 0)
+            mlp_skipped += len(tokens) * sum(1 for i in plan.skip if i % 2 == 1)
         stats.wall_s = timer.now() - start
         stats.new_tokens = len(out)
         stats.selections = sel.selections - selections0
@@ -165,3 +163,38 @@ class SelfSpeculative(Strategy):
             stats.attention_skipped = attn_skipped / stats.drafted
             stats.mlp_skipped = mlp_skipped / stats.drafted
         return GenerationResult(out, stats, reason)
+
+    def _draft(self, forward: ModelRunner, cache: KVCache, skip: frozenset[int], pending: int,
+               pos: int, gamma: int, sampling, gen, early_exit: bool):
+        """Up to ``gamma`` draft tokens [g] and their distributions [g, V], kept on the device,
+        and how many of them to verify: up to and including the first whose top-1 probability
+        is below ``tau_conf`` (an unsure draft is still worth a verify slot). With
+        ``early_exit`` (CPUs, where reading a number back costs nothing) drafting stops there;
+        on a GPU all ``gamma`` are drafted and the cut is made on the device, so the round
+        never waits on the host (the verify then carries the extra drafts, never accepted)."""
+        model = forward.model
+        dev = model.device
+        tok = torch.tensor([[pending]], device=dev)
+        drafts, probs, confs = [], [], []
+        for i in range(gamma):
+            logits = forward(tok, [pos + i], cache, skip=skip)[0, -1]
+            q = probabilities(logits, sampling)
+            d = logits.argmax() if sampling.greedy else \
+                torch.multinomial(q, 1, generator=gen).squeeze(0)
+            drafts.append(d)
+            probs.append(q)
+            tok = d.view(1, 1)
+            if early_exit:
+                if float(q.max()) < self.tau_conf:
+                    break
+            else:
+                confs.append(q.max())
+        if not drafts:
+            return (torch.empty(0, dtype=torch.long, device=dev),
+                    torch.empty(0, model.cfg.vocab_size, device=dev), 0)
+        if early_exit:
+            unsure: torch.Tensor | int = len(drafts)
+        else:
+            low = torch.stack(confs) < self.tau_conf
+            unsure = torch.where(low.any(), low.long().argmax() + 1, len(drafts))
+        return torch.stack(drafts).long(), torch.stack(probs), unsure

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import UserError
+from ..execution.runner import ModelRunner
 from ..model import Transformer
 from ..sampling import SamplingConfig
 
@@ -76,6 +77,14 @@ class GenerationResult:
 
 class Strategy(ABC):
     name: str
+    graphs: bool | None = None  # CUDA graphs for decode/verify/draft; None: on CUDA devices
+
+    def runner(self, model: Transformer) -> ModelRunner:
+        """This strategy's runner for ``model``: its reusable cache and captured graphs."""
+        runner = getattr(self, "_runner", None)
+        if runner is None or runner.model is not model:
+            runner = self._runner = ModelRunner(model, self.graphs)
+        return runner
 
     @abstractmethod
     def generate(self, model: Transformer, prompts: list[list[int]],

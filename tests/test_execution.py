@@ -1,0 +1,189 @@
+"""The GPU execution path, exercised on the CPU: static-shape forwards (device ``starts``, all
+``capacity`` keys, lengths read on the device) replayed through the model runner's graph
+stand-in, the sync-free draft loop, and flex_attention's length block mask. The same code runs
+under CUDA graphs on a GPU (tests/test_gpu.py, ``knapspec gpu-check``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompt
+from knapspec_dist.cache import KVCache
+from knapspec_dist.execution.attention import FLEX_BLOCK, length_block_mask
+from knapspec_dist.execution.runner import ModelRunner
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.strategy import GenerationConfig
+from knapspec_dist.sampling import SamplingConfig
+
+NAME = "llama-gqa"
+GREEDY = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [random_prompt(n, vocab, seed=40 + n) for n in (7, 33, 90)]
+
+
+def test_static_shape_forward_equals_eager(engine_model):
+    """Rows at different lengths, T = 1 and T = 3, keys read up to the capacity with the lengths
+    on the device: the logits equal the eager forward's (host hints, sliced keys)."""
+    model = engine_model(NAME)
+    seqs = prompts(model.cfg.vocab_size)
+    caches = [KVCache(model.cfg, 3, 160, dtype=model.dtype, device="cpu") for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            for b, s in enumerate(seqs):
+                model(torch.tensor([s]), [0], cache, slice(b, b + 1))
+                cache.commit(b, len(s))
+        for t in (1, 3):
+            tokens = torch.randint(model.cfg.vocab_size, (3, t))
+            eager = model(tokens, caches[0].lengths, caches[0])
+            static = model(tokens, torch.tensor(caches[1].lengths), caches[1])
+            torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ar", "static"])
+def test_graph_replay_gives_the_tokens_of_eager_decoding(engine_model, strategy):
+    model = engine_model(NAME)
+    seqs = prompts(model.cfg.vocab_size)
+
+    def make(graphs: bool):
+        if strategy == "ar":
+            s = Autoregressive()
+        else:
+            s = SelfSpeculative(StaticSelector(frozenset({2, 5, 7}), 3), tau_conf=0.3)
+        s.graphs = graphs
+        return s
+
+    eager = make(False).generate(model, seqs, GREEDY)
+    graphed = make(True)
+    replayed = graphed.generate(model, seqs, GREEDY)
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
+    runner = graphed.runner(model)
+    assert runner.captures > 0  # the graph path really ran
+    # A second request reuses the cache and its graphs.
+    before = runner.captures
+    again = graphed.generate(model, seqs[:1], GREEDY)
+    assert again[0].token_ids == eager[0].token_ids
+    if strategy == "static":
+        assert runner.captures == before
+
+
+def test_cache_is_reused_while_it_fits(engine_model):
+    model = engine_model(NAME)
+    runner = ModelRunner(model, graphs=False)
+    a = runner.new_cache(1, 100, model.cfg.num_kv_heads)
+    a.commit(0, 50)
+    b = runner.new_cache(1, 200, model.cfg.num_kv_heads)
+    assert b is a and b.lengths == [0] and b.capacity == 256
+    c = runner.new_cache(1, 300, model.cfg.num_kv_heads)
+    assert c is not a and c.capacity == 512
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, seed=3)],
+                         ids=["greedy", "sampling"])
+def test_drafting_without_host_reads_gives_the_same_tokens(engine_model, sampling):
+    """The GPU draft loop (all gamma drafted, the unsure cut made on the device) emits what the
+    CPU loop (stop at the first unsure draft) emits; greedy tokens equal ar's."""
+    model = engine_model(NAME)
+    seqs = prompts(model.cfg.vocab_size)[:2]
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False, sampling=sampling)
+    runs = {}
+    for early in (True, False):
+        s = SelfSpeculative(StaticSelector(frozenset({2, 5}), 4), tau_conf=0.6, early_exit=early)
+        runs[early] = [r.token_ids for r in s.generate(model, seqs, config)]
+    if sampling.greedy:
+        assert runs[True] == runs[False]
+        assert runs[True] == [r.token_ids for r in Autoregressive().generate(model, seqs, config)]
+    else:  # same seed, but the device path draws more draft tokens: only the lengths agree
+        assert [len(t) for t in runs[True]] == [len(t) for t in runs[False]]
+
+
+def _dense_visible(starts: list[int], t: int, kv_len: int) -> torch.Tensor:
+    keys = torch.arange(kv_len)
+    pos = torch.tensor(starts)[:, None] + torch.arange(t)[None]
+    return keys[None, None, :] <= pos[:, :, None]  # [B, T, S]
+
+
+@pytest.mark.parametrize("starts,t", [([0, 5, 127], 1), ([126, 300, 40], 3), ([1, 250], 140)])
+def test_length_block_mask_covers_exactly_the_visible_keys(starts, t):
+    """Blocks marked full are wholly visible, partial blocks hold every visible key the full
+    ones miss, and no key past a row's length is in any block."""
+    kv_len = 512
+    mask = length_block_mask(torch.tensor(starts), t, kv_len)
+    visible = _dense_visible(starts, t, kv_len)
+    full_n, full_i = mask.full_kv_num_blocks, mask.full_kv_indices
+    part_n, part_i = mask.kv_num_blocks, mask.kv_indices
+    for b in range(len(starts)):
+        for qb in range(-(-t // FLEX_BLOCK)):
+            rows = visible[b, qb * FLEX_BLOCK:(qb + 1) * FLEX_BLOCK]
+            covered = torch.zeros(kv_len, dtype=torch.bool)
+            for kb in full_i[b, 0, qb, :full_n[b, 0, qb]].tolist():
+                block = rows[:, kb * FLEX_BLOCK:(kb + 1) * FLEX_BLOCK]
+                assert block.all(), f"row {b} q-block {qb}: block {kb} is not wholly visible"
+                covered[kb * FLEX_BLOCK:(kb + 1) * FLEX_BLOCK] = True
+            for kb in part_i[b, 0, qb, :part_n[b, 0, qb]].tolist():
+                assert not covered[kb * FLEX_BLOCK], f"block {kb} both full and partial"
+                covered[kb * FLEX_BLOCK:(kb + 1) * FLEX_BLOCK] = True
+            needed = rows.any(dim=0)
+            assert covered[needed].all(), f"row {b} q-block {qb}: a visible key is skipped"
+            last = int(needed.nonzero().max())
+            assert not covered[(last // FLEX_BLOCK + 1) * FLEX_BLOCK:].any(), "reads past length"
+
+
+@pytest.mark.slow
+def test_flex_backend_matches_sdpa_on_cpu(engine_model):
+    """The CUDA backend's program (compiled flex_attention with the length block mask, all
+    capacity keys) on the CPU: same logits as the SDPA backend, rows at different lengths."""
+    model = engine_model(NAME)
+    seqs = prompts(model.cfg.vocab_size)
+    out = {}
+    for backend in ("sdpa", "flex"):
+        model.backend = backend
+        try:
+            cache = KVCache(model.cfg, 3, 256, dtype=model.dtype, device="cpu")
+            with torch.inference_mode():
+                for b, s in enumerate(seqs):
+                    model(torch.tensor([s]), [0], cache, slice(b, b + 1))
+                    cache.commit(b, len(s))
+                tokens = torch.tensor([[1, 2, 3]] * 3)
+                out[backend] = model(tokens, cache.lengths, cache)
+        finally:
+            model.backend = None
+    torch.testing.assert_close(out["flex"], out["sdpa"], atol=1e-4, rtol=1e-4)
+
+
+def test_replay_timer_recovers_sublayer_costs_by_difference(engine_model, monkeypatch):
+    """Graph-mode pricing: with replayed forwards costing head + attention per executed
+    attention + mlp per executed MLP, the split returns exactly those costs."""
+    from knapspec_dist.profiles.replay import ReplayTimer
+
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    cost = {"head": 3e-4, "mlp": 2e-4}
+
+    def fake_time(self, n, q, skip=frozenset()):
+        attn = 1e-4 + 1e-7 * n
+        run_attn = sum(1 for i in range(0, 2 * layers, 2) if i not in skip)
+        run_mlp = sum(1 for i in range(1, 2 * layers, 2) if i not in skip)
+        return cost["head"] + run_attn * attn + run_mlp * cost["mlp"]
+
+    monkeypatch.setattr(ReplayTimer, "time", fake_time)
+    cache = KVCache(model.cfg, 1, 64, dtype=model.dtype, device="cpu")
+    timer = ReplayTimer(model, cache, slice(0, 1), lambda q: torch.zeros(1, q, dtype=torch.long))
+    split = timer.split(1000)
+    assert split["attention"] == pytest.approx(1e-4 + 1e-4)
+    assert split["mlp"] == pytest.approx(cost["mlp"])
+    assert split["head"] == pytest.approx(cost["head"])
+
+
+def test_graph_mode_profile_runs_on_the_cpu(engine_model):
+    """The profiler's graph mode end to end (the graph stand-in re-runs the forwards)."""
+    import math
+
+    from knapspec_dist.profiles.profiler import measure
+
+    model = engine_model(NAME)
+    profile = measure(model, [32, 64], batch=1, max_q=3, repeats=1, mode="graph")
+    assert all(math.isfinite(profile.verify_time(q, n)) for q in (1, 3) for n in (32, 64))
