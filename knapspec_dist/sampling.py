@@ -69,45 +69,44 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
 
 
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor,
-                  limit: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest prefix of ``drafts`` [g] equal to the target's argmax (at most ``limit`` long),
-    and the target's next token; both 0-d tensors on the device (no host sync).
+                  limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the longest prefix of ``drafts`` [B, g] equal to the target's argmax (at most
+    ``limit`` [B] long) and the target's next token: two [B] tensors on the device (no sync).
 
-    ``target_logits`` [g+1, V] are the full model's logits at the pending token and each draft.
+    ``target_logits`` [B, g+1, V] are the full model's logits at the pending token and each draft.
     """
     target = target_logits.argmax(dim=-1)
-    g = drafts.shape[0]
-    n = (drafts == target[:g]).long().cumprod(0).sum()
+    g = drafts.shape[1]
+    n = (drafts == target[:, :g]).long().cumprod(1).sum(1)
     if limit is not None:
-        n = torch.clamp(n, max=limit)
-    return n, target[n]
+        n = torch.minimum(n, limit)
+    return n, target.gather(1, n[:, None]).squeeze(1)
 
 
 def accept_sampling(drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
                     cfg: SamplingConfig, gen: torch.Generator | None,
-                    limit: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative rejection sampling: (number accepted, token emitted after them), 0-d tensors.
+                    limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling per row: (accepted count, token emitted after them), [B].
 
-    All drafts are judged at once on the device. ``limit`` caps the accepted count (drafts
-    after the draft's first unsure token were never meant to be verified); reaching it emits
-    a token from the target's own distribution there, as if those drafts did not exist.
+    ``drafts`` [B, g] were drawn from ``draft_probs`` [B, g, V]; ``target_logits`` [B, g+1, V].
+    All drafts are judged at once on the device. ``limit`` [B] caps the accepted count (drafts
+    after a row's first unsure draft were never meant to be verified); reaching it emits a
+    token from the target's own distribution there, as if those drafts did not exist.
     """
-    drafts, draft_probs = torch.as_tensor(drafts), torch.as_tensor(draft_probs)
-    if draft_probs.dim() == 1:
-        draft_probs = draft_probs[None]
-    p = probabilities(target_logits, cfg)  # [g+1, V]
-    g = drafts.shape[0]
-    dev = p.device
-    pd = p[:g].gather(1, drafts[:, None].to(dev)).squeeze(1)
-    qd = draft_probs.to(dev).gather(1, drafts[:, None].to(dev)).squeeze(1)
-    u = torch.rand(g, generator=gen, device=dev)
+    p = probabilities(target_logits, cfg)  # [B, g+1, V]
+    b, g = drafts.shape
+    pd = p[:, :g].gather(2, drafts[..., None]).squeeze(2)
+    qd = draft_probs.gather(2, drafts[..., None]).squeeze(2)
+    u = torch.rand(b, g, generator=gen, device=p.device)
     ok = (qd > 0) & (u * qd < pd)  # u < min(1, p/q), without dividing by q
-    n = ok.long().cumprod(0).sum()
-    cap = torch.as_tensor(g if limit is None else limit, device=dev)
+    n = ok.long().cumprod(1).sum(1)
+    cap = torch.full_like(n, g) if limit is None else limit
     n = torch.minimum(n, cap)
-    residual = (p[:g] - draft_probs.to(dev)).clamp_min(0)
+    residual = (p[:, :g] - draft_probs).clamp_min(0)
     total = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[:g])
-    rejected = torch.cat([residual, p[g:g + 1]])  # row g: every draft accepted
-    dist = torch.where(n < cap, rejected[n], p[n])
-    return n, torch.multinomial(dist, 1, generator=gen).squeeze(0)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[:, :g])
+    rejected = torch.cat([residual, p[:, g:g + 1]], dim=1)  # row g: every draft accepted
+    at = n[:, None, None].expand(b, 1, p.shape[-1])
+    dist = torch.where((n < cap)[:, None], rejected.gather(1, at).squeeze(1),
+                       p.gather(1, at).squeeze(1))
+    return n, torch.multinomial(dist, 1, generator=gen).squeeze(1)

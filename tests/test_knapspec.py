@@ -9,7 +9,7 @@ from knapspec_dist.profiles.profile import fit_profile
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.cache import KVCache
 from knapspec_dist.model import Capture
-from knapspec_dist.speculation.knapspec import (HiddenStateEvaluator, KnapSpecConfig,
+from knapspec_dist.speculation.knapspec import (HiddenStateEvaluator, KnapSpecConfig, Reference,
                                                 KnapSpecSelector, prefix_attention,
                                                 reference_prefix_attention, smoothed_alpha)
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
@@ -66,7 +66,9 @@ def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
 
 def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
     model = smollm2.model
-    profile = synthetic_profile(model, [(256, 8.7e-4), (8192, 7.4e-3)], mlp=7.5e-4)
+    # Verify priced flat in q, as on a GPU: drafting pays for both rows of the batch.
+    profile = synthetic_profile(model, [(256, 8.7e-4), (8192, 7.4e-3)], mlp=7.5e-4,
+                                verify_growth=0.0)
     prompts = [corpus_prompt[:300], corpus_prompt]
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     expected = Autoregressive().generate(model, prompts, config)
@@ -88,8 +90,8 @@ def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_promp
                                 verify_growth=0.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9,
                                                         min_gain=1.0))
-    result = SelfSpeculative(selector, name="knapspec").generate_one(
-        model, prompt, GenerationConfig(max_new_tokens=170, stop_at_eos=False))
+    result = SelfSpeculative(selector, name="knapspec").generate(
+        model, [prompt], GenerationConfig(max_new_tokens=170, stop_at_eos=False))[0]
     first, last = selector.history[0], selector.history[-1]
     assert first.context == first_n and last.context > first_n + 120
     attention = lambda sel: sum(1 for i in sel.plan.skip if i % 2 == 0)  # noqa: E731
@@ -145,28 +147,30 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=10_000))
-    selector.start(model, 100)
-    assert selector.next_selection == selector.config.m + 1  # m generated tokens first
+    selector.start(model)
+    assert selector.next_selection == selector.config.m  # m generated tokens first
     selector.next_selection = 0
-    selector.states.append(torch.zeros(1))  # select() is replaced below; it only needs a state
     skip, n = frozenset({2, 3}), 100
     selected = []
+    monkeypatch.setattr(selector, "references", lambda batch: ["a reference"])
 
-    def select(model, cache):  # what select() records for a chosen plan, at alpha 0.9
+    def select(model, batch, references):  # what select() records for a plan, at alpha 0.9
         selector.run = PlanRun(n, 0.9, profile.draft_time(skip, n, model.cfg.num_layers))
         selected.append(selector.calibration)
         return type("S", (), {"plan": Plan(skip, 3)})()
 
     monkeypatch.setattr(selector, "select", select)
-    cache = type("C", (), {"lengths": [n]})()
-    assert selector.plan(model, cache, 0) == Plan(skip, 3)
+    batch = type("B", (), {"lengths": [n], "progress": 0.0})()
+    assert selector.plan(model, batch) == Plan(skip, 3)
     for i in range(PlanRun.GUARD_ROUNDS):
-        assert selector.plan(model, cache, i + 1) == Plan(skip, 3)
-        selector.record(3, 0)  # every draft rejected: one token per round at a higher cost
-    assert selector.plan(model, cache, 9) == Plan(frozenset(), 0)
+        batch.progress = i + 1
+        assert selector.plan(model, batch) == Plan(skip, 3)
+        selector.record(3, [3], [0])  # every draft rejected: one token per round, higher cost
+    batch.progress = 9
+    assert selector.plan(model, batch) == Plan(frozenset(), 0)
     assert selector.fallbacks == 1
     assert selector.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
-    selector.record(3, 0)  # no plan in force: nothing recorded
+    selector.record(3, [3], [0])  # no plan in force: nothing recorded
     assert selector.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
 
 
@@ -196,24 +200,33 @@ def test_fused_prefix_attention_matches_plain_ops():
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3-headdim"])
 def test_dp_states_equal_a_drafted_forward(engine_model, name):
     """The DP's state for a skip set is what the draft with that skip set computes at the m
-    reference positions: the full model's K/V for the prefix, its own K/V for the m tokens."""
+    reference positions of each reference row: the full model's K/V for that row's prefix, its
+    own K/V for the m tokens."""
     model = engine_model(name)
     gen = torch.Generator().manual_seed(11)
-    prompt = torch.randint(2, 256, (1, 90), generator=gen)
+    lengths = [90, 61]  # two rows of a batch, each with its own prefix
+    prompts = [torch.randint(2, 256, (1, n), generator=gen) for n in lengths]
     m, items = 5, 2 * model.cfg.num_layers
     skip = frozenset(int(i) for i in torch.randperm(items, generator=gen)[:items // 3])
-    cache = KVCache(model.cfg, 1, 100, dtype=model.dtype, device="cpu")
+    cache = KVCache(model.cfg, 2, 100, dtype=model.dtype, device="cpu")
+    references, drafted = [], []
     with torch.inference_mode():
-        model(prompt[:, :-m], [0], cache)
-        cache.commit(0, 90 - m)
-        full = Capture()
-        model(prompt[:, -m:], [90 - m], cache, capture=full)
-        states = torch.stack([h[0] for h in full])  # [2L+1, m, d]
-        evaluator = HiddenStateEvaluator(model, cache, states, 90 - m)
+        for row, (n, prompt) in enumerate(zip(lengths, prompts)):
+            rows = slice(row, row + 1)
+            model(prompt[:, :-m], [0], cache, rows)
+            cache.commit(row, n - m)
+            full = Capture()
+            model(prompt[:, -m:], [n - m], cache, rows, capture=full)
+            references.append(Reference(row, n - m, torch.stack([h[0] for h in full])))
+        evaluator = HiddenStateEvaluator(model, cache, references)
         for item in range(items):
             evaluator.evaluate(item, [0], item not in skip)
             evaluator.keep(item, {0: (0, item not in skip)})
-        drafted = Capture()
-        model(prompt[:, -m:], [90 - m], cache, skip=skip, capture=drafted)
-    assert torch.allclose(evaluator.current[0], drafted[-1][0], atol=1e-3, rtol=1e-4)
-    assert not torch.allclose(evaluator.current[0], states[-1], atol=1e-3, rtol=1e-4)
+        for row, (n, prompt) in enumerate(zip(lengths, prompts)):
+            draft = Capture()
+            model(prompt[:, -m:], [n - m], cache, slice(row, row + 1), skip=skip, capture=draft)
+            drafted.append(draft[-1][0])
+    got, want = evaluator.current[0], torch.cat(drafted)
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-4)
+    full_states = torch.cat([r.states[-1] for r in references])
+    assert not torch.allclose(got, full_states, atol=1e-3, rtol=1e-4)

@@ -137,7 +137,8 @@ def test_accept_sampling_first_token_is_distributed_as_p(case, cfg):
     draws = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
     emitted, accepted = [], 0
     for d in draws:
-        k, nxt = map(int, accept_sampling(torch.tensor([d]), q[None], TARGET[:2], cfg, gen))
+        k, nxt = map(int, accept_sampling(torch.tensor([[d]]), q[None, None], TARGET[None, :2],
+                                          cfg, gen))
         assert k in (0, 1)
         accepted += k
         emitted.append(d if k == 1 else nxt)
@@ -163,13 +164,14 @@ def test_accept_sampling_chain_of_drafts_gives_joint_of_targets():
     for _ in range(n):
         d1 = int(torch.multinomial(q1, 1, generator=gen))
         d2 = int(torch.multinomial(q2, 1, generator=gen))
-        k, nxt = map(int, accept_sampling(torch.tensor([d1, d2]), torch.stack([q1, q2]),
-                                          TARGET, cfg, gen))
+        k, nxt = map(int, accept_sampling(torch.tensor([[d1, d2]]), torch.stack([q1, q2])[None],
+                                          TARGET[None], cfg, gen))
         if k >= 1:
             pairs.append((d1, d2 if k == 2 else nxt))
         else:  # next round: the target row for position 2 is TARGET[1] again here
             d = int(torch.multinomial(q2, 1, generator=gen))
-            k2, nxt2 = map(int, accept_sampling(torch.tensor([d]), q2[None], TARGET[1:], cfg, gen))
+            k2, nxt2 = map(int, accept_sampling(torch.tensor([[d]]), q2[None, None], TARGET[None, 1:],
+                                                cfg, gen))
             pairs.append((nxt, d if k2 else nxt2))
     probs = {(a, b): float(p[0, a] * p[1, b]) for a in range(V) for b in range(V)}
     assert_fits(pairs, probs, "joint of two emitted tokens")

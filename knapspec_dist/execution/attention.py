@@ -104,8 +104,12 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
 
 @functools.cache
 def _compiled_flex():
+    """One compiled kernel per (batch, T, capacity, heads): decoding meets more shapes than
+    dynamo's default limit of 8 recompilations, past which it would fall back to unfused flex."""
+    import torch._dynamo.config as dynamo_config
     from torch.nn.attention.flex_attention import flex_attention
 
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
     return torch.compile(flex_attention, fullgraph=True)
 
 

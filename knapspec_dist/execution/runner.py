@@ -14,8 +14,7 @@ CUDA graph and replayed, the launches go. What is captured, per (rows, T, skip s
 
 Graphs read their inputs from static buffers (tokens, ``starts`` on the device) and bake in
 the cache's addresses, so the runner owns the cache and reuses it across requests: a request
-asks for ``capacity`` and gets the cache it already has when that is large enough (capacities
-grow in powers of two, which also bounds the attention kernel's compilations). A graph's first
+asks for ``capacity`` and gets the cache it already has when that is large enough. A graph's first
 use runs the forward eagerly once (warm-up: it writes the same K/V the replay then rewrites),
 captures, then replays.
 
@@ -38,6 +37,7 @@ from ..model import Capture, Transformer
 log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 256
+CAPACITY_STEP = 256  # capacities round up to this (two flex key blocks), not to powers of two
 
 
 class EagerGraph:
@@ -99,15 +99,15 @@ class ModelRunner:
         self.captures = 0  # graphs captured so far (stats, gpu-check)
 
     def new_cache(self, batch: int, capacity: int, kv_heads: int) -> KVCache:
-        """A cache of at least ``capacity`` positions for ``batch`` rows, every row empty; the
+        """A cache of at least ``capacity`` positions and ``batch`` rows, every row empty; the
         same one as last time when it fits (graphs captured on it stay valid)."""
         c = self.cache
-        if c is None or c.batch != batch or c.capacity < capacity or c.k[0].shape[1] != kv_heads:
-            size = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+        if c is None or c.batch < batch or c.capacity < capacity or c.k[0].shape[1] != kv_heads:
+            size = -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
             self.cache = c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
                                      device=self.model.device, kv_heads=kv_heads)
             self._graphs.clear()
-        for row in range(batch):
+        for row in range(c.batch):
             c.commit(row, 0)
         return c
 
@@ -120,7 +120,7 @@ class ModelRunner:
                 or min(starts) == 0):  # prefills stay eager: one per request, long, varied
             return self.model(tokens, starts, cache, rows, skip, last_only, capture)
         rows = rows if rows is not None else slice(0, tokens.shape[0])
-        key = (rows.start, rows.stop, t, skip)
+        key = (rows.start, rows.stop, t, skip, self.model.backend)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key, tokens, starts, cache, rows, skip)

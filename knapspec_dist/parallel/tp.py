@@ -366,19 +366,25 @@ class SyncedSelector:
     def __getattr__(self, name):  # selections, fallbacks, history, ...
         return getattr(self.inner, name)
 
-    def start(self, model, prompt_len):
-        return self.inner.start(model, prompt_len)
+    def start(self, model):
+        return self.inner.start(model)
 
     def wants_reference(self):
         return self.inner.wants_reference()
 
-    def observe(self, hidden, valid):
-        return self.inner.observe(hidden, valid)
+    def observe(self, hidden, valid, rids):
+        return self.inner.observe(hidden, valid, rids)
 
-    def plan(self, model, cache, generated):
+    def retire(self, rid):
+        return self.inner.retire(rid)
+
+    def record(self, steps, verified, accepted):
+        return self.inner.record(steps, verified, accepted)
+
+    def plan(self, model, batch):
         from ..speculation.selfspec import Plan
 
-        plan = self.inner.plan(model, cache, generated)
+        plan = self.inner.plan(model, batch)
         schedule = getattr(self.inner, self.SCHEDULE, None)
         code = torch.zeros(model.cfg.num_items + 2, dtype=torch.int64)
         code[0] = plan.gamma

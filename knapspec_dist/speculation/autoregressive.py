@@ -4,57 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
-from ..model import Capture, Transformer
+from ..execution.runner import ModelRunner
+from ..model import Transformer
 from ..sampling import choose
-from .strategy import (GenerationConfig, GenerationResult, GenerationStats, Strategy, Timer,
-                       check_prompt, finish)
-
-
-def prefill(model: Transformer, cache: KVCache, row: int, prompt: list[int],
-            capture: Capture | None = None) -> torch.Tensor:
-    """Run one prompt into its cache row (padding-free); return its last-position logits [V]."""
-    tokens = torch.tensor([prompt], device=model.device)
-    rows = slice(row, row + 1)
-    logits = model(tokens, cache.lengths[rows], cache, rows,
-                   last_only=True, capture=capture)
-    cache.commit(row, len(prompt))
-    return logits[0, -1]
+from .batch import Batch
+from .generation import GenerationConfig, Timer, finish
+from .strategy import Strategy
 
 
 class Autoregressive(Strategy):
     name = "ar"
 
     @torch.inference_mode()
-    def generate(self, model: Transformer, prompts: list[list[int]],
-                 config: GenerationConfig) -> list[GenerationResult]:
-        limits = [check_prompt(model, p, config) for p in prompts]
-        timer = Timer(model.device)
+    def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
+              forward: ModelRunner, gen: torch.Generator | None, timer: Timer) -> None:
         start = timer.now()
-        batch = len(prompts)
-        forward = self.runner(model)
-        cache = forward.new_cache(batch, max(map(len, prompts)) + max(limits) + 1,
-                                  model.layers[0].attention.num_kv_heads)  # local under TP
-        gen = config.sampling.generator(model.device)
-        first = torch.stack([prefill(model, cache, b, p) for b, p in enumerate(prompts)])
-        outputs = [[t] for t in choose(first, config.sampling, gen).tolist()]
-        prefill_s = timer.now() - start
-        reasons: list[str | None] = [None] * batch
-        steps = 0
-        for b in range(batch):
-            outputs[b], reasons[b] = finish(outputs[b], limits[b], model, config)
-        everyone = slice(0, batch)
-        while None in reasons:
-            tokens = torch.tensor([[out[-1]] for out in outputs], device=model.device)
-            logits = forward(tokens, cache.lengths[everyone], cache, everyone)
-            nxt = choose(logits[:, 0], config.sampling, gen).tolist()
-            steps += 1
-            for b in range(batch):
-                if reasons[b] is None:  # finished rows stay put, rewriting one slot
-                    cache.commit(b, cache.lengths[b] + 1)
-                    outputs[b], reasons[b] = finish(outputs[b] + [nxt[b]], limits[b], model, config)
-        wall = timer.now() - start
-        return [GenerationResult(out, GenerationStats(
-            prompt_tokens=len(p), new_tokens=len(out), steps=steps, wall_s=wall,
-            prefill_s=prefill_s, verify_s=wall - prefill_s), reason)
-            for p, out, reason in zip(prompts, outputs, reasons)]
+        rows, cache = batch.rows, batch.cache
+        lengths = batch.lengths
+        tokens = torch.tensor([[r.out[-1]] for r in rows], device=model.device)
+        logits = forward(tokens, lengths, cache, slice(0, len(rows)))
+        nxt = choose(logits[:, 0], config.sampling, gen).tolist()  # the round's one read-back
+        elapsed = timer.now() - start
+        for b, row in enumerate(rows):
+            cache.commit(b, lengths[b] + 1)
+            row.out, row.reason = finish(row.out + [nxt[b]], row.limit, model, config)
+            row.stats.verify_s += elapsed

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from ..cache import KVCache
 from ..model import Attention, Capture, Transformer
 from ..profiles.profile import LatencyProfile, integer_weights
 from . import knapsack, tpt
+from .batch import Batch
 from .selfspec import Plan, Selector
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ class KnapSpecConfig:
 
     max_gamma: int = 10  # D
     tau: float = 0.5  # prune DP states whose mean cosine is below this
-    m: int = 5  # reference positions
+    m: int = 5  # reference positions per row
+    reference_rows: int = 4  # rows of a batch whose positions the DP judges drafts on
     interval: int = 64  # generated tokens between selections (at least)
     overhead_budget: float = 0.025  # stretch the interval so selection stays under this share
     min_gain: float = 1.05  # speculate only when predicted tokens/s beat plain decoding by this
@@ -83,7 +86,7 @@ class PlanRun:
     alpha: float  # the acceptance the DP estimated for it (before calibration)
     draft_time: float
     rounds: int = 0
-    tokens: int = 0  # accepted drafts plus the verifier's token, over all rounds
+    tokens: float = 0.0  # per row: accepted drafts plus the verifier's token, over all rounds
     modeled_s: float = 0.0
 
     GUARD_ROUNDS = 8  # judge a plan after this many draft/verify rounds
@@ -105,19 +108,32 @@ def smoothed_alpha(agree: int, total: int) -> float:
     return (agree + 1) / (total + 2)
 
 
-class HiddenStateEvaluator:
-    """The DP's tensors: one batched sublayer forward per (stage, execute) over all budgets."""
+@dataclass
+class Reference:
+    """The full model's hidden states at one row's last committed positions."""
 
-    def __init__(self, model: Transformer, cache: KVCache, states: torch.Tensor, start: int):
+    slot: int  # the row's cache row
+    start: int  # position of the first state (the prefix before it is in the cache)
+    states: torch.Tensor  # [2L + 1, m, d]: input, then after each item
+
+
+class HiddenStateEvaluator:
+    """The DP's tensors: one batched sublayer forward per (stage, execute) over all budgets,
+    at every reference position of every reference row."""
+
+    def __init__(self, model: Transformer, cache: KVCache, references: list[Reference]):
         self.model, self.cache = model, cache
-        self.reference = states  # [2L + 1, m, d]: input, then after each item
-        m = states.shape[1]
-        self.prefix = start  # cache positions before the reference tokens
-        self.step = model.step([start], m, cache, slice(0, 1))  # rotary tables of the m tokens
-        self.current: dict[int, torch.Tensor] = {0: states[0]}
+        self.reference = torch.cat([r.states for r in references], dim=1)  # [2L + 1, M, d]
+        self.blocks = []  # (cache row, prefix length, rotary step, causal mask, positions)
+        offset = 0
+        for r in references:
+            m = r.states.shape[1]
+            step = model.step([r.start], m, cache, slice(r.slot, r.slot + 1))
+            causal = torch.ones(m, m, dtype=torch.bool, device=r.states.device).tril()
+            self.blocks.append((r.slot, r.start, step, causal, slice(offset, offset + m)))
+            offset += m
+        self.current: dict[int, torch.Tensor] = {0: self.reference[0]}
         self.pending: dict[tuple[int, bool], torch.Tensor] = {}
-        causal = torch.ones(m, m, dtype=torch.bool, device=states.device).tril()
-        self.causal = causal
 
     def evaluate(self, item: int, sources: list[int], execute: bool) -> list[float]:
         x = torch.stack([self.current[j] for j in sources])
@@ -135,31 +151,40 @@ class HiddenStateEvaluator:
         self.pending = {}
 
     def _attention(self, attn: Attention, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Attention of N candidate states at the m reference positions: each attends to the
-        cached prefix (the full model's K/V) and, causally, to its own K/V, as a draft would.
-        The two parts are merged through the prefix's log-sum-exp."""
+        """Attention sublayer of N candidate states [N, M, d], each reference row's positions
+        against that row's cache."""
+        out = torch.cat([self._row_attention(attn, layer, x[:, positions], slot, prefix, step,
+                                             causal)
+                         for slot, prefix, step, causal, positions in self.blocks], dim=1)
+        return x + attn.reduce(attn.o_proj(out.to(x.dtype)))
+
+    def _row_attention(self, attn: Attention, layer: int, x: torch.Tensor, slot: int, prefix: int,
+                       step, causal: torch.Tensor) -> torch.Tensor:
+        """Attention of N candidate states at one row's m reference positions: each attends to
+        the cached prefix (the full model's K/V) and, causally, to its own K/V, as a draft
+        would. The two parts are merged through the prefix's log-sum-exp. [N, m, H * hd]."""
         n, m, _ = x.shape
-        q, k, v = attn.qkv(attn.norm(x), self.step)
+        q, k, v = attn.qkv(attn.norm(x), step)
         kv, hd = attn.num_kv_heads, attn.head_dim
         g, scale = attn.num_heads // kv, attn.head_dim ** -0.5
         q = q.reshape(n, kv, g * m, hd)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, m, hd]
         own = (q @ k.transpose(-1, -2)) * scale  # [N, KV, g*m, m]
-        own = own.masked_fill(~self.causal.repeat(g, 1), float("-inf"))
-        if not self.prefix:
+        own = own.masked_fill(~causal.repeat(g, 1), float("-inf"))
+        if not prefix:
             out = torch.softmax(own, dim=-1) @ v
         else:
             # All N states share the prefix: one attention per KV head with N folded into rows.
             rows = q.transpose(0, 1).reshape(1, kv, n * g * m, hd)
-            out_p, lse = prefix_attention(rows, self.cache.k[layer][0:1, :, :self.prefix],
-                                          self.cache.v[layer][0:1, :, :self.prefix], scale)
+            out_p, lse = prefix_attention(rows, self.cache.k[layer][slot:slot + 1, :, :prefix],
+                                          self.cache.v[layer][slot:slot + 1, :, :prefix], scale)
             out_p = out_p.reshape(kv, n, g * m, hd).transpose(0, 1)
             lse = lse.reshape(kv, n, g * m, 1).transpose(0, 1)
             top = torch.maximum(own.amax(dim=-1, keepdim=True), lse)
             w_own, w_prefix = (own - top).exp(), (lse - top).exp()
-            out = (w_prefix * out_p + w_own @ v) / (w_prefix + w_own.sum(dim=-1, keepdim=True))
-        out = out.reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
-        return x + attn.reduce(attn.o_proj(out.to(x.dtype)))
+            out = (w_prefix * out_p + w_own @ v.to(w_own.dtype)) / (
+                w_prefix + w_own.sum(dim=-1, keepdim=True))
+        return out.reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -198,51 +223,70 @@ class KnapSpecSelector(Selector):
         self.fallbacks = 0  # plans dropped for plain decoding by the guard (all sequences)
         self.search = self.local_search
 
-    def start(self, model: Transformer, prompt_len: int) -> None:
-        self.states: deque[torch.Tensor] = deque(maxlen=self.config.m)  # [2L+1, d] per position
+    def start(self, model: Transformer) -> None:
+        self.states: dict[int, deque[torch.Tensor]] = {}  # per row: [2L+1, d] per position
         self.plan_now = Plan(frozenset(), 0)
         # The paper's reference is the hidden states of the tokens generated in the last m
         # steps: the first selection waits for m of them (m plain decode steps, which cost
         # nothing over ar) instead of judging drafts on the prompt's last positions -- with a
         # chat template those are the assistant header, a poor sample of what gets drafted.
-        self.next_selection = self.config.m + 1  # generated-token count of the next selection
+        self.next_selection = self.config.m  # batch progress (tokens per row) at the first
         self.history = []
         self.run: PlanRun | None = None
-        self.accepted = self.expected = 0.0  # this sequence: accepted vs predicted drafts
+        self.accepted = self.expected = 0.0  # this run: accepted vs predicted drafts
 
     @property
     def calibration(self) -> float:
-        """Realized over predicted acceptance of this sequence's drafts so far (1 before any;
+        """Realized over predicted acceptance of this run's drafts so far (1 before any;
         one pseudo-token on each side). The next selection's alphas are scaled by it: the DP's
         m-token estimate is biased, and the biased direction is what the draft rounds show."""
         return (self.accepted + 1.0) / (self.expected + 1.0)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
         run = self.run
-        if run is None or not drafted:
+        if run is None or not steps:
             return
         run.rounds += 1
-        run.tokens += accepted + 1
-        run.modeled_s += (drafted * run.draft_time
-                          + self.profile.verify_time(drafted + 1, run.context))
-        self.accepted += accepted
-        self.expected += run.alpha * drafted
+        run.tokens += (sum(accepted) + len(accepted)) / len(accepted)
+        run.modeled_s += steps * run.draft_time + self.profile.verify_time(steps + 1, run.context)
+        self.accepted += sum(accepted)
+        self.expected += run.alpha * sum(verified)
 
     def wants_reference(self) -> bool:
         return True
 
-    def observe(self, hidden: Capture, valid: int) -> None:
-        stacked = torch.stack([h[0, :valid] for h in hidden], dim=1)  # [valid, 2L+1, d]
-        self.states.extend(stacked.unbind(0))
+    def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
+        for b, rid in enumerate(rids):
+            stacked = torch.stack([h[b, :valid[b]] for h in hidden], dim=1)  # [valid, 2L+1, d]
+            self.states.setdefault(rid, deque(maxlen=self.config.m)).extend(stacked.unbind(0))
 
-    def plan(self, model: Transformer, cache: KVCache, generated: int) -> Plan:
+    def retire(self, rid: int) -> None:
+        self.states.pop(rid, None)
+
+    def references(self, batch: Batch) -> list[Reference]:
+        """Up to ``reference_rows`` rows with m positions observed, longest context first
+        (attention there is what the knapsack prices highest)."""
+        m, found = self.config.m, []
+        for slot, row in enumerate(batch.rows):
+            states = self.states.get(row.rid)
+            if states is not None and len(states) == m:
+                end = batch.cache.lengths[slot]
+                found.append(Reference(slot, end - m, torch.stack(list(states), dim=1)))
+        found.sort(key=lambda r: -r.start)
+        return found[:self.config.reference_rows]
+
+    def plan(self, model: Transformer, batch: Batch) -> Plan:
         done_once = self.config.select_once and self.history
-        if self.states and generated >= self.next_selection and not done_once:
-            start = time.perf_counter()
-            self.plan_now = self.select(model, cache).plan
-            self.next_selection = generated + self.interval(time.perf_counter() - start,
-                                                            cache.lengths[0])
-        elif self.run is not None and self.run.losing(self.profile):
+        if batch.progress >= self.next_selection and not done_once:
+            references = self.references(batch)
+            if references:
+                start = time.perf_counter()
+                self.plan_now = self.select(model, batch, references).plan
+                context = round(statistics.fmean(batch.lengths))
+                self.next_selection = batch.progress + self.interval(
+                    time.perf_counter() - start, context)
+                return self.plan_now
+        if self.run is not None and self.run.losing(self.profile):
             log.info("plan %s gamma=%d yields %.2f tokens per round, below plain decoding at "
                      "this acceptance: plain decoding until the next selection",
                      sorted(self.plan_now.skip), self.plan_now.gamma,
@@ -259,21 +303,19 @@ class KnapSpecSelector(Selector):
         needed = select_s / (self.config.overhead_budget * step) if step > 0 else 0
         return max(self.config.interval, math.ceil(needed))
 
-    def select(self, model: Transformer, cache: KVCache) -> Selection:
+    def select(self, model: Transformer, batch: Batch, references: list[Reference]) -> Selection:
         cfg, num_layers = self.config, model.cfg.num_layers
-        n = cache.lengths[0]
-        states = torch.stack(list(self.states), dim=1)  # [2L+1, m, d]
-        start = n - states.shape[1]
+        n = round(statistics.fmean(batch.lengths))  # priced at the batch's mean context
         weights = ([1] * (2 * num_layers) if cfg.unit_weights
                    else integer_weights(self.profile, n, num_layers, cfg.weight_cap))
         keep = set()
         if cfg.keep_first_last:
             keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1}
-        evaluator = HiddenStateEvaluator(model, cache, states, start)
+        evaluator = HiddenStateEvaluator(model, batch.cache, references)
         candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
                                     max_skip_fraction=cfg.max_skip_fraction,
                                     always_execute=keep, coupled=cfg.coupled)
-        raw = self._alphas(model, evaluator, states, candidates)
+        raw = self._alphas(model, evaluator, candidates)
         alphas = [min(1.0, self.calibration * a) for a in raw]
         choice = self.choose(candidates, alphas, n, num_layers)
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
@@ -287,11 +329,12 @@ class KnapSpecSelector(Selector):
                   len(candidates), sorted(skip), choice.gamma, choice.tokens_per_time)
         return selection
 
-    def _alphas(self, model: Transformer, evaluator: HiddenStateEvaluator, states: torch.Tensor,
+    def _alphas(self, model: Transformer, evaluator: HiddenStateEvaluator,
                 candidates: list[knapsack.Candidate]) -> list[float]:
         if not candidates:
             return []
-        reference = model.logits(states[-1]).argmax(dim=-1)  # [m]
+        states = evaluator.reference
+        reference = model.logits(states[-1]).argmax(dim=-1)  # [M]
         finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
         agree = (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
         return [smoothed_alpha(a, states.shape[1]) for a in agree]

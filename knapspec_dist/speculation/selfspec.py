@@ -16,15 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
 from ..execution.runner import ModelRunner
 from ..model import Capture, Transformer
-from ..sampling import accept_greedy, accept_sampling, choose, probabilities
-from .autoregressive import prefill
-from .strategy import (GenerationConfig, GenerationResult, GenerationStats, Strategy, Timer,
-                       check_prompt, finish)
-
-MAX_GAMMA = 16  # cache headroom for drafts beyond the generation limit
+from ..sampling import accept_greedy, accept_sampling, probabilities
+from .batch import Batch
+from .generation import GenerationConfig, Timer, finish
+from .scheduler import MAX_GAMMA
+from .strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -34,23 +32,28 @@ class Plan:
 
 
 class Selector(ABC):
-    """Chooses the draft plan for each round of one sequence."""
+    """Chooses the draft plan of each round, one plan for every row of the batch."""
 
-    def start(self, model: Transformer, prompt_len: int) -> None:
-        """A new sequence begins."""
+    def start(self, model: Transformer) -> None:
+        """A batch run begins."""
 
     def wants_reference(self) -> bool:
         return False
 
-    def observe(self, hidden: Capture, valid: int) -> None:
-        """Full-model hidden states of the last forward; its first ``valid`` positions were kept."""
+    def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
+        """Full-model hidden states [B, T, d] of the last verify; row b kept its first
+        ``valid[b]`` positions. ``rids`` name the rows in batch order."""
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """One verify round under the current plan: ``accepted`` of ``drafted`` tokens kept."""
+    def retire(self, rid: int) -> None:
+        """Row ``rid`` finished."""
+
+    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
+        """One round under the current plan: ``steps`` draft forwards; row b had
+        ``verified[b]`` drafts judged and kept ``accepted[b]``."""
 
     @abstractmethod
-    def plan(self, model: Transformer, cache: KVCache, generated: int) -> Plan:
-        """The plan for the next round; ``generated`` tokens have been emitted so far."""
+    def plan(self, model: Transformer, batch: Batch) -> Plan:
+        """The plan for the next round of ``batch``."""
 
     selections: int = 0
     fallbacks: int = 0
@@ -62,7 +65,7 @@ class StaticSelector(Selector):
     def __init__(self, skip: frozenset[int], gamma: int):
         self.fixed = Plan(frozenset(skip), gamma)
 
-    def plan(self, model: Transformer, cache: KVCache, generated: int) -> Plan:
+    def plan(self, model: Transformer, batch: Batch) -> Plan:
         return self.fixed
 
 
@@ -75,126 +78,104 @@ def validate_plan(plan: Plan, num_items: int) -> None:
 
 
 class SelfSpeculative(Strategy):
-    """Draft with a subnet of the model, verify with the whole model; one sequence at a time."""
+    """Draft with a subnet of the model, verify with the whole model; every row at once."""
 
     def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static",
                  early_exit: bool | None = None):
         self.selector, self.tau_conf, self.name = selector, tau_conf, name
         self.early_exit = early_exit  # None: stop drafting on the host only on a CPU
 
-    def generate(self, model: Transformer, prompts: list[list[int]],
-                 config: GenerationConfig) -> list[GenerationResult]:
-        return [self.generate_one(model, p, config) for p in prompts]
+    def start(self, model: Transformer) -> None:
+        self.selector.start(model)
+
+    def retired(self, rid: int) -> None:
+        self.selector.retire(rid)
 
     @torch.inference_mode()
-    def generate_one(self, model: Transformer, prompt: list[int],
-                     config: GenerationConfig) -> GenerationResult:
-        limit = check_prompt(model, prompt, config)
-        sel, dev = self.selector, model.device
-        timer = Timer(dev)
-        start = timer.now()
-        cache = self.runner(model).new_cache(1, len(prompt) + limit + MAX_GAMMA + 2,
-                                             model.layers[0].attention.num_kv_heads)
-        gen = config.sampling.generator(dev)
-        sel.start(model, len(prompt))
-        first = prefill(model, cache, 0, prompt)  # selectors observe generated tokens only
-        out = choose(first[None], config.sampling, gen).tolist()
-        prefill_s = timer.now() - start
-        result = self.decode(model, cache, out, limit, config, gen)
-        result.stats.prompt_tokens, result.stats.prefill_s = len(prompt), prefill_s
-        result.stats.wall_s = timer.now() - start
-        return result
-
-    @torch.inference_mode()
-    def decode(self, model: Transformer, cache: KVCache, out: list[int], limit: int,
-               config: GenerationConfig, gen: torch.Generator | None = None) -> GenerationResult:
-        """Draft/verify rounds from a prefilled row 0 whose first new token is ``out``; the
-        stats' ``wall_s`` covers these rounds only. Benchmarks call it directly to run several
-        plans from one prefill (the cache rolls back to any length, see ``cache.commit``)."""
+    def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
+              forward: ModelRunner, gen: torch.Generator | None, timer: Timer) -> None:
+        """Draft up to gamma tokens for every row with the plan's subnet, verify all rows'
+        pending token and drafts in one forward, accept per row, roll back per row."""
         sampling, sel, dev = config.sampling, self.selector, model.device
-        timer = Timer(dev)
-        start = timer.now()
-        stats = GenerationStats()
-        selections0, fallbacks0 = sel.selections, sel.fallbacks
-        out, reason = finish(list(out), limit, model, config)
-        attn_skipped = mlp_skipped = 0
+        rows, cache = batch.rows, batch.cache
+        size = len(rows)
+        t0 = timer.now()
+        selections, fallbacks = sel.selections, sel.fallbacks
+        plan = sel.plan(model, batch)
+        t1 = timer.now()
+        lengths = batch.lengths
+        room = [r.limit - len(r.out) - 1 for r in rows]  # drafts a row can still use
+        gamma = min(plan.gamma, max(room))
         early_exit = self.early_exit if self.early_exit is not None else dev.type == "cpu"
-        forward = self.runner(model)
-        while reason is None:
-            t0 = timer.now()
-            plan = sel.plan(model, cache, len(out))
-            t1 = timer.now()
-            pos = cache.lengths[0]
-            gamma = min(plan.gamma, limit - len(out) - 1)
-            drafts, draft_probs, unsure = self._draft(forward, cache, plan.skip, out[-1], pos,
-                                                      gamma, sampling, gen, early_exit)
-            t2 = timer.now()
-            capture = Capture() if sel.wants_reference() else None
-            pending = torch.tensor([out[-1]], device=dev)
-            logits = forward(torch.cat([pending, drafts])[None], [pos], cache,
-                             capture=capture)[0]
-            if sampling.greedy:
-                n, nxt = accept_greedy(drafts, logits, unsure)
-            else:
-                n, nxt = accept_sampling(drafts, draft_probs, logits, sampling, gen, unsure)
-            # The round's one read-back: accepted count, next token, the drafts to verify, drafts.
-            back = torch.cat([torch.stack([n, nxt, torch.as_tensor(unsure, device=dev)]).long(),
-                              drafts.long()]).tolist()
-            n, nxt, verified, tokens = back[0], back[1], back[2], back[3:]
-            cache.commit(0, pos + n + 1)
-            if capture is not None:
-                sel.observe(capture, n + 1)
-            sel.record(verified, n)
-            out, reason = finish(out + tokens[:n] + [nxt], limit, model, config)
-            t3 = timer.now()
-            stats.select_s += t1 - t0
-            stats.draft_s += t2 - t1
-            stats.verify_s += t3 - t2
-            stats.steps += 1
-            stats.drafted += verified
-            stats.accepted += n
-            attn_skipped += len(tokens) * sum(1 for i in plan.skip if i % 2 == 0)
-            mlp_skipped += len(tokens) * sum(1 for i in plan.skip if i % 2 == 1)
-        stats.wall_s = timer.now() - start
-        stats.new_tokens = len(out)
-        stats.selections = sel.selections - selections0
-        stats.fallbacks = sel.fallbacks - fallbacks0
-        if stats.drafted:
-            stats.attention_skipped = attn_skipped / stats.drafted
-            stats.mlp_skipped = mlp_skipped / stats.drafted
-        return GenerationResult(out, stats, reason)
+        pending = torch.tensor([[r.out[-1]] for r in rows], device=dev)
+        drafts, probs, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma,
+                                         sampling, gen, early_exit, room)
+        t2 = timer.now()
+        capture = Capture() if sel.wants_reference() else None
+        logits = forward(torch.cat([pending, drafts], dim=1), lengths, cache, slice(0, size),
+                         capture=capture)
+        if sampling.greedy:
+            n, nxt = accept_greedy(drafts, logits, cap)
+        else:
+            n, nxt = accept_sampling(drafts, probs, logits, sampling, gen, cap)
+        # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
+        back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
+        accepted, verified = [x[0] for x in back], [x[2] for x in back]
+        for b, row in enumerate(rows):
+            k = accepted[b]
+            cache.commit(b, lengths[b] + k + 1)
+            row.out, row.reason = finish(row.out + back[b][3:3 + k] + [back[b][1]], row.limit,
+                                         model, config)
+        if capture is not None:
+            sel.observe(capture, [k + 1 for k in accepted], [r.rid for r in rows])
+        sel.record(drafts.shape[1], verified, accepted)
+        t3 = timer.now()
+        attn = sum(1 for i in plan.skip if i % 2 == 0)
+        for b, row in enumerate(rows):
+            s = row.stats
+            s.select_s += t1 - t0
+            s.draft_s += t2 - t1
+            s.verify_s += t3 - t2
+            s.drafted += verified[b]
+            s.accepted += accepted[b]
+            s.selections += sel.selections - selections
+            s.fallbacks += sel.fallbacks - fallbacks
+            s.attention_skipped += verified[b] * attn  # the scheduler divides by drafted
+            s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
 
-    def _draft(self, forward: ModelRunner, cache: KVCache, skip: frozenset[int], pending: int,
-               pos: int, gamma: int, sampling, gen, early_exit: bool):
-        """Up to ``gamma`` draft tokens [g] and their distributions [g, V], kept on the device,
-        and how many of them to verify: up to and including the first whose top-1 probability
-        is below ``tau_conf`` (an unsure draft is still worth a verify slot). With
-        ``early_exit`` (CPUs, where reading a number back costs nothing) drafting stops there;
-        on a GPU all ``gamma`` are drafted and the cut is made on the device, so the round
-        never waits on the host (the verify then carries the extra drafts, never accepted)."""
+    def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], pending: torch.Tensor,
+               lengths: list[int], gamma: int, sampling, gen, early_exit: bool, room: list[int]):
+        """Up to ``gamma`` draft tokens per row [B, g] and their distributions [B, g, V], on the
+        device, and how many of each row's drafts to verify [B]: up to and including its
+        first whose top-1 probability is below ``tau_conf`` (an unsure draft is still worth a
+        verify slot), and no more than the row has room for. Every row drafts in the same
+        forwards; with ``early_exit`` (CPUs, where reading a number back costs nothing)
+        drafting stops once every row has an unsure draft, and on a GPU all ``gamma`` are
+        drafted and each row's cut is made on the device, so the round never waits on the
+        host (the verify carries the extra drafts, never accepted)."""
         model = forward.model
-        dev = model.device
-        tok = torch.tensor([[pending]], device=dev)
+        dev, size = model.device, pending.shape[0]
+        rows = slice(0, size)
+        tok = pending
         drafts, probs, confs = [], [], []
         for i in range(gamma):
-            logits = forward(tok, [pos + i], cache, skip=skip)[0, -1]
+            logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip)[:, -1]
             q = probabilities(logits, sampling)
-            d = logits.argmax() if sampling.greedy else \
-                torch.multinomial(q, 1, generator=gen).squeeze(0)
+            d = logits.argmax(dim=-1) if sampling.greedy else \
+                torch.multinomial(q, 1, generator=gen).squeeze(-1)
             drafts.append(d)
             probs.append(q)
-            tok = d.view(1, 1)
-            if early_exit:
-                if float(q.max()) < self.tau_conf:
-                    break
-            else:
-                confs.append(q.max())
+            confs.append(q.amax(dim=-1))
+            tok = d[:, None]
+            if early_exit and bool((torch.stack(confs) < self.tau_conf).any(dim=0).all()):
+                break
+        room_t = torch.tensor(room, device=dev).clamp_min(0)
         if not drafts:
-            return (torch.empty(0, dtype=torch.long, device=dev),
-                    torch.empty(0, model.cfg.vocab_size, device=dev), 0)
-        if early_exit:
-            unsure: torch.Tensor | int = len(drafts)
-        else:
-            low = torch.stack(confs) < self.tau_conf
-            unsure = torch.where(low.any(), low.long().argmax() + 1, len(drafts))
-        return torch.stack(drafts).long(), torch.stack(probs), unsure
+            return (torch.empty(size, 0, dtype=torch.long, device=dev),
+                    torch.empty(size, 0, model.cfg.vocab_size, device=dev),
+                    torch.zeros(size, dtype=torch.long, device=dev))
+        low = torch.stack(confs, dim=1) < self.tau_conf  # [B, g]
+        g = low.shape[1]
+        unsure = torch.where(low.any(dim=1), low.long().argmax(dim=1) + 1, g)
+        return (torch.stack(drafts, dim=1).long(), torch.stack(probs, dim=1),
+                torch.minimum(unsure, room_t))

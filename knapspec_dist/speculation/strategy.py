@@ -1,83 +1,31 @@
-"""One interface for every generation strategy: config, stats and result dataclasses.
+"""One interface for every generation strategy: a round of decoding over a batch of rows.
 
 Strategies work on token ids; the caller (cli, engine) turns text into ids and back. In the
 spirit of LayerSkip's generation strategies, autoregressive and self-speculative decoding are
-interchangeable, so one benchmark runs them side by side on the same prompts.
+interchangeable, so one benchmark runs them side by side on the same prompts. A strategy
+says what one round does to every decoding row (``round``); the scheduler (scheduler.py)
+admits rows, prefills them and retires them around it, so every strategy is continuously
+batched the same way.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..errors import UserError
 from ..execution.runner import ModelRunner
 from ..model import Transformer
-from ..sampling import SamplingConfig
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_at_eos: bool = True
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0  # full-model forwards after prefill (decode or verify rounds)
-    drafted: int = 0
-    accepted: int = 0
-    wall_s: float = 0.0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    select_s: float = 0.0  # subnet selection (KnapSpec DP, TPT search)
-    selections: int = 0
-    fallbacks: int = 0  # speculative plans dropped for plain decoding by KnapSpec's guard
-    attention_skipped: float = 0.0  # mean attention sublayers skipped per drafted token
-    mlp_skipped: float = 0.0
-    # Time split of a request served by the Ray engine (runtime/accounting.py); they sum to
-    # the coordinator-observed time of the request. Zero when run in-process.
-    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
-    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
-    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, coordinator search calls)
-    other_s: float = 0.0  # Python of the decode loop outside the above
-    comm_calls: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s else 0.0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "acceptance_rate": self.acceptance_rate,
-                "tokens_per_s": self.tokens_per_s}
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    stats: GenerationStats
-    finish_reason: str  # "eos" | "length"
-    text: str = ""
-    replica: int | None = None  # the engine replica that generated it (None: in-process)
+from .batch import Batch
+from .generation import (GenerationConfig, GenerationResult, GenerationStats, Timer,  # noqa: F401
+                         check_prompt, finish)
+from .scheduler import Scheduler, row_capacity
 
 
 class Strategy(ABC):
     name: str
     graphs: bool | None = None  # CUDA graphs for decode/verify/draft; None: on CUDA devices
+    max_num_seqs: int | None = None  # rows decoding at once; None: every prompt of a call
 
     def runner(self, model: Transformer) -> ModelRunner:
         """This strategy's runner for ``model``: its reusable cache and captured graphs."""
@@ -86,47 +34,26 @@ class Strategy(ABC):
             runner = self._runner = ModelRunner(model, self.graphs)
         return runner
 
+    def start(self, model: Transformer) -> None:
+        """A batch run begins (selectors reset their schedule)."""
+
+    def admitted(self, rid: int) -> None:
+        """Row ``rid`` starts decoding."""
+
+    def retired(self, rid: int) -> None:
+        """Row ``rid`` is done."""
+
     @abstractmethod
+    def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
+              forward: ModelRunner, gen: torch.Generator | None, timer: Timer) -> None:
+        """One round for every decoding row of ``batch``: extend each ``row.out``, commit the
+        new tokens' K/V in the cache and set ``row.reason`` once a row is done."""
+
     def generate(self, model: Transformer, prompts: list[list[int]],
                  config: GenerationConfig) -> list[GenerationResult]:
-        """Generate for every prompt; results in input order."""
-
-
-def check_prompt(model: Transformer, prompt: list[int], config: GenerationConfig) -> int:
-    """Validate one prompt; return how many new tokens fit in the context window."""
-    window = model.cfg.max_position_embeddings
-    if not prompt:
-        raise UserError("prompt is empty")
-    if len(prompt) >= window:
-        raise UserError(f"prompt has {len(prompt)} tokens; the model's context window is {window}")
-    if config.max_new_tokens < 1:
-        raise UserError(f"max new tokens must be >= 1, got {config.max_new_tokens}")
-    room = window - len(prompt)
-    if config.max_new_tokens > room:
-        log.warning("prompt of %d tokens leaves room for %d new tokens, not %d",
-                    len(prompt), room, config.max_new_tokens)
-    return min(config.max_new_tokens, room)
-
-
-def finish(tokens: list[int], limit: int, model: Transformer, config: GenerationConfig
-           ) -> tuple[list[int], str | None]:
-    """Cut generated tokens at the first EOS or at the limit; the reason, or None to go on."""
-    if config.stop_at_eos:
-        for i, t in enumerate(tokens):
-            if t in model.cfg.eos_token_ids:
-                return tokens[:i + 1], "eos"
-    if len(tokens) >= limit:
-        return tokens[:limit], "length"
-    return tokens, None
-
-
-class Timer:
-    """Wall-clock sections; synchronizes CUDA so the draft/verify split is real on GPUs."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        """Generate for every prompt, ``max_num_seqs`` at a time; results in input order."""
+        capacity = max((row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts),
+                       default=1)
+        scheduler = Scheduler(self, model, config, self.max_num_seqs or max(1, len(prompts)),
+                              capacity)
+        return scheduler.run(prompts)
