@@ -131,5 +131,5 @@ def test_bench_report_shows_near_ties_and_bugs(tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "ERROR: 1 run(s) differ from `ar` beyond a near-tie" in md
     assert "| near-tie in 1/2 |" in md and "| **NO: 1 BUG** |" in md
-    assert "| 64 | a | static:a1@2 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 0.25 | tie |" in md
-    assert "| 64 | b | clasp | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.25 | **BUG** |" in md
+    assert "| 64 | a | static:a1@2 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 0.5 | tie |" in md
+    assert "| 64 | b | clasp | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.5 | **BUG** |" in md

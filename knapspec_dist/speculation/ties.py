@@ -18,19 +18,23 @@ both lie below a third token, which is evidence against a two-way tie.
 the model's dtype at the top logit (bf16: ``eps = 2**-7``, 8 significant bits, so
 ``ulp = 2**(floor(log2|x|) - 7)``: 0.125 for logits in [16, 32)). Then::
 
-    tolerance = ULPS * ulp(max(|z_top|, |z[r]|, |z[c]|)),  ULPS = 2    (bf16, fp16)
+    tolerance = ULPS * ulp(max(|z_top|, |z[r]|, |z[c]|)),  ULPS = 4    (bf16, fp16)
     tolerance = 0                                                      (fp32: exact identity)
 
 and the divergence is a near-tie iff ``gap <= tolerance`` and ``tolerance > 0``; anything else
 is a bug (so in fp32 every divergence is a bug, even at an exact fp32 tie).
-Justification of ULPS = 2: suppose each decode path's logits differ from the one-shot
-logits by at most ``d``. The reference path chose ``r`` and the candidate path chose ``c``, so
-both ``z[r]`` and ``z[c]`` lie within ``2d`` of ``z_top``. Each path's logits are rounded to
-the dtype once at the end (``lm_head`` returns bf16: half an ulp each), and their hidden states
-differ from the one-shot's by the other kernels' rounding upstream, which we allow another half
-ulp of the logit: ``d = 1 ulp``, ``2d = 2 ulps``. Measured on the CPU in bf16 (SmolLM2, shared
-gpu README and this repository's tests): the gaps were 0 and 1 ulp (0.125 at logits 19-23),
-while a wrong token is typically tens of ulps away. In fp32 the CPU kernels are
+Justification of ULPS = 4: let ``e_a = z_a - z`` be a decode path's logit error against the
+one-shot logits. If path a chose ``r`` and path b chose ``c``, then
+``|z[r] - z[c]| <= max(|e_a[r] - e_a[c]|, |e_b[r] - e_b[c]|)``: the gap is bounded by how
+unevenly the paths' errors fall on the two tokens. Each path rounds its logits once
+(``lm_head`` returns bf16: half an ulp each, so up to 1 ulp between two tokens), and its hidden
+states differ from the one-shot's by other kernels' bf16 rounding in every layer. Measured
+(SmolLM2, bf16, CPU, 20 positions, top-5 tokens, 1-token decode and 4-token verify against
+the one-shot forward): that spread was 0-2 ulps at top logits 10-28, and up to 3-3.5 ulps at
+top logits 4-12, where the top logit's ulp is small against the hidden-state rounding. Hence
+4 ulps. The shared gpu README's CPU ties had gaps 0 and 1 ulp (0.125 at logits 19-23); a wrong
+token is typically tens of ulps below the top.
+In fp32 the CPU kernels are
 batch-invariant here, so any divergence at all is a bug (tolerance 0).
 
 :func:`classify` is the pure core (logits in, :class:`Divergence` out);
@@ -45,7 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 TIE, BUG = "tie", "BUG"
-ULPS = 2  # tolerance in units of the dtype's spacing at the top logit (see the module doc)
+ULPS = 4  # tolerance in units of the dtype's spacing at the top logit (see the module doc)
 
 
 @dataclass(frozen=True)
