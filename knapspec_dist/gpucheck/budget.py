@@ -20,10 +20,14 @@ class Budget:
     def elapsed(self) -> float:
         return self.clock() - self.start
 
-    def section(self, name: str, share: float | None = None) -> "Section":
-        """A section ends at its share of the total, counted from now, or at the deadline."""
-        seconds = self.total_s * (SHARES[name] if share is None else share)
-        return Section(name, min(self.clock() + seconds, self.deadline), seconds, self.clock)
+    def section(self, name: str) -> "Section":
+        """The section's share of the time left, against the sections still to come (time an
+        earlier section did not use goes to the later ones)."""
+        names = list(SHARES)
+        later = sum(SHARES[n] for n in names[names.index(name):])
+        left = max(0.0, self.deadline - self.clock())
+        seconds = left * SHARES[name] / later
+        return Section(name, self.clock() + seconds, seconds, self.clock)
 
 
 class Section:
