@@ -43,6 +43,8 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here (use --device cpu --quick on a CPU)")
     device = torch.device(args.device)
+    if device.type == "cuda":
+        _more_recompiles()
     setup = QUICK if args.quick else FULL
     budget = Budget(args.budget if args.budget else setup["budget_s"])
     limit = int(args.memory_gib * shapes.GIB) if args.memory_gib else None
@@ -84,6 +86,17 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
         emit(f"error: {len(bugs)} greedy run(s) diverge from ar beyond a near-tie", error=True)
         return 1
     return 0
+
+
+def _more_recompiles(limit: int = 64) -> None:
+    """The check compiles flex attention for more shapes (batch, q, capacity, heads) than a
+    serving process; past dynamo's default limit (8) it would fall back to unfused eager flex
+    and time that instead."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(limit, getattr(torch._dynamo.config, name)))
 
 
 def register(sub) -> None:

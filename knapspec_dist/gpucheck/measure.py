@@ -62,8 +62,9 @@ def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
 
 
 def free_bytes(device: torch.device, limit: int | None = None) -> int:
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # free on the device, plus what the allocator holds unused
+        free = torch.cuda.mem_get_info(device)[0] + (torch.cuda.memory_reserved(device)
+                                                     - torch.cuda.memory_allocated(device))
     else:
         free = _mem_available()
     return free if limit is None else min(free, limit)
