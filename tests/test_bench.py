@@ -101,3 +101,35 @@ def test_strategy_specs():
     for bad in ("static", "ar:x", "knapspec:fast", "knapspec@3", "ar,ar", "static:", "foo"):
         with pytest.raises(UserError):
             parse_strategies(bad)
+
+
+def test_bench_report_shows_near_ties_and_bugs(tmp_path):
+    """A tie is reported with its gap and tolerance, not as an error; a BUG is an error."""
+    from knapspec_dist.bench.command import bugs
+    from knapspec_dist.bench.report import summarize, write_markdown
+    from knapspec_dist.speculation.ties import classify
+    import torch
+
+    z = torch.full((8,), -2.0)
+    z[3], z[5] = 19.75, 19.625
+    tie = classify(z, 12, 3, 5, torch.bfloat16).to_dict()
+    bug = classify(z, 4, 3, 6, torch.bfloat16).to_dict()
+    stats = {"new_tokens": 16, "wall_s": 1.0, "prefill_s": 0.1, "drafted": 8, "accepted": 4,
+             "prompt_tokens": 64, "attention_skipped": 1.0, "mlp_skipped": 0.0, "select_s": 0.0,
+             "selections": 0, "draft_s": 0.2, "verify_s": 0.5}
+    runs = [{"strategy": s, "context": 64, "prompt": p, "matches_ar": d is None,
+             "first_mismatch": d and d["position"], "divergence": d, "stats": stats}
+            for s, p, d in [("ar", "a", None), ("ar", "b", None), ("static:a1@2", "a", tie),
+                            ("static:a1@2", "b", None), ("clasp", "a", None), ("clasp", "b", bug)]]
+    assert [r["prompt"] for r in bugs(runs)] == ["b"]
+    header = {"machine": {"cpu": "x", "torch_threads": 1, "cpu_count": 2}, "command": "c",
+              "date": "d", "torch": "t", "model": "m", "dtype": "bf16", "device": "cpu",
+              "new_tokens": 16, "prompts": 2}
+    rows = summarize(runs)
+    assert [(r["ties"], r["bugs"]) for r in rows] == [(0, 0), (1, 0), (0, 1)]
+    write_markdown(tmp_path / "r.md", header, rows, runs)
+    md = (tmp_path / "r.md").read_text()
+    assert "ERROR: 1 run(s) differ from `ar` beyond a near-tie" in md
+    assert "| near-tie in 1/2 |" in md and "| **NO: 1 BUG** |" in md
+    assert "| 64 | a | static:a1@2 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 0.5 | tie |" in md
+    assert "| 64 | b | clasp | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.5 | **BUG** |" in md

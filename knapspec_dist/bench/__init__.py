@@ -6,8 +6,11 @@
 
 One process, one model; for each context length and each prompt every strategy runs in turn
 (the order rotates from prompt to prompt, so a drifting machine does not favour one strategy).
-Greedy decoding throughout: every strategy must emit exactly ``ar``'s tokens, and a mismatch is
-an error (reported, recorded in the results, exit status 1). ``ar`` is always run, as the
+Greedy decoding throughout: every strategy must emit exactly ``ar``'s tokens. Each mismatch is
+classified at its first differing token by the full model's logit gap
+(:mod:`knapspec_dist.speculation.ties`): a near-tie (bf16 kernels flipping an argmax between two
+nearly equal logits) is reported and recorded; anything else, and any mismatch in fp32, is a BUG
+(reported, recorded in the results, exit status 1). ``ar`` is always run, as the
 reference, even when not listed.
 
 Strategy specs (comma-separated in ``--strategies``):

@@ -182,6 +182,7 @@ class HiddenStateEvaluator:
             lse = lse.reshape(kv, n, g * m, 1).transpose(0, 1)
             top = torch.maximum(own.amax(dim=-1, keepdim=True), lse)
             w_own, w_prefix = (own - top).exp(), (lse - top).exp()
+            # v.to: on a CPU the fused kernel's log-sum-exp is fp32 even for a bf16 model
             out = (w_prefix * out_p + w_own @ v.to(w_own.dtype)) / (
                 w_prefix + w_own.sum(dim=-1, keepdim=True))
         return out.reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
