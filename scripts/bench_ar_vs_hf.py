@@ -89,7 +89,7 @@ def profile_ours(model, prompt: list[int], steps: int, rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     from knapspec_dist.cache import KVCache
-    from knapspec_dist.speculation.autoregressive import prefill
+    from knapspec_dist.speculation.scheduler import prefill
 
     with torch.inference_mode():
         cache = KVCache(model.cfg, 1, len(prompt) + steps + 1, dtype=model.dtype,

@@ -1,9 +1,9 @@
 """What KnapSpec's candidates predict against what they realize, from one prefill per context.
 
 For every context length: prefill one long-document prompt, run one KnapSpec selection (the
-DP over the prompt's last m positions), then decode the same new tokens with plain decoding
-and with each candidate subnet as a static plan at several draft lengths, rolling the cache
-back to the prompt between runs. The table puts the DP's alpha and the profile's predicted
+DP over the prompt's last m positions), then generate the same new tokens with plain decoding
+and with each candidate subnet as a static plan at several draft lengths (rates exclude the
+prefill). The table puts the DP's alpha and the profile's predicted
 speedup beside the realized acceptance, draft / verify cost and speedup, which is what tells
 a miss of the TPT model from a miss of the hardware.
 
@@ -24,20 +24,24 @@ from knapspec_dist.cache import KVCache
 from knapspec_dist.local import load
 from knapspec_dist.model import Capture
 from knapspec_dist.profiles.store import resolve_profile
-from knapspec_dist.sampling import choose
 from knapspec_dist.speculation import tpt
-from knapspec_dist.speculation.autoregressive import prefill
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.speculation.selfspec import MAX_GAMMA, SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.batch import Batch, Row
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Reference
+from knapspec_dist.speculation.scheduler import MAX_GAMMA, prefill
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.speculation.strategy import GenerationConfig
 
 log = logging.getLogger("sweep")
 
 
-def decode(model, cache, prompt_len, first, skip, gamma, config, tau_conf):
-    cache.commit(0, prompt_len)
+def decode(model, prompt, skip, gamma, config, tau_conf):
+    """Stats of one generation with a static plan; ``rate`` excludes the prefill."""
     strategy = SelfSpeculative(StaticSelector(skip, gamma), tau_conf)
-    return strategy.decode(model, cache, first, config.max_new_tokens, config).stats
+    return strategy.generate(model, [prompt], config)[0].stats
+
+
+def rate(stats) -> float:
+    return (stats.new_tokens - 1) / (stats.wall_s - stats.prefill_s)
 
 
 def sweep(loaded, profile, n: int, args) -> list[str]:
@@ -48,16 +52,18 @@ def sweep(loaded, profile, n: int, args) -> list[str]:
     cache = KVCache(model.cfg, 1, len(prompt) + args.new_tokens + MAX_GAMMA + 2,
                     dtype=model.dtype, device=model.device)
     selector = KnapSpecSelector(profile, KnapSpecConfig())
-    selector.start(model, len(prompt))
-    capture = Capture(selector.config.m)  # select on the prompt's last m positions
+    selector.start(model)
+    m = selector.config.m
+    capture = Capture(m)  # select on the prompt's last m positions
     with torch.inference_mode():
-        first = choose(prefill(model, cache, 0, prompt, capture)[None], config.sampling, None).tolist()
-        selector.observe(capture, capture[0].shape[1])
+        prefill(model, cache, 0, prompt, capture=capture)
+        reference = Reference(0, len(prompt) - m, torch.stack([h[0] for h in capture]))
         t0 = time.perf_counter()
-        selection = selector.select(model, cache)
+        selection = selector.select(model, Batch(cache, [Row(0, prompt, args.new_tokens)]),
+                                    [reference])
         select_s = time.perf_counter() - t0
-    ar = decode(model, cache, len(prompt), first, frozenset(), 0, config, args.tau_conf)
-    ar_rate = (ar.new_tokens - 1) / ar.wall_s
+    ar = decode(model, prompt, frozenset(), 0, config, args.tau_conf)
+    ar_rate = rate(ar)
     verify = lambda q: profile.verify_time(q, len(prompt))  # noqa: E731
     lines = [f"## context {len(prompt)}", "",
              f"selection {select_s:.2f} s ({select_s * ar_rate:.1f} plain steps), "
@@ -75,14 +81,13 @@ def sweep(loaded, profile, n: int, args) -> list[str]:
         attn = sum(1 for i in c.skipped if i % 2 == 0)
         draft_t = profile.draft_time(c.skipped, len(prompt), model.cfg.num_layers)
         for gamma in args.gammas:
-            s = decode(model, cache, len(prompt), first, c.skipped, gamma, config, args.tau_conf)
-            rate = (s.new_tokens - 1) / s.wall_s
+            s = decode(model, prompt, c.skipped, gamma, config, args.tau_conf)
             predicted = tpt.tokens_per_time(alpha, gamma, draft_t, verify) * verify(1)
             lines.append(
                 f"| {k} | {attn}/{len(c.skipped) - attn} | {c.value:.3f} | {alpha:.2f} | {gamma} "
                 f"| {predicted:.2f}x | {s.acceptance_rate:.2f} | "
                 f"{1e3 * s.draft_s / max(s.drafted, 1):.1f} ({1e3 * draft_t:.1f}) | "
-                f"{1e3 * s.verify_s / max(s.steps, 1):.1f} | {rate / ar_rate:.2f}x |")
+                f"{1e3 * s.verify_s / max(s.steps, 1):.1f} | {rate(s) / ar_rate:.2f}x |")
             log.info(lines[-1])
     return lines + [""]
 

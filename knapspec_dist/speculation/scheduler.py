@@ -191,12 +191,12 @@ def result(row: Row) -> GenerationResult:
     return GenerationResult(row.out, s, row.reason)
 
 
-def prefill(model: Transformer, cache, row: int, tokens: list[int], start: int = 0
-            ) -> torch.Tensor:
+def prefill(model: Transformer, cache, row: int, tokens: list[int], start: int = 0,
+            capture=None) -> torch.Tensor:
     """Run ``tokens`` into cache row ``row`` from position ``start`` (padding-free) and commit
-    them; the last position's logits [V]."""
+    them; the last position's logits [V]. ``capture`` (model.Capture) gets the hidden states."""
     with torch.inference_mode():
         logits = model(torch.tensor([tokens], device=model.device), [start], cache,
-                       slice(row, row + 1), last_only=True)
+                       slice(row, row + 1), last_only=True, capture=capture)
     cache.commit(row, start + len(tokens))
     return logits[0, -1]

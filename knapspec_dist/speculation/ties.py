@@ -48,6 +48,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..cache import KVCache
+from .scheduler import prefill
+
 TIE, BUG = "tie", "BUG"
 ULPS = 4  # tolerance in units of the dtype's spacing at the top logit (see the module doc)
 
@@ -134,9 +137,6 @@ def classify(logits: torch.Tensor, position: int, reference_token: int | None,
 @torch.inference_mode()
 def one_shot_logits(model, ids: list[int]) -> torch.Tensor:
     """The full model's next-token logits [V] after ``ids``, in one causal forward (no decode)."""
-    from ..cache import KVCache
-    from .autoregressive import prefill
-
     cache = KVCache(model.cfg, 1, len(ids), dtype=model.dtype, device=model.device,
                     kv_heads=model.layers[0].attention.num_kv_heads)
     return prefill(model, cache, 0, list(ids))
