@@ -1,0 +1,46 @@
+"""How many rows a replica decodes at once by default: as many as the memory left after the
+weights holds, within a cap.
+
+The rule (``default_max_num_seqs``): each row needs a KV cache of ``capacity`` positions,
+``kv_bytes_per_token`` each (2 x layers x local KV heads x head_dim x dtype bytes). Rows =
+floor(0.9 x free bytes / bytes per row), where free is what the device reports free once the
+weights are loaded (CUDA: ``torch.cuda.mem_get_info``; CPU: half the available RAM, the rest
+being the process's working memory and the page cache), at least 1 and at most the cap: 256 on
+a GPU (vLLM's default), 16 on a CPU, where a step is compute-bound and larger batches add
+latency without throughput.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GPU_CAP, CPU_CAP = 256, 16
+HEADROOM = 0.9  # activations, logits and the allocator's slack
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V for one position of one row, over all layers (local heads under TP)."""
+    attn = model.layers[0].attention
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * model.cfg.num_layers * attn.num_kv_heads * attn.head_dim * elem
+
+
+def free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available // 2)
+
+
+def default_max_num_seqs(free: int, per_token: int, capacity: int, cap: int) -> int:
+    """Rows whose caches of ``capacity`` positions fit in ``HEADROOM`` of ``free`` bytes."""
+    rows = int(HEADROOM * free) // max(1, per_token * capacity)
+    return max(1, min(cap, rows))
+
+
+def max_num_seqs_for(model, capacity: int) -> int:
+    """``default_max_num_seqs`` for a loaded model on its device."""
+    cap = GPU_CAP if model.device.type == "cuda" else CPU_CAP
+    return default_max_num_seqs(free_bytes(model.device), kv_bytes_per_token(model), capacity, cap)
