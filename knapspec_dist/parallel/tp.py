@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +42,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from ..cache import kv_heads  # noqa: F401 - exported by knapspec_dist.parallel
+from ..clock import Clock
 from ..config import ModelConfig, load_config
 from ..errors import UserError
 from ..loading import checkpoint_files, hf_name, load_model
@@ -101,9 +102,7 @@ class Comm:
     bytes: int = 0
 
     def _clock(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return Clock("cuda" if self.cuda else "cpu").now()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = self._clock() if self.timed else 0.0
@@ -321,11 +320,6 @@ def load_sharded(model_dir: str | Path, rank: int, world: int, *, group=None,
     model = load_model(model_dir, dtype=dtype, device=device, slicer=make_slicer(cfg, lay, files),
                        prepare=lambda m: shard_modules(m, lay, comm))
     return model
-
-
-def kv_heads(model: Transformer) -> int:
-    """KV heads this process holds (local under TP): what a KVCache for ``model`` needs."""
-    return model.layers[0].attention.num_kv_heads
 
 
 def parameter_bytes(model: Transformer) -> int:

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from ..cli import emit
+from ..commandline import emit
 from ..errors import UserError
 from .profile import LatencyProfile
 from .profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
@@ -65,7 +65,7 @@ def register(sub) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..embedded import resolve_model_path
     from ..loading import load_model, resolve_dtype
-    from ..local import resolve_device
+    from ..loading import resolve_device
 
     contexts = checked_contexts(args)
     device = resolve_device(args.device)

@@ -183,22 +183,15 @@ class Engine:
 
     def _strategy_options(self, strategy: str, options: dict):
         """StrategyOptions from keyword options, checked here before any actor starts."""
-        from ..speculation.selfspec import MAX_GAMMA
-        from ..strategies import NAMES, StrategyOptions, parse_skip
+        from ..speculation.factory import StrategyOptions, check_options
 
         known = {f.name for f in fields(StrategyOptions)} - {"name"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise UserError(f"unknown engine option(s) {', '.join(unknown)}; strategy options "
                             f"are {', '.join(sorted(known))}")
-        if strategy not in NAMES:
-            raise UserError(f"unknown strategy {strategy!r}; choose one of {', '.join(NAMES)}")
         opts = StrategyOptions(name=strategy, **options)
-        if not 1 <= opts.gamma <= MAX_GAMMA:
-            raise UserError(f"gamma must be in 1..{MAX_GAMMA}, got {opts.gamma}")
-        if not 0 <= opts.tau_conf <= 1:
-            raise UserError(f"tau_conf must be in [0, 1], got {opts.tau_conf}")
-        parse_skip(opts.skip, self.config.num_layers)
+        check_options(opts, self.config)
         return opts
 
     def _tag(self, index: int) -> str:

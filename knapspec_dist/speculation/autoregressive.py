@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, kv_heads
 from ..model import Capture, Transformer
 from ..sampling import choose
 from .strategy import (GenerationConfig, GenerationResult, GenerationStats, Strategy, Timer,
@@ -34,7 +34,7 @@ class Autoregressive(Strategy):
         batch = len(prompts)
         cache = KVCache(model.cfg, batch, max(map(len, prompts)) + max(limits) + 1,
                         dtype=model.dtype, device=model.device,
-                        kv_heads=model.layers[0].attention.num_kv_heads)  # local under TP
+                        kv_heads=kv_heads(model))
         gen = config.sampling.generator()
         first = torch.stack([prefill(model, cache, b, p) for b, p in enumerate(prompts)])
         outputs = [[t] for t in choose(first, config.sampling, gen).tolist()]

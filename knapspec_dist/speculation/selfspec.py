@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, kv_heads
 from ..model import Capture, Transformer
 from ..sampling import accept_greedy, accept_sampling, choose, probabilities
 from .autoregressive import prefill
@@ -92,7 +92,7 @@ class SelfSpeculative(Strategy):
         start = timer.now()
         cache = KVCache(model.cfg, 1, len(prompt) + limit + MAX_GAMMA + 2,
                         dtype=model.dtype, device=dev,
-                        kv_heads=model.layers[0].attention.num_kv_heads)  # local under TP
+                        kv_heads=kv_heads(model))
         gen = config.sampling.generator()
         sel.start(model, len(prompt))
         first = prefill(model, cache, 0, prompt)  # selectors observe generated tokens only

@@ -8,12 +8,12 @@ interchangeable, so one benchmark runs them side by side on the same prompts.
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..clock import Clock
 from ..errors import UserError
 from ..model import Transformer
 from ..sampling import SamplingConfig
@@ -111,13 +111,4 @@ def finish(tokens: list[int], limit: int, model: Transformer, config: Generation
     return tokens, None
 
 
-class Timer:
-    """Wall-clock sections; synchronizes CUDA so the draft/verify split is real on GPUs."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+Timer = Clock  # wall-clock sections, CUDA synchronized: knapspec_dist/clock.py
