@@ -92,11 +92,11 @@ class JobConfig:
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed))
 
     def fingerprint(self) -> dict:
-        """What decides a row's output: a resumed job must agree on all of it.
+        """What decides a row's output: a resumed job must agree on all of it.  The runner
+        adds the input's identity (path, row count, content hash: ``InputRows.fingerprint``).
 
         Not in it: where and how fast the job runs (tp, replicas, address, scheduling,
-        checkpointing, --stop-after), the input location (rows are matched by id, so a
-        resumed job may read a grown or moved input) and the baseline share.
+        checkpointing, --stop-after) and the baseline share.
         """
         return {
             "id_column": self.id_column,

@@ -10,6 +10,7 @@ and only when there is a row left to generate.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import signal
 import sys
@@ -43,6 +44,7 @@ class JobResult:
     replica_restarts: int = 0
     row_retries: int = 0
     skipped: int = 0  # rows found done in the output directory
+    profile: dict | None = None  # the latency profile that priced this run (key, path, origin)
 
 
 @dataclass
@@ -109,14 +111,16 @@ def _hms(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
-def default_engine_factory(config: JobConfig, strategy: str, replicas: int):
-    """Start the Ray engine (actors, placement groups, weights)."""
+def default_engine_factory(config: JobConfig, strategy: str, replicas: int,
+                           longest: int | None = None):
+    """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
+    context of the job (prompt + new tokens), which its latency profile must cover."""
     from ..runtime.engine import Engine
 
     options = dict(config.strategy_options) if strategy == config.strategy else {}
     return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
-                  cpus_per_rank=config.cpus_per_rank, **options)
+                  cpus_per_rank=config.cpus_per_rank, profile_need=longest, **options)
 
 
 def _connect_ray(address: str | None) -> bool:
@@ -133,18 +137,22 @@ def _connect_ray(address: str | None) -> bool:
 def load_text_tools(config: JobConfig):
     """Tokenizer and context window of the model, from its folder (no weights are read).
 
-    Also checks that the model can be sharded ``config.tp`` ways, so that a bad --tp fails
-    before thousands of documents are tokenized."""
+    Also checks that the model can be sharded ``config.tp`` ways and the strategy options
+    (gamma, skip list, --profile: complete and of this model's shape), so that a bad option
+    fails before thousands of documents are tokenized and before any row is written."""
     from ..config import load_config
     from ..embedded import resolve_model_path
-    from ..loading import load_tokenizer
+    from ..loading import checkpoint_files, load_tokenizer
     from ..parallel import check_shardable
+    from ..speculation.factory import StrategyOptions, check_options
 
     path = resolve_model_path(config.model)
     if not path.is_dir():
         raise UserError(f"--model {config.model!r}: {str(path)!r} is not a model folder")
     model_config = load_config(path)
     check_shardable(model_config, config.tp)
+    check_options(StrategyOptions(name=config.strategy, **config.strategy_options), model_config)
+    checkpoint_files(path)  # the weights are there and readable (a corrupt file: one line)
     return load_tokenizer(path), model_config.max_position_embeddings
 
 
@@ -173,7 +181,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     # 1. File level: input and output directory, before any model is touched.
     rows = read_input(config.input, config.id_column, config.input_column)
     out = OutputDir(config.output)
-    resuming = out.prepare(config.fingerprint())
+    resuming = out.prepare({**config.fingerprint(), **rows.fingerprint(config.input)})
     schema = output_schema(config.id_column, rows.id_type)
     existing = out.read_rows(ROWS, schema)
     done_ids = set(existing.column(config.id_column).to_pylist())
@@ -202,6 +210,10 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     if config.strategy != "ar":
         baseline_ids = choose_baseline(prompts, config.baseline_fraction)
     by_id = {p.id: p for p in prompts}
+    if real_engine:  # the profile must cover the longest context this job runs
+        longest = max((p.num_input_tokens or 0 for p in prompts if p.error is None), default=0)
+        engine_factory = functools.partial(default_engine_factory,
+                                           longest=longest + config.max_new_tokens)
 
     writer = PartWriter(out, ROWS, schema, done_ids, config.checkpoint_rows,
                         config.checkpoint_seconds)
@@ -217,34 +229,41 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     def stop_now(count: int) -> bool:
         return stop_after is not None and writer.written + len(writer.buffer) + count >= stop_after
 
-    previous = _install_sigterm()
-    try:
-        # Rows that failed before generation are finished already.
-        todo = []
-        for i in pending:
-            p = prompts[i]
-            if p.error is None:
-                todo.append(p)
-            elif not stop_now(0):
+    def write_prompt_errors() -> None:
+        """Rows that failed before generation are finished already."""
+        for p in failed_prompts:
+            if not stop_now(0):
                 row = result_row(config.id_column, p.id, config.strategy, error=p.error,
                                  num_input_tokens=p.num_input_tokens)
                 writer.add(row)
                 if on_row:
                     on_row(row)
+
+    previous = _install_sigterm()
+    try:
+        todo = [prompts[i] for i in pending if prompts[i].error is None]
+        failed_prompts = [prompts[i] for i in pending if prompts[i].error is not None]
         todo.sort(key=lambda p: (-p.num_input_tokens, p.index))  # longest first
-        if real_engine and (todo or baseline_ids - base_done):
+        generate = bool(todo) and (stop_after is None or len(failed_prompts) < stop_after)
+        if real_engine and (generate or baseline_ids - base_done):
             owns_ray = _connect_ray(config.address)
             _install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
         _check_terminate()
-        if todo and not stop_now(0):
+        if generate:
             replicas = config.replicas
             log.info("generating %d row(s) with %s on %d replica(s) x tp=%d", len(todo),
                      config.strategy, replicas, config.tp)
             with engine_factory(config, config.strategy, replicas) as engine:
+                # Only now is the job started: a failed start (bad option, missing resource)
+                # writes nothing, not even these rows, so a corrected command may start over.
+                result.profile = _profile_report(engine, replicas)
+                write_prompt_errors()
                 limit = None if stop_after is None else stop_after - (
                     writer.written + len(writer.buffer))
                 _generate(engine, backend_factory, config, config.strategy, todo, writer,
                           by_id, "rows", limit, on_row, result, "generated")
+        else:
+            write_prompt_errors()
         result.stopped_early = any(rows.ids[i] not in writer.done for i in pending)
         writer.flush()
 
@@ -288,13 +307,27 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
            "rows_skipped": result.skipped, "rows_written": writer.written,
            "rows_generated": result.generated, "baseline_rows_generated":
            result.baseline_generated, "stopped_early": result.stopped_early,
-           "replica_restarts": result.replica_restarts, "row_retries": result.row_retries}
+           "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
+           "profile": result.profile}
     summary = summarize(rows_table, base_table, config.id_column, rows.ids, job, run)
     out.write_bytes(SUMMARY_FILE, dumps(summary))
     write_plot(summary, rows_table, base_table, config.id_column,
                lambda data: out.write_bytes(PLOT_FILE, data))
     result.summary = summary
     return result
+
+
+def _profile_report(engine, replicas: int) -> dict | None:
+    """Which latency profile priced this run: key, path and origin ("loaded" from a stored
+    file, "measured" now and kept at path, "given"); per replica when they differ."""
+    info = getattr(engine, "replica_info", None)
+    if info is None:
+        return None
+    reports = [info(i).get("profile") for i in range(replicas)]
+    reports = [r for r in reports if r]
+    if not reports:
+        return None
+    return reports[0] if all(r == reports[0] for r in reports) else {"replicas": reports}
 
 
 def _generate(engine, backend_factory, config: JobConfig, strategy: str, todo, writer,
