@@ -5,14 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from .embedded import resolve_model_path
 from .errors import UserError
 from .loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from .model import Transformer
-from .speculation.strategy import GenerationConfig, GenerationResult
 from .speculation.factory import StrategyOptions, build_strategy
+from .speculation.strategy import GenerationConfig, GenerationResult
 
 log = logging.getLogger(__name__)
 

@@ -151,8 +151,10 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
         "missing": (dict(model=str(tmp_path / "nope")), UserError, "does not exist"),
         "rank-dies": (dict(model=ckpt, tp=2, _fail_rank=1), StartupError,
                       "replica 0 rank 1 failed to load its shard: its actor died"),
+        # the cluster's resources are checked before any placement group is asked for
         "unplaceable": (dict(model=ckpt, tp=2, cpus_per_rank=3, startup_timeout_s=3),
-                        StartupError, r"could not reserve 2 x \{'CPU': 3\} on one node"),
+                        StartupError, r"tp 2 x replicas 1 needs 6 CPU\(s\) \(3 per rank\); "
+                                      r"the Ray cluster has 4"),
     }[case]
     with pytest.raises(error, match=match):
         Engine(strategy="ar", **kwargs)

@@ -192,8 +192,9 @@ def _parse(d: Any) -> LatencyProfile:
                          number(f"{key}.intercept", value.get("intercept")))
 
     model = obj("model", d["model"])
-    for k in MODEL_KEYS:
-        integer(f"model.{k}", model.get(k))
+    for k in MODEL_KEYS:  # absent keys never match a model's shape (profiles/store.py)
+        if k in model:
+            integer(f"model.{k}", model[k])
     verify_raw = obj("verify", d["verify"])
     if not verify_raw:
         raise ValueError("'verify' is empty")

@@ -11,8 +11,6 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from ..clock import Clock
 from ..errors import UserError
 from ..model import Transformer
