@@ -47,3 +47,9 @@ class KVCache:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"length {length} outside cache capacity {self.capacity}")
         self.lengths[row] = length
+
+
+def kv_heads(model) -> int:
+    """KV heads this process holds (local under tensor parallelism): what a KVCache for
+    ``model`` needs."""
+    return model.layers[0].attention.num_kv_heads

@@ -12,60 +12,12 @@ import logging
 import sys
 from pathlib import Path
 
+from .commandline import (add_engine_args, add_model_args, add_sampling_args,
+                          add_strategy_args, emit, generation_config, strategy_options,
+                          uses_engine)
 from .errors import UserError
 
 log = logging.getLogger("knapspec_dist")
-
-
-def emit(text: str, *, error: bool = False) -> None:
-    """A command's final report (stdout) or error line (stderr): the one place commands print;
-    progress and diagnostics go through logging."""
-    print(text, file=sys.stderr if error else sys.stdout)
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-
-
-def _add_strategy_args(p: argparse.ArgumentParser) -> None:
-    from .strategies import NAMES
-
-    p.add_argument("--strategy", default="knapspec", choices=NAMES)
-    p.add_argument("--skip", default="", help="static: skipped sublayers, e.g. a3,a5,m7 (0-based)")
-    p.add_argument("--gamma", type=int, default=4, help="static / clasp draft length")
-    p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
-    p.add_argument("--profile", default=None, help="latency profile JSON (knapspec, clasp)")
-    p.add_argument("--interval", type=int, default=64, help="tokens between re-selections")
-    p.add_argument("--coupled", action="store_true", help="skip attention+MLP of a layer together")
-    p.add_argument("--objective", default="tpt", choices=["tpt", "alpha"])
-    p.add_argument("--select-once", action="store_true", help="select after prefill only")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-
-
-def strategy_options(args: argparse.Namespace):
-    from .strategies import StrategyOptions
-
-    return StrategyOptions(name=args.strategy, skip=args.skip, gamma=args.gamma,
-                           tau_conf=args.tau_conf, profile=args.profile, interval=args.interval,
-                           coupled=args.coupled, objective=args.objective,
-                           select_once=args.select_once)
-
-
-def generation_config(args: argparse.Namespace):
-    from .sampling import SamplingConfig
-    from .speculation.strategy import GenerationConfig
-
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -79,7 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         text = args.prompt
     options, config = strategy_options(args), generation_config(args)
-    from .runtime.cli import generate_on_engine, uses_engine
+    from .runtime.cli import generate_on_engine
 
     if uses_engine(args):
         result = generate_on_engine(args, text, options, config)
@@ -134,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from one prompt")
-    _add_model_args(g)
-    from .runtime.cli import add_engine_args, extend_profile
+    add_model_args(g)
+    from .runtime.cli import extend_profile
 
     add_engine_args(g)  # --tp / --replicas / --address: the Ray engine
     src = g.add_mutually_exclusive_group(required=True)
@@ -143,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--prompt-file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_strategy_args(g)
-    _add_sampling_args(g)
+    add_strategy_args(g)
+    add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="run the summarization batch job on the bundled chapters (smollm2, local Ray)")
@@ -161,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        emit(f"error: {e}", error=True)
         return 2
 
 

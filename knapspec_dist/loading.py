@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import load_config
 from .errors import UserError
@@ -52,6 +52,25 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_device(name: str) -> torch.device:
+    """``--device``: cpu, or cuda when a CUDA device is available (UserError otherwise)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {name!r}; choose cpu or cuda")
+    return torch.device(name)
+
+
+def open_checkpoint(path: Path, stack: ExitStack | None = None):
+    """``safe_open`` of one safetensors file; a corrupt or truncated file is a UserError that
+    names it (safetensors' own SafetensorError would otherwise surface as a traceback)."""
+    try:
+        handle = safe_open(path, framework="pt")
+        return stack.enter_context(handle) if stack is not None else handle
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
@@ -64,7 +83,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise UserError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
+    with open_checkpoint(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -95,10 +114,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                 raise UserError(f"{model_dir}: checkpoint lacks tensor {source!r}")
             path = files[source]
             if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            sl = handles[path].get_slice(source)
-            full = tuple(sl.get_shape())
-            tensor = slicer(name, sl, full) if slicer else sl[:]
+                handles[path] = open_checkpoint(path, stack)
+            try:
+                sl = handles[path].get_slice(source)
+                full = tuple(sl.get_shape())
+                tensor = slicer(name, sl, full) if slicer else sl[:]
+            except SafetensorError as e:
+                raise UserError(f"{path}: cannot read tensor {source!r} ({e})") from None
             if tuple(tensor.shape) != tuple(param.shape):
                 raise UserError(f"{model_dir}: tensor {source!r} has shape {tuple(tensor.shape)}, "
                                 f"expected {tuple(param.shape)}")

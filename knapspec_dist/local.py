@@ -5,14 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from .embedded import resolve_model_path
 from .errors import UserError
-from .loading import load_model, load_tokenizer, resolve_dtype
+from .loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from .model import Transformer
+from .speculation.factory import StrategyOptions, build_strategy
 from .speculation.strategy import GenerationConfig, GenerationResult
-from .strategies import StrategyOptions, build_strategy
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +20,6 @@ class LoadedModel:
     model: Transformer
     tokenizer: object
     path: str
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise UserError(f"unknown device {name!r}; choose cpu or cuda")
-    return torch.device(name)
 
 
 def load(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:

@@ -17,7 +17,9 @@ tests that use them are must-show tests of the foundation.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,10 @@ from models import CONFIGS, hf_model, make_checkpoint  # noqa: E402
 # steps) where extra threads only add synchronization; on a busy 2-core machine two threads
 # cost about 3.5x the CPU time of one (measured on the ar-vs-transformers test).
 torch.set_num_threads(1)
+
+# Profiles measured by tests are kept here, never in the user's cache (where later jobs would
+# find them); set before any Ray start so that actors inherit it.
+os.environ["KNAPSPEC_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="knapspec-test-profiles-")
 
 CONFIG_NAMES = sorted(CONFIGS)
 

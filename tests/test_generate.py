@@ -14,7 +14,7 @@ from conftest import CONFIG_NAMES, random_prompt
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.speculation.strategy import GenerationConfig
-from knapspec_dist.strategies import format_skip
+from knapspec_dist.speculation.factory import format_skip
 
 NO_EOS = dict(stop_at_eos=False)
 

@@ -27,7 +27,7 @@ from knapspec_dist.sampling import SamplingConfig
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.strategy import GenerationConfig
 from knapspec_dist.speculation.ties import TIE, check_divergence
-from knapspec_dist.strategies import StrategyOptions, build_strategy
+from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
 
 from conftest import random_prompt
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile

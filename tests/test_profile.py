@@ -105,7 +105,7 @@ def test_key_is_deterministic_and_file_name_safe() -> None:
     p = make_profile()
     key = p.key()
     assert key == make_profile().key()
-    assert key == "nvidia-h200__layers4-hidden64-heads4-kv_heads2-head_dim16-intermediate128-vocab100__bfloat16__b2__tp2"
+    assert key == "nvidia-h200__layers4-hidden64-heads4-kv_heads2-head_dim16-intermediate128-vocab100__bfloat16__b2__tp2__eager"
     other = fit_profile(synthetic_samples(), **{**META, "batch": 4})
     assert other.key() != key
     weird = fit_profile(synthetic_samples(), **{**META, "device": {"name": "AMD/Ryzen 9 (x86)"}})

@@ -152,6 +152,8 @@ def test_cli_profile_bad_options_are_one_line_errors(checkpoint, tmp_path, capsy
 def _gloo_worker(rank: int, world: int, store: str, checkpoint: str, outdir: str) -> None:
     import torch.distributed as dist
 
+    from knapspec_dist.parallel import destroy_distributed
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -161,7 +163,7 @@ def _gloo_worker(rank: int, world: int, store: str, checkpoint: str, outdir: str
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump({"rows": rows, "profile": prof.to_json()}, f)
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()  # all ranks leave together (see its docstring)
 
 
 def test_measure_allreduce_on_two_gloo_ranks(checkpoint, tmp_path, monkeypatch) -> None:

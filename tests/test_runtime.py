@@ -28,6 +28,7 @@ def cluster(tmp_path_factory):
     os.environ["OMP_NUM_THREADS"] = "1"
     # no stored profile can match: the knapspec test below must measure one
     os.environ["KNAPSPEC_PROFILES"] = str(tmp_path_factory.mktemp("profiles"))
+    os.environ["KNAPSPEC_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("profile-cache"))
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -47,7 +48,7 @@ def leftovers() -> list[str]:
 
 def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
     from knapspec_dist.speculation.strategy import GenerationConfig
-    from knapspec_dist.strategies import StrategyOptions, build_strategy
+    from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
 
     s = build_strategy(StrategyOptions(name=strategy, **options), model)
     config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)
@@ -91,7 +92,8 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
         engine.measure = {"contexts": [16, 64], "repeats": 1}
         engine.reconfigure("knapspec", interval=8)
         info = engine.replica_info(0)
-        assert info["profile"] == "measured" and info["profile_key"].endswith("tp2"), info
+        assert info["profile"]["origin"] == "measured", info
+        assert info["profile_key"].endswith("tp2__eager"), info
         results = engine.generate(prompts, **NO_EOS)
         assert [r.token_ids for r in results] == local_tokens(model, "ar", prompts)
     assert leftovers() == []
@@ -149,8 +151,10 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
         "missing": (dict(model=str(tmp_path / "nope")), UserError, "does not exist"),
         "rank-dies": (dict(model=ckpt, tp=2, _fail_rank=1), StartupError,
                       "replica 0 rank 1 failed to load its shard: its actor died"),
+        # the cluster's resources are checked before any placement group is asked for
         "unplaceable": (dict(model=ckpt, tp=2, cpus_per_rank=3, startup_timeout_s=3),
-                        StartupError, r"could not reserve 2 x \{'CPU': 3\} on one node"),
+                        StartupError, r"tp 2 x replicas 1 needs 6 CPU\(s\) \(3 per rank\); "
+                                      r"the Ray cluster has 4"),
     }[case]
     with pytest.raises(error, match=match):
         Engine(strategy="ar", **kwargs)

@@ -10,7 +10,7 @@ from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.strategy import GenerationConfig
 from knapspec_dist.speculation.ties import (BUG, TIE, check_divergence, classify,
                                             first_difference, one_shot_logits, spacing, tolerance)
-from knapspec_dist.strategies import StrategyOptions, build_strategy
+from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
 
 from conftest import random_prompt
 

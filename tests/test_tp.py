@@ -52,7 +52,7 @@ def _strategies(model):
     from knapspec_dist.parallel import spmd_strategy
     from knapspec_dist.speculation.autoregressive import Autoregressive
     from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-    from knapspec_dist.strategies import StrategyOptions, build_strategy
+    from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
 
     knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8,
                                               tau_conf=0.0),

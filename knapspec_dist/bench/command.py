@@ -10,7 +10,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli import emit
+from ..commandline import emit
 from ..errors import UserError
 from .prompts import Prompt, build_prompts, resolve_tokenizer
 from .report import command_line, machine, plot, summarize, write_markdown
@@ -80,7 +80,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from ..embedded import resolve_model_path
     from ..loading import load_model, resolve_dtype
-    from ..local import resolve_device
+    from ..loading import resolve_device
     from ..speculation.strategy import GenerationConfig
 
     contexts = _ints(args.contexts, "--contexts")
@@ -158,11 +158,11 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def register(sub) -> None:
-    from ..cli import _add_model_args
+    from ..commandline import add_model_args
 
     p = sub.add_parser("bench", help="compare strategies on long-document prompts",
                        description=__doc__.split("\n\n")[0].strip("`"))
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or 'smollm2' (default: the model's own; 'bytes' or a "
                         "model without one: UTF-8 bytes as token ids)")

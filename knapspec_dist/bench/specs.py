@@ -21,7 +21,7 @@ class StrategySpec:
 
 def parse_strategy(text: str):
     """One spec (``knapspec:coupled+once``, ``static:a3,m5@4``, ``clasp@4``) -> StrategySpec."""
-    from ..strategies import NAMES, StrategyOptions
+    from ..speculation.factory import NAMES, StrategyOptions
 
     spec = text.strip()
     gamma = None
@@ -81,7 +81,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
 
 
 def build(spec: StrategySpec, model):
-    from ..strategies import build_strategy
+    from ..speculation.factory import build_strategy
 
     try:
         return build_strategy(spec.options, model)

@@ -17,7 +17,7 @@ import torch
 from ..sampling import SamplingConfig
 from ..speculation.strategy import GenerationConfig
 from ..speculation.ties import check_divergence
-from ..strategies import StrategyOptions, build_strategy, format_skip
+from ..speculation.factory import StrategyOptions, build_strategy, format_skip
 from .budget import Section
 from .measure import build_random
 from .shapes import skip_sets, tiny

@@ -25,7 +25,7 @@ from .options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_a
 __all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "JobTerminated", "add_job_args",
            "config_from_args", "main", "register", "run_job", "report"]
 
-from ..cli import emit
+from ..commandline import emit
 
 log = logging.getLogger(__name__)
 

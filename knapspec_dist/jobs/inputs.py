@@ -14,6 +14,7 @@ that row's ``error`` (see :mod:`.prompts`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import posixpath
@@ -43,6 +44,19 @@ class InputRows:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def fingerprint(self, spec: str) -> dict:
+        """The input's part of a job's identity: where it is and what it holds (row count and
+        a hash of every id and text), so that a job never resumes over another input."""
+        digest = hashlib.sha256()
+        for row_id, text in zip(self.ids, self.texts):
+            digest.update(repr(row_id).encode())
+            digest.update(b"\0" if text is None else b"\1" + text.encode("utf-8", "replace"))
+            digest.update(b"\n")
+        fs, path = filesystem_and_path(spec)
+        where = path if isinstance(fs, pafs.LocalFileSystem) else spec
+        return {"input": where, "input_rows": len(self.ids),
+                "input_sha256": digest.hexdigest()[:16]}
 
 
 def filesystem_and_path(uri_or_path: str) -> tuple[pafs.FileSystem, str]:

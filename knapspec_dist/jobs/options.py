@@ -92,11 +92,11 @@ class JobConfig:
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed))
 
     def fingerprint(self) -> dict:
-        """What decides a row's output: a resumed job must agree on all of it.
+        """What decides a row's output: a resumed job must agree on all of it.  The runner
+        adds the input's identity (path, row count, content hash: ``InputRows.fingerprint``).
 
         Not in it: where and how fast the job runs (tp, replicas, address, scheduling,
-        checkpointing, --stop-after), the input location (rows are matched by id, so a
-        resumed job may read a grown or moved input) and the baseline share.
+        checkpointing, --stop-after) and the baseline share.
         """
         return {
             "id_column": self.id_column,
@@ -122,7 +122,7 @@ class JobConfig:
 
 def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     """The options of ``jobs/summarize.py`` (``mode='summarize'``) or ``jobs/generate.py``."""
-    from ..cli import _add_model_args, _add_sampling_args, _add_strategy_args
+    from ..commandline import add_model_args, add_sampling_args, add_strategy_args
 
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
@@ -148,7 +148,7 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                          help="message column: wrapped as a user message in the chat template")
         io.add_argument("--instruction", default="",
                         help="text put before each --text-column message (default: none)")
-    _add_model_args(p)
+    add_model_args(p)
     run = p.add_argument_group("cluster")
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
     run.add_argument("--replicas", type=int, default=1, help="model replicas (TP groups)")
@@ -157,8 +157,8 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     run.add_argument("--cpus-per-rank", type=int, default=1,
                      help="CPUs reserved per tensor-parallel rank; on CPU also its torch "
                           "threads (default 1)")
-    _add_strategy_args(p)
-    _add_sampling_args(p)
+    add_strategy_args(p)
+    add_sampling_args(p)
     rows = p.add_argument_group("rows")
     rows.add_argument("--truncate", action="store_true",
                       help="cut over-long documents to fit the context window (the end of the "
@@ -192,7 +192,7 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
 
 
 def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobConfig:
-    from ..cli import strategy_options
+    from ..commandline import strategy_options
 
     text, prompt = args.text_column, args.prompt_column
     if text is None and prompt is None:

@@ -2,7 +2,8 @@
 
 Layout of ``--output DIR`` (a local path or a pyarrow filesystem URI)::
 
-    DIR/job.json          what decides the rows' output (checked when a job resumes)
+    DIR/job.json          what decides the rows' output, the input included (checked when a
+                          job resumes; written with the first rows)
     DIR/rows/part-*.parquet       one row per input row, in the order rows finished
     DIR/baseline/part-*.parquet   the baseline rows, run again with ``ar``
     DIR/summary.json, DIR/speedup.png
@@ -101,6 +102,7 @@ class OutputDir:
         self.uri = uri_or_path
         self.fs, self.path = filesystem_and_path(uri_or_path)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._job: bytes | None = None  # job.json, until the first rows are written
 
     def join(self, *parts: str) -> str:
         return "/".join([self.path.rstrip("/"), *parts])
@@ -112,24 +114,33 @@ class OutputDir:
         return "/".join([self.uri.rstrip("/"), *parts])
 
     def prepare(self, fingerprint: dict) -> bool:
-        """Create the directory or check that it belongs to this job.  True when resuming."""
-        try:
-            info = self.fs.get_file_info(self.path)
-        except OSError as e:
-            raise UserError(f"--output {self.uri!r}: {e}") from None
+        """Create the directory (checking that it can be written), or check that it belongs to
+        this job.  True when resuming (rows of this job are there).
+
+        ``job.json`` is not written here but with the job's first rows (:meth:`commit_job`):
+        a job that failed before writing a row leaves no identity behind, so the corrected
+        command may start over in the same directory with other options.  A directory whose
+        ``job.json`` names another job is refused only when it holds rows; then nothing in
+        it is touched."""
+        info = self._call(lambda: self.fs.get_file_info(self.path))
         if info.type == pafs.FileType.File:
             raise UserError(f"--output {self.uri!r} is a file, not a directory")
         job_file = self.join(JOB_FILE)
         existing = None
+        has_rows = False
         if info.type == pafs.FileType.Directory:
+            has_rows = self._call(self.has_rows)
             if self.fs.get_file_info(job_file).type == pafs.FileType.File:
                 with self.fs.open_input_stream(job_file) as f:
                     existing = json.loads(f.read().decode())
             elif [i for i in self.fs.get_file_info(pafs.FileSelector(self.path))
-                  if not os.path.basename(i.path).startswith((".", "_"))]:
+                  if not os.path.basename(i.path).startswith((".", "_"))
+                  and os.path.basename(i.path) not in (ROWS, BASELINE)] or has_rows:
                 raise UserError(f"--output {self.uri!r} holds files but no {JOB_FILE}: it is not "
                                 "the output of a knapspec job; choose an empty or new directory")
-        if existing is not None:
+        self._job = json.dumps({"fingerprint": fingerprint, "created": _now_iso()},
+                               indent=2).encode() + b"\n"
+        if existing is not None and has_rows:
             before = existing.get("fingerprint", {})
             differ = sorted(k for k in set(before) | set(fingerprint)
                             if before.get(k) != fingerprint.get(k))
@@ -138,15 +149,46 @@ class OutputDir:
                                     for k in differ)
                 raise UserError(f"--output {self.uri!r} holds rows of a different job ({details})"
                                 "; resume with the same options or choose a new --output")
+            self._job = None  # job.json is this job's already
             return True
+        if existing is not None:
+            log.info("%s holds no rows yet: starting over with this job's options", self.uri)
         for sub in ("", ROWS, BASELINE):
-            self.fs.create_dir(self.join(sub) if sub else self.path, recursive=True)
-        self.write_bytes(JOB_FILE, json.dumps(
-            {"fingerprint": fingerprint, "created": _now_iso()}, indent=2).encode() + b"\n")
+            self._call(lambda sub=sub: self.fs.create_dir(self.join(sub) if sub else self.path,
+                                                          recursive=True))
+        probe = f".write-test-{uuid.uuid4().hex[:8]}"
+        self.write_bytes(probe, b"")
+        self._call(lambda: self.fs.delete_file(self.join(probe)))
         return False
+
+    def has_rows(self) -> bool:
+        """Whether any part file of a job is there (rows or baseline)."""
+        for sub in (ROWS, BASELINE):
+            infos = self.fs.get_file_info(pafs.FileSelector(self.join(sub), allow_not_found=True))
+            if any(i.type == pafs.FileType.File and i.path.endswith(".parquet")
+                   and not os.path.basename(i.path).startswith((".", "_")) for i in infos):
+                return True
+        return False
+
+    def commit_job(self) -> None:
+        """Write ``job.json`` before the job's first rows (once)."""
+        if self._job is not None:
+            data, self._job = self._job, None
+            self.write_bytes(JOB_FILE, data)
+
+    def _call(self, fn):
+        """A filesystem call; OSError (no permission, a file in the path, ...) -> UserError."""
+        try:
+            return fn()
+        except OSError as e:
+            raise UserError(f"--output {self.uri!r}: cannot write there: "
+                            f"{e.strerror or str(e).strip().splitlines()[0]}") from None
 
     def write_bytes(self, name: str, data: bytes) -> str:
         """Write ``DIR/name`` atomically (temporary file, then rename)."""
+        return self._call(lambda: self._write_bytes(name, data))
+
+    def _write_bytes(self, name: str, data: bytes) -> str:
         final = self.join(name)
         head, tail = final.rsplit("/", 1)
         tmp = f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp"
@@ -237,6 +279,7 @@ class PartWriter:
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd")
         name = f"{self.sub}/part-{self.run}-{self.parts:05d}.parquet"
+        self.out.commit_job()
         self.out.write_bytes(name, sink.getvalue().to_pybytes())
         self.parts += 1
         self.written += len(self.buffer)

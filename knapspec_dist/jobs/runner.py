@@ -10,12 +10,12 @@ and only when there is a row left to generate.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import UserError
@@ -23,6 +23,7 @@ from .inputs import read_input
 from .options import JobConfig
 from .output import (BASELINE, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir, PartWriter,
                      output_schema, result_row)
+from .progress import Progress
 from .prompts import PromptBuilder, choose_baseline
 from .scheduler import EngineBackend, Outcome, Scheduler, Task
 from .summary import dumps, summarize, write_plot
@@ -43,80 +44,19 @@ class JobResult:
     replica_restarts: int = 0
     row_retries: int = 0
     skipped: int = 0  # rows found done in the output directory
+    profile: dict | None = None  # the latency profile that priced this run (key, path, origin)
 
 
-@dataclass
-class _Progress:
-    """A log line every ``every`` seconds (rows done, tokens/s, ETA) and an optional tqdm bar."""
-
-    total: int
-    every: float
-    label: str
-    bar_enabled: bool | None = None
-    done: int = 0
-    failed: int = 0
-    tokens: int = 0
-    start: float = field(default_factory=time.monotonic)
-    last: float = field(default_factory=time.monotonic)
-
-    def __post_init__(self):
-        self.bar = None
-        enabled = sys.stderr.isatty() if self.bar_enabled is None else self.bar_enabled
-        if enabled and self.total:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, desc=self.label, unit="row", file=sys.stderr,
-                            dynamic_ncols=True)
-
-    def update(self, outcome: Outcome) -> None:
-        self.done += 1
-        if outcome.error is not None:
-            self.failed += 1
-        elif outcome.result is not None:
-            self.tokens += outcome.result.stats.new_tokens
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(tok_s=f"{self.tokens_per_s:.1f}", failed=self.failed)
-        self.tick()
-
-    @property
-    def tokens_per_s(self) -> float:
-        elapsed = time.monotonic() - self.start
-        return self.tokens / elapsed if elapsed > 0 else 0.0
-
-    def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        elapsed = now - self.start
-        left = self.total - self.done
-        eta = elapsed / self.done * left if self.done else None
-        log.info("%s: %d/%d rows (%d failed), %.1f tok/s, elapsed %s, ETA %s", self.label,
-                 self.done, self.total, self.failed, self.tokens_per_s, _hms(elapsed),
-                 _hms(eta) if eta is not None else "?")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self.tick(force=True)
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-def default_engine_factory(config: JobConfig, strategy: str, replicas: int):
-    """Start the Ray engine (actors, placement groups, weights)."""
+def default_engine_factory(config: JobConfig, strategy: str, replicas: int,
+                           longest: int | None = None):
+    """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
+    context of the job (prompt + new tokens), which its latency profile must cover."""
     from ..runtime.engine import Engine
 
     options = dict(config.strategy_options) if strategy == config.strategy else {}
     return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
-                  cpus_per_rank=config.cpus_per_rank, **options)
+                  cpus_per_rank=config.cpus_per_rank, profile_need=longest, **options)
 
 
 def _connect_ray(address: str | None) -> bool:
@@ -133,18 +73,22 @@ def _connect_ray(address: str | None) -> bool:
 def load_text_tools(config: JobConfig):
     """Tokenizer and context window of the model, from its folder (no weights are read).
 
-    Also checks that the model can be sharded ``config.tp`` ways, so that a bad --tp fails
-    before thousands of documents are tokenized."""
+    Also checks that the model can be sharded ``config.tp`` ways and the strategy options
+    (gamma, skip list, --profile: complete and of this model's shape), so that a bad option
+    fails before thousands of documents are tokenized and before any row is written."""
     from ..config import load_config
     from ..embedded import resolve_model_path
-    from ..loading import load_tokenizer
+    from ..loading import checkpoint_files, load_tokenizer
     from ..parallel import check_shardable
+    from ..speculation.factory import StrategyOptions, check_options
 
     path = resolve_model_path(config.model)
     if not path.is_dir():
         raise UserError(f"--model {config.model!r}: {str(path)!r} is not a model folder")
     model_config = load_config(path)
     check_shardable(model_config, config.tp)
+    check_options(StrategyOptions(name=config.strategy, **config.strategy_options), model_config)
+    checkpoint_files(path)  # the weights are there and readable (a corrupt file: one line)
     return load_tokenizer(path), model_config.max_position_embeddings
 
 
@@ -173,7 +117,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     # 1. File level: input and output directory, before any model is touched.
     rows = read_input(config.input, config.id_column, config.input_column)
     out = OutputDir(config.output)
-    resuming = out.prepare(config.fingerprint())
+    resuming = out.prepare({**config.fingerprint(), **rows.fingerprint(config.input)})
     schema = output_schema(config.id_column, rows.id_type)
     existing = out.read_rows(ROWS, schema)
     done_ids = set(existing.column(config.id_column).to_pylist())
@@ -202,6 +146,10 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     if config.strategy != "ar":
         baseline_ids = choose_baseline(prompts, config.baseline_fraction)
     by_id = {p.id: p for p in prompts}
+    if real_engine:  # the profile must cover the longest context this job runs
+        longest = max((p.num_input_tokens or 0 for p in prompts if p.error is None), default=0)
+        engine_factory = functools.partial(default_engine_factory,
+                                           longest=longest + config.max_new_tokens)
 
     writer = PartWriter(out, ROWS, schema, done_ids, config.checkpoint_rows,
                         config.checkpoint_seconds)
@@ -217,34 +165,41 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     def stop_now(count: int) -> bool:
         return stop_after is not None and writer.written + len(writer.buffer) + count >= stop_after
 
-    previous = _install_sigterm()
-    try:
-        # Rows that failed before generation are finished already.
-        todo = []
-        for i in pending:
-            p = prompts[i]
-            if p.error is None:
-                todo.append(p)
-            elif not stop_now(0):
+    def write_prompt_errors() -> None:
+        """Rows that failed before generation are finished already."""
+        for p in failed_prompts:
+            if not stop_now(0):
                 row = result_row(config.id_column, p.id, config.strategy, error=p.error,
                                  num_input_tokens=p.num_input_tokens)
                 writer.add(row)
                 if on_row:
                     on_row(row)
+
+    previous = _install_sigterm()
+    try:
+        todo = [prompts[i] for i in pending if prompts[i].error is None]
+        failed_prompts = [prompts[i] for i in pending if prompts[i].error is not None]
         todo.sort(key=lambda p: (-p.num_input_tokens, p.index))  # longest first
-        if real_engine and (todo or baseline_ids - base_done):
+        generate = bool(todo) and (stop_after is None or len(failed_prompts) < stop_after)
+        if real_engine and (generate or baseline_ids - base_done):
             owns_ray = _connect_ray(config.address)
             _install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
         _check_terminate()
-        if todo and not stop_now(0):
+        if generate:
             replicas = config.replicas
             log.info("generating %d row(s) with %s on %d replica(s) x tp=%d", len(todo),
                      config.strategy, replicas, config.tp)
             with engine_factory(config, config.strategy, replicas) as engine:
+                # Only now is the job started: a failed start (bad option, missing resource)
+                # writes nothing, not even these rows, so a corrected command may start over.
+                result.profile = _profile_report(engine, replicas)
+                write_prompt_errors()
                 limit = None if stop_after is None else stop_after - (
                     writer.written + len(writer.buffer))
                 _generate(engine, backend_factory, config, config.strategy, todo, writer,
                           by_id, "rows", limit, on_row, result, "generated")
+        else:
+            write_prompt_errors()
         result.stopped_early = any(rows.ids[i] not in writer.done for i in pending)
         writer.flush()
 
@@ -288,13 +243,27 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
            "rows_skipped": result.skipped, "rows_written": writer.written,
            "rows_generated": result.generated, "baseline_rows_generated":
            result.baseline_generated, "stopped_early": result.stopped_early,
-           "replica_restarts": result.replica_restarts, "row_retries": result.row_retries}
+           "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
+           "profile": result.profile}
     summary = summarize(rows_table, base_table, config.id_column, rows.ids, job, run)
     out.write_bytes(SUMMARY_FILE, dumps(summary))
     write_plot(summary, rows_table, base_table, config.id_column,
                lambda data: out.write_bytes(PLOT_FILE, data))
     result.summary = summary
     return result
+
+
+def _profile_report(engine, replicas: int) -> dict | None:
+    """Which latency profile priced this run: key, path and origin ("loaded" from a stored
+    file, "measured" now and kept at path, "given"); per replica when they differ."""
+    info = getattr(engine, "replica_info", None)
+    if info is None:
+        return None
+    reports = [info(i).get("profile") for i in range(replicas)]
+    reports = [r for r in reports if r]
+    if not reports:
+        return None
+    return reports[0] if all(r == reports[0] for r in reports) else {"replicas": reports}
 
 
 def _generate(engine, backend_factory, config: JobConfig, strategy: str, todo, writer,
@@ -304,7 +273,7 @@ def _generate(engine, backend_factory, config: JobConfig, strategy: str, todo, w
     backend = backend_factory(engine)
     sched = Scheduler(backend, config.generation_config(), max_inflight=config.max_inflight,
                       max_attempts=config.max_attempts, row_timeout=config.row_timeout)
-    progress = _Progress(len(todo), config.progress_seconds, label, config.progress_bar)
+    progress = Progress(len(todo), config.progress_seconds, label, config.progress_bar)
     def on_result(outcome: Outcome) -> None:
         p = by_id[outcome.task.key]
         row = result_row(config.id_column, p.id, strategy, outcome.result, error=outcome.error,

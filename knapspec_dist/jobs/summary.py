@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import statistics
 
 import pyarrow as pa
@@ -39,6 +40,27 @@ def bucket_of(n: int) -> tuple[float, float]:
         if lo <= n < hi:
             return lo, hi
     raise ValueError(n)
+
+
+#: Row errors by kind: the messages carry numbers (token counts, attempts), the kinds do not.
+_KINDS = [
+    (re.compile(r"prompt has \d+ tokens; with --max-new-tokens"), "prompt too long for the context window"),
+    (re.compile(r"prompt has \d+ tokens and cannot be cut"), "prompt too long to truncate"),
+    (re.compile(r"replica failed \d+ time"), "replica failed while generating"),
+    (re.compile(r"('[^']*') is (null|empty)$"), None),  # the message is its kind
+    (re.compile(r"([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)):"), "exception"),
+]
+
+
+def error_kind(message: str) -> str:
+    """The kind of a row's error, for ``summary.json``'s ``errors`` counts: a fixed label for
+    the errors the job itself writes, the exception class for a failed generation, else the
+    first clause with its numbers replaced by N."""
+    for pattern, kind in _KINDS:
+        m = pattern.match(message)
+        if m:
+            return m.group(1) if kind == "exception" else (kind or message)
+    return re.sub(r"\d+", "N", message.split(";")[0].split(":")[0])[:120]
 
 
 def _throughput(rows: list[dict], prefill: bool = True) -> float | None:
@@ -97,7 +119,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
     inputs = set(input_ids)
     errors: dict[str, int] = {}
     for r in failed:
-        kind = r["error"].split(";")[0][:120]
+        kind = error_kind(r["error"])
         errors[kind] = errors.get(kind, 0) + 1
     pairs = [(r, base[r[id_column]]) for r in ok if r[id_column] in base]
     buckets = []

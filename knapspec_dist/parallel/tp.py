@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from ..cache import kv_heads  # noqa: F401 - exported by knapspec_dist.parallel
+from ..clock import Clock
 from ..config import ModelConfig, load_config
 from ..errors import UserError
 from ..loading import checkpoint_files, hf_name, load_model
@@ -76,9 +78,31 @@ def init_distributed(rank: int, world: int, address: str, port: int, *, device: 
     return dist.group.WORLD
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(timeout_s: float = 300.0) -> None:
+    """Leave the default process group together with the other ranks, then destroy it.
+
+    Destroying a gloo group closes its TCP pairs and stops its worker threads. A rank that
+    does so while a peer is still finishing the last collective (a ring all-reduce completes
+    on one rank before the other has read its last chunk) breaks the peer's connection
+    mid-operation, and on a busy machine that peer then aborts ("terminate called without an
+    active exception"). So every rank first passes a barrier, then waits on the store until
+    every rank has left it: only then is no collective in flight anywhere, and each rank
+    destroys its group. Best effort: a peer that is gone already only costs the wait.
+    """
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        try:
+            dist.barrier()
+            store = dist.distributed_c10d._get_default_store()
+            store.add("knapspec/teardown", 1)
+            deadline = time.monotonic() + timeout_s
+            while store.add("knapspec/teardown", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except Exception as e:  # noqa: BLE001 - a dead peer: destroy anyway
+            log.warning("leaving the process group without the other ranks: %s", e)
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- communication
@@ -101,9 +125,7 @@ class Comm:
     bytes: int = 0
 
     def _clock(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return Clock("cuda" if self.cuda else "cpu").now()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = self._clock() if self.timed else 0.0
@@ -321,11 +343,6 @@ def load_sharded(model_dir: str | Path, rank: int, world: int, *, group=None,
     model = load_model(model_dir, dtype=dtype, device=device, slicer=make_slicer(cfg, lay, files),
                        prepare=lambda m: shard_modules(m, lay, comm))
     return model
-
-
-def kv_heads(model: Transformer) -> int:
-    """KV heads this process holds (local under TP): what a KVCache for ``model`` needs."""
-    return model.layers[0].attention.num_kv_heads
 
 
 def parameter_bytes(model: Transformer) -> int:

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from ..cli import emit
+from ..commandline import add_model_args, emit
 from ..errors import UserError
 from .profile import LatencyProfile
 from .profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
@@ -47,9 +47,7 @@ def register(sub) -> None:
     p = sub.add_parser("profile", help="measure a latency profile (sublayers, head, verify) to JSON",
                        description="Measure per-sublayer decode latency against context length, "
                                    "the head, and the verify cost of q tokens; fit and write JSON.")
-    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_args(p)
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                    help="comma-separated context lengths (default %(default)s)")
     p.add_argument("--batch", type=int, default=1)
@@ -65,7 +63,7 @@ def register(sub) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..embedded import resolve_model_path
     from ..loading import load_model, resolve_dtype
-    from ..local import resolve_device
+    from ..loading import resolve_device
 
     contexts = checked_contexts(args)
     device = resolve_device(args.device)

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+MODES = ("eager", "graph")  # how the measured forwards ran: eager PyTorch or CUDA graphs
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -60,6 +61,12 @@ class LatencyProfile:
     head: float  # final norm + lm_head
     verify: dict[int, LinearFit]  # q -> t_verify(q, n), fit over n
     allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
+    mode: str = "eager"  # execution mode of the measured forwards: "eager" or "graph"
+
+    @property
+    def max_context(self) -> int:
+        """The longest context length measured (beyond it attention is extrapolated)."""
+        return int(max(n for n, _ in self.samples["attention"]))
 
     def attention_time(self, n: int) -> float:
         """One attention sublayer at context length n."""
@@ -96,9 +103,10 @@ class LatencyProfile:
         return total
 
     def key(self) -> str:
-        """Deterministic, file-name-safe key: device name, model shape, dtype, batch, tp."""
+        """Deterministic, file-name-safe key: device name, model shape, dtype, batch, tp, mode."""
         shape = "-".join(f"{k}{self.model.get(k, 'x')}" for k in MODEL_KEYS)
-        raw = f"{self.device.get('name', 'unknown')}__{shape}__{self.dtype}__b{self.batch}__tp{self.tp}"
+        raw = (f"{self.device.get('name', 'unknown')}__{shape}__{self.dtype}__b{self.batch}"
+               f"__tp{self.tp}__{self.mode}")
         return re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-").lower()
 
     def to_json(self) -> dict[str, Any]:
@@ -117,30 +125,16 @@ class LatencyProfile:
             "head": self.head,
             "verify": {str(q): {"slope": f.slope, "intercept": f.intercept} for q, f in sorted(self.verify.items())},
             "allreduce": self.allreduce,
+            "mode": self.mode,
             "samples": self.samples,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LatencyProfile:
-        """Inverse of to_json; refuses unknown schema versions rather than guessing."""
-        version = d.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"unsupported latency profile schema_version {version}")
-        return cls(
-            device=dict(d["device"]),
-            model=dict(d["model"]),
-            dtype=str(d["dtype"]),
-            batch=int(d["batch"]),
-            tp=int(d["tp"]),
-            torch_version=str(d["torch_version"]),
-            created=str(d["created"]),
-            samples=dict(d["samples"]),
-            attention=LinearFit(float(d["attention"]["slope"]), float(d["attention"]["intercept"])),
-            mlp=float(d["mlp"]),
-            head=float(d["head"]),
-            verify={int(q): LinearFit(float(f["slope"]), float(f["intercept"])) for q, f in d["verify"].items()},
-            allreduce=float(d.get("allreduce", 0.0)),
-        )
+        """Inverse of to_json, checked completely: a malformed profile raises ValueError with
+        what is wrong (never AttributeError / TypeError, never NaN that surfaces mid-run).
+        Refuses unknown schema versions; a profile without ``mode`` was measured eagerly."""
+        return _parse(d)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename) so concurrent readers never see a partial file."""
@@ -164,6 +158,86 @@ class LatencyProfile:
             return cls.from_json(json.load(f))
 
 
+def _parse(d: Any) -> LatencyProfile:
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+    version = d.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"unsupported latency profile schema_version {version!r}")
+    missing = [k for k in ("device", "model", "dtype", "batch", "tp", "torch_version", "created",
+                           "samples", "attention", "mlp", "head", "verify") if k not in d]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+
+    def obj(key: str, value: Any) -> dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key!r} must be an object, got {json.dumps(value)}")
+        return value
+
+    def number(key: str, value: Any, positive: bool = False) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{key!r} must be a finite number, got {json.dumps(value)}")
+        if positive and value <= 0:
+            raise ValueError(f"{key!r} must be > 0, got {value}")
+        return float(value)
+
+    def integer(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key!r} must be an integer >= 1, got {json.dumps(value)}")
+        return value
+
+    def fit(key: str, value: Any) -> LinearFit:
+        value = obj(key, value)
+        return LinearFit(number(f"{key}.slope", value.get("slope")),
+                         number(f"{key}.intercept", value.get("intercept")))
+
+    model = obj("model", d["model"])
+    for k in MODEL_KEYS:  # absent keys never match a model's shape (profiles/store.py)
+        if k in model:
+            integer(f"model.{k}", model[k])
+    verify_raw = obj("verify", d["verify"])
+    if not verify_raw:
+        raise ValueError("'verify' is empty")
+    verify = {}
+    for q, f in verify_raw.items():
+        if not str(q).isdigit() or int(q) < 1:
+            raise ValueError(f"'verify' keys must be query lengths >= 1, got {q!r}")
+        verify[int(q)] = fit(f"verify.{q}", f)
+    samples = obj("samples", d["samples"])
+    attention_samples = samples.get("attention")
+    if (not isinstance(attention_samples, list) or not attention_samples
+            or not all(isinstance(row, list) and len(row) == 2 for row in attention_samples)):
+        raise ValueError("'samples.attention' must be a non-empty list of [n, seconds]")
+    for n, t in attention_samples:
+        number("samples.attention n", n, positive=True)
+        number("samples.attention seconds", t)
+    mode = d.get("mode", "eager")
+    if mode not in MODES:
+        raise ValueError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}")
+    for key in ("dtype", "torch_version", "created"):
+        if not isinstance(d[key], str):
+            raise ValueError(f"{key!r} must be a string, got {json.dumps(d[key])}")
+    profile = LatencyProfile(
+        device=dict(obj("device", d["device"])),
+        model=dict(model),
+        dtype=d["dtype"],
+        batch=integer("batch", d["batch"]),
+        tp=integer("tp", d["tp"]),
+        torch_version=d["torch_version"],
+        created=d["created"],
+        samples=dict(samples),
+        attention=fit("attention", d["attention"]),
+        mlp=number("mlp", d["mlp"], positive=True),
+        head=number("head", d["head"]),
+        verify=verify,
+        allreduce=number("allreduce", d.get("allreduce", 0.0)),
+        mode=mode,
+    )
+    if profile.attention_time(profile.max_context) <= 0:
+        raise ValueError("'attention' gives a time <= 0 at the measured contexts")
+    return profile
+
+
 def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
     """Ordinary least squares y = slope * x + intercept; one point (or one distinct x) -> slope 0."""
     if not points:
@@ -183,7 +257,8 @@ def fit_profile(samples: dict[str, Any], **meta: Any) -> LatencyProfile:
 
     samples: {"attention": [[n, s], ...], "mlp": [s, ...], "head": [s, ...],
               "verify": [[q, n, s], ...], "allreduce": [[bytes, s], ...] (optional)}.
-    meta: device, model, dtype, batch, tp, torch_version, created (defaults to today).
+    meta: device, model, dtype, batch, tp, torch_version, created (defaults to today), mode
+    (defaults to "eager").
     Constant costs (mlp, head) use the median, robust to the odd slow repeat.
     """
     missing = [k for k in ("device", "model", "dtype", "batch", "tp", "torch_version") if k not in meta]
@@ -212,6 +287,7 @@ def fit_profile(samples: dict[str, Any], **meta: Any) -> LatencyProfile:
         head=statistics.median(clean["head"]),
         verify={q: fit_linear(pts) for q, pts in sorted(by_q.items())},
         allreduce=allreduce,
+        mode=str(meta.get("mode", "eager")),
     )
 
 

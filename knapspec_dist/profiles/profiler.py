@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 
+from ..clock import Clock
 from .device import device_info, dtype_name
-from .profile import LatencyProfile, fit_profile
+from .profile import MODES, LatencyProfile, fit_profile
 from .replay import ReplayTimer
 
 log = logging.getLogger(__name__)
@@ -70,31 +71,10 @@ QUICK_CONTEXTS = (256, 1024, 4096)
 # --------------------------------------------------------------------------- timing
 
 
-class _Clock:
-    """Time marks: perf_counter on CPU, CUDA events on a GPU (resolved after one sync)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-
 class _SublayerTimer:
     """Forward hooks marking the start and end of every Attention / MLP call and of the forward."""
 
-    def __init__(self, model, clock: _Clock):
+    def __init__(self, model, clock: Clock):
         self.clock = clock
         self.marks: list[tuple[str, str, Any]] = []  # (kind, "start"|"end", mark)
         self.handles = []
@@ -224,7 +204,7 @@ def measure_allreduce(group, sizes: Iterable[int], *, dtype: torch.dtype = torch
     if repeats < 1 or iters < 1:
         raise ValueError("repeats and iters must be >= 1")
     device = _comm_device(group)
-    clock = _Clock(device)
+    clock = Clock(device)
     elem = torch.empty((), dtype=dtype).element_size()
     rows: list[list[float]] = []
     times: list[float] = []
@@ -236,12 +216,10 @@ def measure_allreduce(group, sizes: Iterable[int], *, dtype: torch.dtype = torch
         per_call = []
         for _ in range(repeats):
             dist.barrier(group=group)
-            clock.sync()
-            start = time.perf_counter()
+            start = clock.now()
             for _ in range(iters):
                 dist.all_reduce(buf, group=group)
-            clock.sync()
-            per_call.append((time.perf_counter() - start) / iters)
+            per_call.append((clock.now() - start) / iters)
         rows.append([float(numel * elem)])
         times.append(_median(per_call))
     times = _max_over_ranks(times, group) if times else times
@@ -273,28 +251,27 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     full model's); mode: "eager" (hooked sublayers) or "graph" (replayed forwards, the way
     decoding runs on a GPU; see replay.py). See the module docstring for the method.
     """
-    if mode not in ("eager", "graph"):
-        raise ValueError(f"unknown profile mode {mode!r}; choose eager or graph")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     contexts = sorted(set(int(n) for n in contexts))
     if not contexts or contexts[0] < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
     if batch < 1 or max_q < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"need batch, max_q, repeats >= 1 and warmup >= 0 "
                          f"(got {batch}, {max_q}, {repeats}, {warmup})")
-    from ..cache import KVCache
+    from ..cache import KVCache, kv_heads
 
     device, dtype, cfg = model.device, model.dtype, model.cfg
     tp = _world(group) if group is not None else 1
-    kv_heads = model.layers[0].attention.num_kv_heads  # local heads on a TP shard
     capacity = contexts[-1] + max_q
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(cfg, batch, capacity, dtype=dtype, device=device, kv_heads=kv_heads)
+    cache = KVCache(cfg, batch, capacity, dtype=dtype, device=device, kv_heads=kv_heads(model))
     load_before = _load_average()
     started = time.perf_counter()
     fill_cache(model, cache, contexts[-1], fill, generator=gen)
     log.info("filled a %d-token KV cache (%s) in %.1fs", contexts[-1], fill, time.perf_counter() - started)
     rows = slice(0, batch)
-    clock = _Clock(device)
+    clock = Clock(device)
 
     def tokens(q: int) -> torch.Tensor:
         return torch.randint(cfg.vocab_size, (batch, q), generator=gen).to(device)
@@ -322,11 +299,9 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
         if replay is not None:
             return replay.time(n, q)
         x, pos = tokens(q), cache.lengths[rows]
-        clock.sync()
-        start = time.perf_counter()
+        start = clock.now()
         model(x, pos, cache, rows)
-        clock.sync()
-        return time.perf_counter() - start
+        return clock.now() - start
 
     qs = list(range(1, max_q + 1))
     attn: dict[int, list[float]] = {n: [] for n in contexts}
@@ -391,6 +366,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
         "tp": tp,
         "torch_version": torch.__version__,
         "created": datetime.date.today().isoformat(),
+        "mode": mode,
     }
     profile = fit_profile(samples, **meta)
     log.info("measured profile %s in %.1fs", profile.key(), time.perf_counter() - started)

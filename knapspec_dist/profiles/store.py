@@ -1,19 +1,45 @@
-"""Find the latency profile that matches a model on this device, or measure one.
+"""Where latency profiles live, how one is chosen for a model on a device, and where a
+measured one is kept.
 
-Profiles live as JSON under ``profiles/`` (override with ``KNAPSPEC_PROFILES``), keyed by device,
-model shape, dtype, batch and TP degree. A missing profile is measured, never guessed.
+Lookup order: the repository's ``profiles/`` (override with ``KNAPSPEC_PROFILES``), then the
+profile cache ``<cache dir>/profiles`` (``KNAPSPEC_PROFILE_CACHE``, else under
+``KNAPSPEC_CACHE`` / ``~/.cache/knapspec_dist``). Profiles are keyed by device, model shape,
+dtype, batch, TP degree and execution mode. A profile is used when it matches all of them and
+its measured contexts reach the longest context the run needs (when that is known); when none
+does, one is measured (never guessed) and kept in the cache, so the next job, and the other
+replicas of a cluster sharing the cache, load it instead of measuring again.
+
+``--profile PATH`` names one file; it is checked completely when loaded and refused (one
+error line) when it is malformed or was measured for another model shape.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from .profile import LatencyProfile
+from .profile import MODEL_KEYS, LatencyProfile
 
 log = logging.getLogger(__name__)
+
+#: Context lengths a measurement covers, up to the longest the run needs (that one included).
+CONTEXT_STEPS = (64, 256, 1024, 4096, 16384, 65536)
+
+
+@dataclass
+class Choice:
+    """The profile that prices a run and where it came from."""
+
+    profile: LatencyProfile | None
+    path: str | None  # the file it was loaded from, or where a measured one was kept
+    origin: str  # "loaded" (a stored file), "given" (an object), "measured" (now)
+
+    def describe(self) -> dict:
+        return {"key": self.profile.key() if self.profile else None, "path": self.path,
+                "origin": self.origin}
 
 
 def profiles_dir() -> Path:
@@ -21,48 +47,132 @@ def profiles_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "profiles"
 
 
+def cache_profiles_dir() -> Path:
+    env = os.environ.get("KNAPSPEC_PROFILE_CACHE")
+    if env:
+        return Path(env)
+    from ..embedded import cache_dir
+
+    return cache_dir() / "profiles"
+
+
+def search_dirs() -> list[Path]:
+    return [profiles_dir(), cache_profiles_dir()]
+
+
+def shape_mismatch(profile: LatencyProfile, shape: dict) -> list[str]:
+    """``"layers: 4 (profile) vs 30 (model)"`` for every shape key that differs."""
+    return [f"{k}: {profile.model.get(k)} (profile) vs {shape.get(k)} (model)"
+            for k in sorted(set(MODEL_KEYS) | set(shape))
+            if k in shape and profile.model.get(k) != shape.get(k)]
+
+
+def load_profile(path, shape: dict | None = None) -> LatencyProfile:
+    """``--profile PATH``: read and check it completely; with ``shape``, refuse a profile
+    measured for another model shape. Every problem is one UserError."""
+    try:
+        profile = LatencyProfile.load(path)
+    except OSError as e:
+        raise UserError(f"cannot load latency profile {str(path)!r}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UserError(f"latency profile {str(path)!r} is malformed: {e}") from None
+    if shape is not None:
+        differ = shape_mismatch(profile, shape)
+        if differ:
+            raise UserError(f"latency profile {str(path)!r} was measured for another model shape "
+                            f"({'; '.join(differ)}); measure one for this model with "
+                            "`knapspec profile`, or omit --profile")
+    return profile
+
+
 def matches(profile: LatencyProfile, device: dict, shape: dict, dtype: str, batch: int,
-            tp: int) -> bool:
+            tp: int, mode: str = "eager") -> bool:
     return (profile.device.get("name") == device.get("name")
             and profile.device.get("threads") == device.get("threads")
-            and all(profile.model.get(k) == v for k, v in shape.items())
-            and profile.dtype == dtype and profile.batch == batch and profile.tp == tp)
+            and not shape_mismatch(profile, shape)
+            and profile.dtype == dtype and profile.batch == batch and profile.tp == tp
+            and profile.mode == mode)
 
 
-def find_profile(directory: Path, device: dict, shape: dict, dtype: str, batch: int = 1,
-                 tp: int = 1) -> LatencyProfile | None:
-    if not directory.is_dir():
-        return None
-    for path in sorted(directory.glob("*.json")):
-        try:
-            profile = LatencyProfile.load(path)
-        except (ValueError, KeyError, OSError) as e:
-            log.warning("skipping unreadable profile %s: %s", path, e)
+def find_profile(directories, device: dict, shape: dict, dtype: str, batch: int = 1,
+                 tp: int = 1, mode: str = "eager", need: int | None = None) -> Choice | None:
+    """The first matching profile in ``directories`` (a Path or a list) whose measured
+    contexts reach ``need``; None when there is none."""
+    if isinstance(directories, (str, Path)):
+        directories = [directories]
+    for directory in map(Path, directories):
+        if not directory.is_dir():
             continue
-        if matches(profile, device, shape, dtype, batch, tp):
+        for path in sorted(directory.glob("*.json")):
+            try:
+                profile = LatencyProfile.load(path)
+            except (ValueError, OSError) as e:
+                log.warning("skipping unreadable profile %s: %s", path, e)
+                continue
+            if not matches(profile, device, shape, dtype, batch, tp, mode):
+                continue
+            if need is not None and profile.max_context < need:
+                log.info("profile %s covers contexts up to %d, this run needs %d: not used",
+                         path, profile.max_context, need)
+                continue
             log.info("using latency profile %s", path)
-            return profile
+            return Choice(profile, str(path), "loaded")
     return None
 
 
-def resolve_profile(spec, model, tp: int = 1, batch: int = 1) -> LatencyProfile:
-    """``spec``: a LatencyProfile, a JSON path, or None (find a matching one, else measure)."""
+def lookup(spec, device: dict, shape: dict, dtype: str, batch: int = 1, tp: int = 1,
+           mode: str = "eager", need: int | None = None) -> Choice | None:
+    """``spec``: a LatencyProfile, a JSON path, or None (search the stored profiles).
+    None means: measure one (see :func:`contexts_for` and :func:`keep`)."""
     if isinstance(spec, LatencyProfile):
-        return spec
+        return Choice(spec, None, "given")
     if spec:
-        try:
-            return LatencyProfile.load(spec)
-        except (OSError, ValueError, KeyError) as e:
-            raise UserError(f"cannot load latency profile {spec!r}: {e}") from None
+        return Choice(load_profile(spec, shape), str(spec), "loaded")
+    found = find_profile(search_dirs(), device, shape, dtype, batch, tp, mode, need)
+    if found is None:
+        log.warning("no latency profile in %s matches device %r, model %s, %s, batch %d, tp %d, "
+                    "%s%s: measuring one now (kept in %s for later runs)",
+                    " or ".join(map(str, search_dirs())), device.get("name"), shape, dtype, batch,
+                    tp, mode, f", contexts up to {need}" if need else "", cache_profiles_dir())
+    return found
+
+
+def contexts_for(need: int | None, default, limit: int | None = None) -> list[int]:
+    """Context lengths to measure: ``default`` when the run's longest context is unknown,
+    else the steps below ``need`` and ``need`` itself (at most ``limit``)."""
+    if need is None:
+        return sorted(set(default))
+    if limit is not None:
+        need = min(need, limit)
+    return sorted({c for c in CONTEXT_STEPS if c < need} | {need})
+
+
+def keep(profile: LatencyProfile) -> str | None:
+    """Save a measured profile in the cache (atomically); its path, or None if that fails
+    (a read-only cache only costs a measurement next time)."""
+    path = cache_profiles_dir() / f"{profile.key()}.json"
+    try:
+        profile.save(path)
+    except OSError as e:
+        log.warning("could not keep the measured profile in %s: %s", path, e)
+        return None
+    return str(path)
+
+
+def resolve(spec, model, tp: int = 1, batch: int = 1, need: int | None = None) -> Choice:
+    """The profile for ``model`` in this process: given, stored, or measured now and kept."""
     from . import profiler
     from .device import device_info, dtype_name
 
     device = device_info(model.device)
-    dtype = dtype_name(model.dtype)
-    found = find_profile(profiles_dir(), device, model.cfg.shape(), dtype, batch, tp)
+    found = lookup(spec, device, model.cfg.shape(), dtype_name(model.dtype), batch, tp, need=need)
     if found is not None:
         return found
-    log.warning("no latency profile in %s matches device %r, model %s, %s, batch %d, tp %d: "
-                "measuring one now (run `knapspec profile` once to keep it)",
-                profiles_dir(), device.get("name"), model.cfg.shape(), dtype, batch, tp)
-    return profiler.measure(model, contexts=profiler.QUICK_CONTEXTS, batch=batch)
+    contexts = contexts_for(need, profiler.QUICK_CONTEXTS, model.cfg.max_position_embeddings)
+    profile = profiler.measure(model, contexts=contexts, batch=batch)
+    return Choice(profile, keep(profile), "measured")
+
+
+def resolve_profile(spec, model, tp: int = 1, batch: int = 1) -> LatencyProfile:
+    """``spec``: a LatencyProfile, a JSON path, or None (find a matching one, else measure)."""
+    return resolve(spec, model, tp, batch).profile

@@ -13,21 +13,9 @@ import logging
 import time
 from dataclasses import asdict
 
+from ..commandline import add_engine_args
+
 log = logging.getLogger(__name__)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Ray engine if > 1)")
-    p.add_argument("--replicas", type=int, default=1, help="model replicas (Ray engine if > 1)")
-    p.add_argument("--address", default=None,
-                   help="Ray address ('auto' joins a running cluster; default: start a local one)")
-    p.add_argument("--cpus-per-rank", type=int, default=1,
-                   help="CPUs reserved per rank, and its torch threads")
-
-
-def uses_engine(args: argparse.Namespace) -> bool:
-    return getattr(args, "tp", 1) * getattr(args, "replicas", 1) > 1 or \
-        getattr(args, "address", None) is not None
 
 
 def generate_on_engine(args: argparse.Namespace, text: str, options, config):

@@ -1,9 +1,10 @@
 """The coordinator actor of one replica: its latency profile, TPT search and request order.
 
-* Profiles: the stored profile matching the replica's device, model shape, dtype, batch 1
-  and tp (``profiles/``, see profiles/store.py), or the one the user named; when none matches
-  it says so in the log and has the shards measure one (all ranks, MAX over ranks, the
-  all-reduce included) rather than guessing. A replica whose ranks report different devices
+* Profiles: the stored profile matching the replica's device, model shape, dtype, batch 1,
+  tp and mode that covers the job's longest context (``profiles/``, then the profile cache;
+  see profiles/store.py), or the one the user named; when none matches it says so in the log,
+  has the shards measure one (all ranks, MAX over ranks, the all-reduce included) rather than
+  guessing, and keeps it in the profile cache for later jobs and the other replicas. A replica whose ranks report different devices
   never matches a stored profile and is measured (priced at its slowest rank).
 * TPT search: rank 0's KnapSpec selector sends its candidate table (skip sets, acceptance
   estimates, context length) and gets the choice back, priced with this replica's profile.
@@ -54,76 +55,61 @@ class Coordinator:
     # ------------------------------------------------------------------ startup
 
     async def prepare(self, shards: list, options, infos: list[dict], measure: dict) -> dict:
-        """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy."""
+        """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy.
+
+        ``measure``: ``contexts`` / ``repeats`` of a measurement, and ``need``, the longest
+        context the job runs (a stored profile must cover it; a measured one does)."""
         import ray
 
-        from ..profiles.profile import LatencyProfile
-
         self.shards = shards
+        self.profile = self.profile_source = None
         self._decode([])  # load the tokenizer now, not on the first request
         profile_json = None
         if options.name in ("knapspec", "clasp"):
-            if isinstance(options.profile, LatencyProfile):
-                self.profile, self.profile_source = options.profile, "given"
-            elif options.profile:
-                self.profile, self.profile_source = self._load(options.profile), options.profile
-            else:
-                self.profile, self.profile_source = self._find(options, infos), None
-            if self.profile is None:
-                self.profile = await self._measure(infos, measure)
-                self.profile_source = "measured"
-            elif self.profile.tp != self.tp:
+            choice = self._find(options, infos, measure.get("need"))
+            if choice is None:
+                choice = await self._measure(measure)
+            self.profile, self.profile_source = choice.profile, choice
+            if self.profile.tp != self.tp:
                 log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
                             "tp=%d: its all-reduce costs do not match", self.replica,
-                            self.profile_source, self.profile.tp, self.tp)
+                            choice.path, self.profile.tp, self.tp)
             profile_json = self.profile.to_json()
         me = ray.get_runtime_context().current_actor
         await asyncio.gather(*[s.configure.remote(replace(options, profile=None), profile_json,
                                                   me) for s in shards])
-        return {"profile": self.profile_source,
-                "profile_key": self.profile.key() if self.profile else None}
+        return self.info()
 
-    def _load(self, path: str):
-        from ..errors import UserError
-        from ..profiles.profile import LatencyProfile
-
-        try:
-            return LatencyProfile.load(path)
-        except (OSError, ValueError, KeyError) as e:
-            raise UserError(f"cannot load latency profile {path!r}: {e}") from None
-
-    def _find(self, options, infos: list[dict]):
+    def _find(self, options, infos: list[dict], need: int | None):
+        """profiles/store.py's lookup for this replica's devices (None: measure one)."""
         from ..config import load_config
-        from ..profiles.store import find_profile, profiles_dir
+        from ..profiles.store import lookup
 
         devices = [i["device"] for i in infos]
-        shape = load_config(self.path).shape()
         names = sorted({d.get("name") for d in devices})
-        where = profiles_dir()
-        if len(names) > 1:
+        if len(names) > 1 and not options.profile:
             log.warning("replica %d: ranks run on different devices %s; no stored profile "
                         "applies, measuring one (priced at the slowest rank)", self.replica, names)
             return None
-        found = find_profile(where, devices[0], shape, self.dtype, 1, self.tp)
-        if found is None:
-            log.warning("replica %d: no latency profile in %s matches device %r, model %s, "
-                        "%s, batch 1, tp %d: measuring one now on the shards (store one with "
-                        "`knapspec profile --tp %d --out %s/` to skip this)", self.replica,
-                        where, names[0], shape, self.dtype, self.tp, self.tp, where)
-        return found
+        return lookup(options.profile, devices[0], load_config(self.path).shape(), self.dtype,
+                      1, self.tp, need=need)
 
-    async def _measure(self, infos: list[dict], measure: dict):
+    async def _measure(self, measure: dict):
+        from ..config import load_config
         from ..profiles.profile import LatencyProfile
+        from ..profiles.store import Choice, contexts_for, keep
 
-        contexts = list(measure.get("contexts") or DEFAULT_CONTEXTS)
+        window = load_config(self.path).max_position_embeddings
+        contexts = measure.get("contexts") or contexts_for(measure.get("need"), DEFAULT_CONTEXTS,
+                                                           window)
         repeats = int(measure.get("repeats", 3))
         start = time.perf_counter()
-        outs = await asyncio.gather(*[s.measure_profile.remote(contexts, repeats)
+        outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats)
                                       for s in self.shards])
         profile = LatencyProfile.from_json(outs[0])  # samples are MAX-reduced over ranks
-        log.info("replica %d: measured profile %s in %.0fs", self.replica, profile.key(),
-                 time.perf_counter() - start)
-        return profile
+        log.info("replica %d: measured profile %s (contexts %s) in %.0fs", self.replica,
+                 profile.key(), list(contexts), time.perf_counter() - start)
+        return Choice(profile, keep(profile), "measured")
 
     # ------------------------------------------------------------------ search
 
@@ -213,6 +199,7 @@ class Coordinator:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def info(self) -> dict:
+        choice = self.profile_source
         return {"replica": self.replica, "served": self.served,
-                "profile": self.profile_source,
+                "profile": choice.describe() if choice is not None else None,
                 "profile_key": self.profile.key() if self.profile else None}

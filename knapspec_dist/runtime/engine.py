@@ -56,11 +56,13 @@ class Engine:
                  dtype: str = "fp32", device: str = "cpu", address: str | None = None, *,
                  cpus_per_rank: int = 1, startup_timeout_s: float = 300.0,
                  profile_contexts: list[int] | None = None, profile_repeats: int = 3,
-                 _fail_rank: int | None = None, **options):
+                 profile_need: int | None = None, _fail_rank: int | None = None, **options):
         """``options`` are StrategyOptions fields (skip, gamma, tau_conf, profile, interval,
         coupled, objective, select_once). ``cpus_per_rank`` CPUs are reserved per rank, and
         each rank runs that many torch threads (OMP_NUM_THREADS). ``profile_contexts`` /
-        ``profile_repeats``: the measurement made when no stored profile matches."""
+        ``profile_repeats``: the measurement made when no stored profile matches;
+        ``profile_need``: the longest context the work will run, which a stored profile must
+        cover and a measured one does (profiles/store.py)."""
         from ..config import load_config
         from ..embedded import resolve_model_path
         from ..loading import checkpoint_files, load_tokenizer, resolve_dtype
@@ -83,7 +85,8 @@ class Engine:
         self.path, self.tp, self.dtype, self.device = str(path), tp, dtype, device
         self.num_replicas, self.cpus_per_rank = replicas, cpus_per_rank
         self.startup_timeout_s = startup_timeout_s
-        self.measure = {"contexts": profile_contexts, "repeats": profile_repeats}
+        self.measure = {"contexts": profile_contexts, "repeats": profile_repeats,
+                        "need": profile_need}
         self._fail_rank = _fail_rank
         self._id = uuid.uuid4().hex[:8]
         try:
@@ -104,6 +107,7 @@ class Engine:
             log.info("Ray is already initialized; ignoring address=%r", address)
         self._replicas: list[_Replica | None] = [None] * replicas
         try:
+            self._check_resources()
             self._replicas = self._start_replicas(list(range(replicas)))
         except BaseException:
             self.shutdown()
@@ -181,24 +185,41 @@ class Engine:
                      time.perf_counter() - started)
         return reps
 
+    def _check_resources(self) -> None:
+        """Fail in seconds, naming what is missing, when the cluster cannot hold the replicas:
+        GPUs (one per rank on CUDA, ``tp`` of them on one node) and CPUs (``cpus_per_rank``
+        per rank), instead of waiting for placement groups that never come."""
+        import ray
+
+        need = {"CPU": self.cpus_per_rank}
+        if self.device == "cuda":
+            need["GPU"] = 1
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        total = {k: sum(n.get(k, 0) for n in nodes) for k in need}
+        node_max = {k: max((n.get(k, 0) for n in nodes), default=0) for k in need}
+        ranks = self.tp * self.num_replicas
+        for k, per_rank in need.items():
+            if total[k] < per_rank * ranks:
+                raise StartupError(
+                    f"--device {self.device} with tp {self.tp} x replicas {self.num_replicas} "
+                    f"needs {per_rank * ranks:g} {k}(s) ({per_rank:g} per rank); the Ray cluster "
+                    f"has {total[k]:g}")
+            if node_max[k] < per_rank * self.tp:
+                raise StartupError(
+                    f"tp {self.tp} needs {per_rank * self.tp:g} {k}(s) on one node (a replica's "
+                    f"ranks share a node); the largest node of the Ray cluster has {node_max[k]:g}")
+
     def _strategy_options(self, strategy: str, options: dict):
         """StrategyOptions from keyword options, checked here before any actor starts."""
-        from ..speculation.selfspec import MAX_GAMMA
-        from ..strategies import NAMES, StrategyOptions, parse_skip
+        from ..speculation.factory import StrategyOptions, check_options
 
         known = {f.name for f in fields(StrategyOptions)} - {"name"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise UserError(f"unknown engine option(s) {', '.join(unknown)}; strategy options "
                             f"are {', '.join(sorted(known))}")
-        if strategy not in NAMES:
-            raise UserError(f"unknown strategy {strategy!r}; choose one of {', '.join(NAMES)}")
         opts = StrategyOptions(name=strategy, **options)
-        if not 1 <= opts.gamma <= MAX_GAMMA:
-            raise UserError(f"gamma must be in 1..{MAX_GAMMA}, got {opts.gamma}")
-        if not 0 <= opts.tau_conf <= 1:
-            raise UserError(f"tau_conf must be in [0, 1], got {opts.tau_conf}")
-        parse_skip(opts.skip, self.config.num_layers)
+        check_options(opts, self.config)
         return opts
 
     def _tag(self, index: int) -> str:

@@ -92,7 +92,7 @@ class Shard:
         coordinator (rank 0 asks it; the plan is then broadcast to the other ranks)."""
         from ..parallel import spmd_strategy
         from ..profiles.profile import LatencyProfile
-        from ..strategies import build_strategy
+        from ..speculation.factory import build_strategy
 
         if profile is not None:
             options = replace(options, profile=LatencyProfile.from_json(profile))

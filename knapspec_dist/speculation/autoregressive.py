@@ -8,7 +8,8 @@ from ..execution.runner import ModelRunner
 from ..model import Transformer
 from ..sampling import choose
 from .batch import Batch
-from .generation import GenerationConfig, Timer, finish
+from ..clock import Clock
+from .generation import GenerationConfig, finish
 from .strategy import Strategy
 
 
@@ -17,7 +18,7 @@ class Autoregressive(Strategy):
 
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
-              forward: ModelRunner, gen: torch.Generator | None, timer: Timer) -> None:
+              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
         start = timer.now()
         rows, cache = batch.rows, batch.cache
         lengths = batch.lengths

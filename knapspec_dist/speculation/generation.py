@@ -4,10 +4,7 @@ prompt checks and the stop rule, shared by every strategy and the scheduler."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass, field
-
-import torch
 
 from ..errors import UserError
 from ..model import Transformer
@@ -101,15 +98,3 @@ def finish(tokens: list[int], limit: int, model: Transformer, config: Generation
     if len(tokens) >= limit:
         return tokens[:limit], "length"
     return tokens, None
-
-
-class Timer:
-    """Wall-clock sections; synchronizes CUDA so the draft/verify split is real on GPUs."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()

@@ -362,7 +362,7 @@ class KnapSpecSelector(Selector):
 
 
 def build_selector(options, model: Transformer) -> KnapSpecSelector:
-    """``options`` is a strategies.StrategyOptions; the profile is found or measured."""
+    """``options`` is a speculation.factory.StrategyOptions; the profile is found or measured."""
     from ..profiles.store import resolve_profile
 
     profile = resolve_profile(options.profile, model)

@@ -20,11 +20,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..cache import kv_heads
 from ..errors import UserError
 from ..model import Transformer
 from ..sampling import choose
 from .batch import Batch, Row
-from .generation import GenerationConfig, GenerationResult, Timer, check_prompt, finish
+from ..clock import Clock
+from .generation import GenerationConfig, GenerationResult, check_prompt, finish
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +75,11 @@ class Scheduler:
         self.strategy, self.model, self.config = strategy, model, config
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, max(1, prefill_chunk)
         self.forward = strategy.runner(model)
-        kv_heads = model.layers[0].attention.num_kv_heads  # local under TP
-        self.batch = Batch(self.forward.new_cache(max_num_seqs, capacity, kv_heads))
+        self.batch = Batch(self.forward.new_cache(max_num_seqs, capacity, kv_heads(model)))
         self.capacity = self.batch.cache.capacity
         self.waiting: deque[Row] = deque()
         self.gen = config.sampling.generator(model.device)
-        self.timer = Timer(model.device)
+        self.timer = Clock(model.device)
         self.throughput = Throughput()
         self._first: float | None = None
         strategy.start(model)

@@ -20,7 +20,8 @@ from ..execution.runner import ModelRunner
 from ..model import Capture, Transformer
 from ..sampling import accept_greedy, accept_sampling, probabilities
 from .batch import Batch
-from .generation import GenerationConfig, Timer, finish
+from ..clock import Clock
+from .generation import GenerationConfig, finish
 from .scheduler import MAX_GAMMA
 from .strategy import Strategy
 
@@ -93,7 +94,7 @@ class SelfSpeculative(Strategy):
 
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
-              forward: ModelRunner, gen: torch.Generator | None, timer: Timer) -> None:
+              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
         """Draft up to gamma tokens for every row with the plan's subnet, verify all rows'
         pending token and drafts in one forward, accept per row, roll back per row."""
         sampling, sel, dev = config.sampling, self.selector, model.device

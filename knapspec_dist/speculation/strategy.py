@@ -14,10 +14,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..clock import Clock
 from ..execution.runner import ModelRunner
 from ..model import Transformer
 from .batch import Batch
-from .generation import (GenerationConfig, GenerationResult, GenerationStats, Timer,  # noqa: F401
+from .generation import (GenerationConfig, GenerationResult, GenerationStats,  # noqa: F401
                          check_prompt, finish)
 from .scheduler import Scheduler, row_capacity
 
@@ -45,7 +46,7 @@ class Strategy(ABC):
 
     @abstractmethod
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
-              forward: ModelRunner, gen: torch.Generator | None, timer: Timer) -> None:
+              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
         """One round for every decoding row of ``batch``: extend each ``row.out``, commit the
         new tokens' K/V in the cache and set ``row.reason`` once a row is done."""
 

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, kv_heads
 from .scheduler import prefill
 
 TIE, BUG = "tie", "BUG"
@@ -138,7 +138,7 @@ def classify(logits: torch.Tensor, position: int, reference_token: int | None,
 def one_shot_logits(model, ids: list[int]) -> torch.Tensor:
     """The full model's next-token logits [V] after ``ids``, in one causal forward (no decode)."""
     cache = KVCache(model.cfg, 1, len(ids), dtype=model.dtype, device=model.device,
-                    kv_heads=model.layers[0].attention.num_kv_heads)
+                    kv_heads=kv_heads(model))
     return prefill(model, cache, 0, list(ids))
 
 

@@ -1,6 +1,6 @@
 """Control-plane share and all-reduce cost of the Ray engine at several TP degrees.
 
-    python -m knapspec_dist.runtime.bench --tp 1,2 --new-tokens 64 --json out.json
+    python -m knapspec_dist.runtime.overhead --tp 1,2 --new-tokens 64 --json out.json
 
 For every TP degree: start one replica (a local Ray unless ``--address``), warm it up, then
 generate ``--new-tokens`` tokens from the same prompts with each strategy, and report the
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import emit
+from ..commandline import emit
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _line(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m knapspec_dist.runtime.bench",
+    p = argparse.ArgumentParser(prog="python -m knapspec_dist.runtime.overhead",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-shape")
     p.add_argument("--tp", default="1,2")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import UserError
-from .speculation.autoregressive import Autoregressive
-from .speculation.selfspec import MAX_GAMMA, SelfSpeculative, StaticSelector
-from .speculation.strategy import Strategy
+from ..errors import UserError
+from .autoregressive import Autoregressive
+from .selfspec import MAX_GAMMA, SelfSpeculative, StaticSelector
+from .strategy import Strategy
 
 NAMES = ("ar", "static", "knapspec", "clasp")
 
@@ -44,18 +44,31 @@ def format_skip(items: frozenset[int]) -> str:
     return ",".join(f"{'am'[i % 2]}{i // 2}" for i in sorted(items))
 
 
-def build_strategy(options: StrategyOptions, model) -> Strategy:
+def check_options(options: StrategyOptions, cfg) -> None:
+    """Every check of the options that needs no weights (``cfg``: the model's ModelConfig):
+    the one place the CLI, the engine and the jobs have them checked, before any work."""
     if options.name not in NAMES:
         raise UserError(f"unknown strategy {options.name!r}; choose one of {', '.join(NAMES)}")
     if not 1 <= options.gamma <= MAX_GAMMA:
         raise UserError(f"gamma must be in 1..{MAX_GAMMA}, got {options.gamma}")
     if not 0 <= options.tau_conf <= 1:
         raise UserError(f"tau_conf must be in [0, 1], got {options.tau_conf}")
+    if options.interval < 1:
+        raise UserError(f"interval must be >= 1, got {options.interval}")
+    parse_skip(options.skip, cfg.num_layers)
+    if isinstance(options.profile, str) and options.profile:
+        from ..profiles.store import load_profile
+
+        load_profile(options.profile, cfg.shape())  # malformed or another shape: refused now
+
+
+def build_strategy(options: StrategyOptions, model) -> Strategy:
+    check_options(options, model.cfg)
     if options.name == "ar":
         return Autoregressive()
     if options.name == "static":
         skip = parse_skip(options.skip, model.cfg.num_layers)
         return SelfSpeculative(StaticSelector(skip, options.gamma), options.tau_conf, "static")
-    from .speculation.knapspec import build_selector
+    from .knapspec import build_selector
 
     return SelfSpeculative(build_selector(options, model), options.tau_conf, options.name)

@@ -1,0 +1,198 @@
+"""A new user's bad setups (issue 11), run as the user runs them: ``jobs/summarize.py`` and
+``knapspec generate`` in a fresh process.  Each ends with exit 2 and one ``error:`` line (no
+traceback), or is handled as described, and a job's rows on disk are exactly what they
+should be: never mixed with another job's, never blocked by a failed start.
+
+``C`` is ``--strategy ar --max-new-tokens 8 --baseline-fraction 0`` as in the issue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+C = ["--strategy", "ar", "--max-new-tokens", "8", "--baseline-fraction", "0"]
+PROFILE = next((REPO / "profiles").glob("*layers30-hidden576*__eager.json"))
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def summarize(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "jobs/summarize.py", *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "knapspec_dist.cli", *args], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def one_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit 2, no traceback, exactly one ``error:`` line containing every fragment."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def write_input(path: Path, ids: list[str], docs: list[str]) -> str:
+    pq.write_table(pa.table({"id": ids, "document": docs}), path)
+    return str(path)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def rows_on_disk(out: Path) -> list[dict]:
+    return pq.read_table(out / "rows").to_pylist()
+
+
+# ----------------------------------------------------------------------------- jobs
+
+def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path):
+    """Cases 2, 1 and 8: a failed start (bad --model, --gamma 0) blocks nothing; the corrected
+    job runs; the same output folder then refuses another input and stays untouched; the
+    summary groups the over-long rows under one kind."""
+    short = "The cat sat on the mat. It was a sunny day and the cat was happy."
+    a = write_input(tmp_path / "A.parquet", ["a1", "a2", "a3", "a4"],
+                    [short, short + " The end.", "word " * 300, "word " * 450])
+    b = write_input(tmp_path / "B.parquet", ["b1", "b2"], [short, short])
+    out = tmp_path / "OUT"
+    base = ["--input", a, "--output", str(out), *C, "--max-model-len", "256",
+            "--address", "local"]
+
+    one_error(summarize(*base, "--model", "/nonexistent"), "/nonexistent")
+    assert not (out / "job.json").exists()
+    one_error(summarize(*base, "--gamma", "0"), "gamma must be in 1..")
+    assert not (out / "job.json").exists()
+
+    done = summarize(*base)  # the corrected command: not refused
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["id"]: r for r in rows_on_disk(out)}
+    assert set(rows) == {"a1", "a2", "a3", "a4"}
+    assert rows["a1"]["error"] is None and rows["a1"]["num_generated_tokens"] >= 1
+    assert rows["a3"]["error"] and rows["a4"]["error"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rows"]["input"] == 4 and summary["rows"]["ok"] == 2
+    assert summary["errors"] == {"prompt too long for the context window": 2}  # case 8
+
+    before = snapshot(out)
+    refused = summarize("--input", b, "--output", str(out), *C, "--max-model-len", "256",
+                        "--address", "local")
+    one_error(refused, "holds rows of a different job", "input", "B.parquet")
+    assert snapshot(out) == before  # the existing output is untouched
+    assert sorted(r["id"] for r in rows_on_disk(out)) == ["a1", "a2", "a3", "a4"]
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_an_unwritable_output_is_one_error_line(tmp_path, where):
+    """Case 3: an output path under a regular file, or where not even root may write."""
+    a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])
+    if where == "file":
+        (tmp_path / "plain.txt").write_text("x")
+        out = tmp_path / "plain.txt" / "OUT"
+    else:
+        out = Path("/proc/knapspec-test-output/OUT")
+    one_error(summarize("--input", a, "--output", str(out), *C), "--output", "cannot write")
+    if where == "file":
+        assert (tmp_path / "plain.txt").read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def corrupt_model(tmp_path_factory) -> Path:
+    """SmolLM2's folder with garbage in model.safetensors."""
+    from knapspec_dist.embedded import resolve_model_path
+
+    source = resolve_model_path("smollm2")
+    folder = tmp_path_factory.mktemp("corrupt")
+    for f in source.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, folder / f.name)
+    (folder / "model.safetensors").write_bytes(os.urandom(4096))
+    return folder
+
+
+def test_corrupt_weights_are_one_error_line_naming_the_file(tmp_path, corrupt_model):
+    """Case 6, from ``knapspec generate`` and from the job (before any Ray starts)."""
+    name = str(corrupt_model / "model.safetensors")
+    one_error(knapspec("generate", "--model", str(corrupt_model), "--prompt", "Hi",
+                       "--strategy", "ar", "--max-new-tokens", "2"), name)
+    a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])
+    out = tmp_path / "OUT"
+    one_error(summarize("--input", a, "--output", str(out), *C, "--model", str(corrupt_model)),
+              name)
+    assert not (out / "job.json").exists()
+
+
+def test_cuda_on_a_cluster_without_gpus_fails_in_seconds(tmp_path):
+    """Case 7: the job checks the cluster's GPUs before waiting for a placement group."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])
+    out = tmp_path / "OUT"
+    start = time.monotonic()
+    proc = summarize("--input", a, "--output", str(out), *C, "--device", "cuda", "--tp", "1",
+                     "--replicas", "2", "--address", "local")
+    one_error(proc, "needs 2 GPU(s)", "has 0")
+    assert time.monotonic() - start < 200  # a local Ray start on a busy machine, not 300 s
+    assert not (out / "job.json").exists()
+    assert not list((out / "rows").glob("*.parquet"))
+
+
+# ----------------------------------------------------------------------------- profiles
+
+def _edited_profile(tmp_path: Path, edit) -> str:
+    data = json.loads(PROFILE.read_text())
+    data = edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))  # json writes NaN for float("nan")
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: [], "expected a JSON object"),
+    (lambda d: None, "expected a JSON object"),
+    (lambda d: {**d, "attention": "fast"}, "'attention' must be an object"),
+    (lambda d: {**d, "mlp": float("nan")}, "'mlp' must be a finite number"),
+    (lambda d: {**d, "verify": {"1": {"slope": 0, "intercept": None}}}, "verify.1.intercept"),
+])
+def test_a_malformed_profile_is_one_error_line(tmp_path, edit, message):
+    """Case 4: checked completely when loaded, before any generation."""
+    path = _edited_profile(tmp_path, edit)
+    one_error(knapspec("generate", "--prompt", "Hi", "--strategy", "knapspec", "--profile",
+                       path, "--max-new-tokens", "4"), "is malformed", message)
+
+
+def test_a_profile_of_another_model_shape_is_refused(tmp_path):
+    """Case 5: the committed profile edited to 4 layers cannot price the 30-layer SmolLM2."""
+    path = _edited_profile(tmp_path, lambda d: {**d, "model": {**d["model"], "layers": 4}})
+    one_error(knapspec("generate", "--prompt", "Hi", "--strategy", "knapspec", "--profile",
+                       path, "--max-new-tokens", "4"),
+              "another model shape", "layers: 4 (profile) vs 30 (model)")
+    a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])
+    out = tmp_path / "OUT"
+    one_error(summarize("--input", a, "--output", str(out), "--strategy", "knapspec",
+                        "--profile", path, "--max-new-tokens", "8"), "another model shape")
+    assert not (out / "job.json").exists()

@@ -1,0 +1,118 @@
+"""Profile persistence and the execution mode (issue 9 B and C): a profile is measured once
+per hardware, kept in the profile cache, found by later runs (and other replicas), must cover
+the run's longest context, and is keyed by its execution mode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from knapspec_dist.errors import UserError
+from knapspec_dist.loading import load_model
+from knapspec_dist.profiles import LatencyProfile
+from knapspec_dist.profiles import store
+from knapspec_dist.profiles.profiler import measure
+
+from models import make_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_checkpoint("llama-gqa", tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KNAPSPEC_PROFILES", str(tmp_path / "repo-profiles"))
+    monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "repo-profiles", tmp_path / "cache"
+
+
+def test_measured_once_kept_in_the_cache_and_loaded_by_the_next_run(model, dirs, monkeypatch):
+    _, cache = dirs
+    first = store.resolve(None, model, need=100)
+    assert first.origin == "measured" and first.profile.mode == "eager"
+    assert first.profile.max_context == 100  # covers the run: contexts up to what it needs
+    assert sorted({int(n) for n, _ in first.profile.samples["attention"]}) == [64, 100]
+    assert first.path == str(cache / f"{first.profile.key()}.json")
+    assert Path(first.path).is_file()
+
+    from knapspec_dist.profiles import profiler
+
+    monkeypatch.setattr(profiler, "measure", lambda *a, **k: pytest.fail("measured again"))
+    again = store.resolve(None, model, need=80)  # a shorter run: the kept one covers it
+    assert again.origin == "loaded" and again.path == first.path
+    assert again.profile == first.profile
+    assert again.describe() == {"key": first.profile.key(), "path": first.path,
+                                "origin": "loaded"}
+
+
+def test_a_kept_profile_too_short_for_the_run_is_measured_again(model, dirs):
+    first = store.resolve(None, model, need=40)
+    longer = store.resolve(None, model, need=150)
+    assert longer.origin == "measured" and longer.profile.max_context == 150
+    assert longer.path == first.path  # same key: the longer one replaces it
+    assert store.resolve(None, model, need=120).origin == "loaded"
+
+
+def test_the_repository_profiles_come_before_the_cache(model, dirs):
+    repo, cache = dirs
+    kept = store.resolve(None, model, need=64)
+    repo.mkdir()
+    shutil.copy(kept.path, repo / "mine.json")
+    assert store.resolve(None, model, need=64).path == str(repo / "mine.json")
+
+
+def test_the_mode_is_recorded_keyed_and_matched(model, dirs):
+    profile = store.resolve(None, model, need=32).profile
+    data = profile.to_json()
+    assert data["mode"] == "eager" and profile.key().endswith("__eager")
+    del data["mode"]  # every profile measured before the field existed was eager
+    assert LatencyProfile.from_json(data).mode == "eager"
+    graph = LatencyProfile.from_json({**data, "mode": "graph"})
+    assert graph.key().endswith("__graph") and graph.key() != profile.key()
+    device = profile.device
+    shape, dtype = profile.model, profile.dtype
+    assert store.matches(profile, device, shape, dtype, 1, 1, "eager")
+    assert not store.matches(graph, device, shape, dtype, 1, 1, "eager")
+    with pytest.raises(ValueError, match="'mode' must be one of"):
+        LatencyProfile.from_json({**data, "mode": "fast"})
+    with pytest.raises(NotImplementedError):
+        measure(model, [8], max_q=1, repeats=1, mode="graph")
+    with pytest.raises(ValueError):
+        measure(model, [8], max_q=1, repeats=1, mode="turbo")
+
+
+def test_the_committed_profile_is_named_by_its_key_and_loads_as_eager():
+    files = sorted((REPO / "profiles").glob("*.json"))
+    assert files
+    for path in files:
+        profile = store.load_profile(path)
+        assert "mode" not in json.loads(path.read_text())  # measured numbers untouched
+        assert profile.mode == "eager" and path.name == f"{profile.key()}.json"
+
+
+def test_load_profile_refuses_another_shape_with_one_message(model, tmp_path):
+    path = next((REPO / "profiles").glob("*.json"))
+    with pytest.raises(UserError, match=r"another model shape \(.*layers: 30 \(profile\) vs "):
+        store.load_profile(path, model.cfg.shape())
+    with pytest.raises(UserError, match="cannot load latency profile"):
+        store.load_profile(tmp_path / "missing.json")
+
+
+def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
+    from test_jobs import FakeEngines, docs_of, job, run, write_input
+
+    class Engines(FakeEngines):
+        def replica_info(self, replica):
+            return {"profile": {"key": "k", "path": "/p/k.json", "origin": "measured"}}
+
+    write_input(tmp_path / "in.parquet", ["a", "b"], docs_of([3, 4]))
+    result, _ = run(job(tmp_path), Engines())
+    summary = json.loads(Path(result.summary_path).read_text())
+    assert summary["run"]["profile"] == {"key": "k", "path": "/p/k.json", "origin": "measured"}
