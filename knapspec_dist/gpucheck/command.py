@@ -34,7 +34,7 @@ def command_line(args: argparse.Namespace) -> str:
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     import torch
 
-    from ..cli import emit
+    from ..commandline import emit
     from ..errors import UserError
     from ..profiles.device import device_info
     from . import correct, measure, report, shapes
