@@ -422,7 +422,7 @@ def test_a_dead_replica_is_restarted_and_its_rows_retried_once_each(tmp_path):
 def test_a_row_that_keeps_killing_its_replica_fails_after_max_attempts(tmp_path):
     write_input(tmp_path / "in.parquet", ["a", "b", "c"], docs_of([4, 6, 8]))
     engines = FakeEngines(poison=lambda key: len(key) == 11)  # row b kills whoever runs it
-    result, _ = run(job(tmp_path, max_attempts=3, baseline_fraction=0), engines)
+    result, _ = run(job(tmp_path, max_attempts=3, baseline_fraction=0, max_inflight=2), engines)
     rows = {r["id"]: r for r in read_rows(result.output)}
     assert "replica failed 3 time(s)" in rows["b"]["error"] and rows["b"]["attempts"] == 3
     assert rows["a"]["error"] is None and rows["c"]["error"] is None
@@ -634,7 +634,28 @@ def test_summary_speedup_and_buckets_from_rows():
     assert s["baseline"]["row_speedup_max"] == pytest.approx(2.0)
     assert [(b["bucket"], b["rows"], b["baseline"]["rows"]) for b in s["buckets"]] == [
         ("0-512", 1, 1), ("1k-2k", 1, 1), ("2k-4k", 1, 0)]
-    assert s["decode_tokens_per_s"] == pytest.approx(30 / 7.0)
+    assert s["row_tokens_per_s"] == pytest.approx(30 / 7.0)
+
+
+def test_summary_throughput_counts_time_some_row_was_generating():
+    """Overlapping rows share wall time: throughput is tokens over the union of the rows'
+    admission-to-finish intervals (a gap between runs excluded), less prefill per replica."""
+    import datetime as dt
+
+    from knapspec_dist.jobs.summary import throughput
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+    def row(start, end, prefill, batch):
+        return {"num_generated_tokens": 10, "prefill_s": prefill, "replica": 0,
+                "mean_batch": batch, "generation_start": t0 + dt.timedelta(seconds=start),
+                "generation_end": t0 + dt.timedelta(seconds=end)}
+
+    rows = [row(0, 1, 0.5, 1.0), row(0.5, 2.5, 1.0, 2.0), row(3, 7, 1.0, 4.0)]
+    t = throughput(rows, max_num_seqs=8)
+    assert t["tokens_per_s"] == pytest.approx(30 / 6.5)
+    assert t["decode_tokens_per_s"] == pytest.approx(30 / (6.5 - 2.5))
+    assert t["mean_batch"] == pytest.approx(7 / 3) and t["max_num_seqs"] == 8
 
 
 def test_command_line_options_and_registration():

@@ -48,10 +48,13 @@ def report(result) -> str:
         f"(of {rows['input']}; this run generated {result.generated}, "
         f"skipped {result.skipped} already written)",
     ]
-    if s["decode_tokens_per_s"]:
+    tp = s["throughput"]
+    if tp["tokens_per_s"]:
         acc = s["acceptance"]["acceptance_rate"]
         lines.append(f"tokens: {s['tokens']['generated']} generated, "
-                     f"{s['decode_tokens_per_s']:.1f} tok/s per replica"
+                     f"{tp['tokens_per_s']:.1f} tok/s ({tp['decode_tokens_per_s'] or 0:.1f} "
+                     f"without prefill), mean batch {tp['mean_batch'] or 0:.1f} of "
+                     f"{tp['max_num_seqs']}"
                      + (f", acceptance {acc:.2f}" if acc is not None else ""))
     if base["speedup"]:
         lines.append(f"speedup vs ar: {base['speedup']:.2f}x measured on {base['rows']} "

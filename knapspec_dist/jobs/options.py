@@ -37,7 +37,8 @@ class JobConfig:
     truncate: bool = False
     max_model_len: int | None = None  # None: the model's context window
     baseline_fraction: float = 0.05
-    max_inflight: int = 2  # requests outstanding per replica
+    max_num_seqs: int | None = None  # rows a replica decodes at once; None: memory rule
+    max_inflight: int | None = None  # rows outstanding per replica; None: max_num_seqs + 2
     max_attempts: int = 3  # replica deaths one row may see before it is failed
     row_timeout: float | None = None  # seconds; a replica silent this long is restarted
     checkpoint_rows: int = 64  # flush a part file at this many finished rows ...
@@ -56,7 +57,10 @@ class JobConfig:
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (0 <= self.baseline_fraction <= 1,
              f"--baseline-fraction must be in [0, 1], got {self.baseline_fraction}"),
-            (self.max_inflight >= 1, f"--max-inflight must be >= 1, got {self.max_inflight}"),
+            (self.max_inflight is None or self.max_inflight >= 1,
+             f"--max-inflight must be >= 1, got {self.max_inflight}"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1,
+             f"--max-num-seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_attempts >= 1, f"--max-attempts must be >= 1, got {self.max_attempts}"),
             (self.checkpoint_rows >= 1,
              f"--checkpoint-rows must be >= 1, got {self.checkpoint_rows}"),
@@ -171,7 +175,13 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                       help="share of rows also run with `ar`, to measure the speedup (at least "
                            "one row; 0 turns the baseline off; default 0.05)")
     sched = p.add_argument_group("scheduling and checkpoints")
-    sched.add_argument("--max-inflight", type=int, default=2, help="outstanding rows per replica")
+    sched.add_argument("--max-num-seqs", type=int, default=None,
+                       help="rows each replica decodes at once, continuously batched (default: "
+                            "what the memory left after the weights holds, at most 256 on a "
+                            "GPU and 16 on a CPU)")
+    sched.add_argument("--max-inflight", type=int, default=None,
+                       help="rows outstanding per replica (default: max-num-seqs + 2, so a "
+                            "freed slot is refilled at once)")
     sched.add_argument("--max-attempts", type=int, default=3,
                        help="replica failures one row may see before it is failed (default 3)")
     sched.add_argument("--row-timeout", type=float, default=None,
@@ -207,6 +217,7 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         truncate=args.truncate, max_model_len=args.max_model_len,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
+        max_num_seqs=args.max_num_seqs,
         max_attempts=args.max_attempts, row_timeout=args.row_timeout,
         checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
         stop_after=args.stop_after, progress_seconds=args.progress_seconds,

@@ -69,6 +69,11 @@ def output_schema(id_column: str, id_type: pa.DataType) -> pa.Schema:
         ("replica", pa.int32()),
         ("attempts", pa.int32()),  # submissions of this row (more than 1 after replica failures)
         ("finished_at", pa.timestamp("us", tz="UTC")),
+        # Batching: when the replica admitted the row and finished it, and how many rows
+        # decoded beside it on average (speculation/scheduler.py)
+        ("generation_start", pa.timestamp("us", tz="UTC")),
+        ("generation_end", pa.timestamp("us", tz="UTC")),
+        ("mean_batch", pa.float64()),
         ("error", pa.string()),  # null when the row succeeded
     ])
 
@@ -91,8 +96,13 @@ def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str
             "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "steps": s.steps,
             "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
-            "selections": s.selections})
+            "selections": s.selections, "mean_batch": s.mean_batch,
+            "generation_start": _utc(s.admitted_at), "generation_end": _utc(s.finished_at)})
     return row
+
+
+def _utc(epoch: float) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch else None
 
 
 class OutputDir:

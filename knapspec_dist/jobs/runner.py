@@ -45,6 +45,7 @@ class JobResult:
     row_retries: int = 0
     skipped: int = 0  # rows found done in the output directory
     profile: dict | None = None  # the latency profile that priced this run (key, path, origin)
+    max_num_seqs: int | None = None  # rows a replica decoded at once in this run
 
 
 def default_engine_factory(config: JobConfig, strategy: str, replicas: int,
@@ -56,7 +57,8 @@ def default_engine_factory(config: JobConfig, strategy: str, replicas: int,
     options = dict(config.strategy_options) if strategy == config.strategy else {}
     return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
-                  cpus_per_rank=config.cpus_per_rank, profile_need=longest, **options)
+                  cpus_per_rank=config.cpus_per_rank, profile_need=longest,
+                  max_num_seqs=config.max_num_seqs, **options)
 
 
 def _connect_ray(address: str | None) -> bool:
@@ -193,6 +195,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
                 # Only now is the job started: a failed start (bad option, missing resource)
                 # writes nothing, not even these rows, so a corrected command may start over.
                 result.profile = _profile_report(engine, replicas)
+                result.max_num_seqs = _max_num_seqs(engine, config)
                 write_prompt_errors()
                 limit = None if stop_after is None else stop_after - (
                     writer.written + len(writer.buffer))
@@ -244,13 +247,20 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
            "rows_generated": result.generated, "baseline_rows_generated":
            result.baseline_generated, "stopped_early": result.stopped_early,
            "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
-           "profile": result.profile}
+           "profile": result.profile, "max_num_seqs": result.max_num_seqs}
     summary = summarize(rows_table, base_table, config.id_column, rows.ids, job, run)
     out.write_bytes(SUMMARY_FILE, dumps(summary))
     write_plot(summary, rows_table, base_table, config.id_column,
                lambda data: out.write_bytes(PLOT_FILE, data))
     result.summary = summary
     return result
+
+
+def _max_num_seqs(engine, config: JobConfig) -> int:
+    """Rows one replica decodes at once: as asked, else what the replicas reported."""
+    info = getattr(engine, "replica_info", None)
+    seqs = info(0).get("max_num_seqs") if info is not None else None
+    return config.max_num_seqs or seqs or 1
 
 
 def _profile_report(engine, replicas: int) -> dict | None:
@@ -271,7 +281,8 @@ def _generate(engine, backend_factory, config: JobConfig, strategy: str, todo, w
     """Generate ``todo`` (at most ``limit`` rows) and hand every row to ``writer``; counts go
     to ``result`` as they happen (so they are right even when the run is interrupted)."""
     backend = backend_factory(engine)
-    sched = Scheduler(backend, config.generation_config(), max_inflight=config.max_inflight,
+    inflight = config.max_inflight or _max_num_seqs(engine, config) + 2
+    sched = Scheduler(backend, config.generation_config(), max_inflight=inflight,
                       max_attempts=config.max_attempts, row_timeout=config.row_timeout)
     progress = Progress(len(todo), config.progress_seconds, label, config.progress_bar)
     def on_result(outcome: Outcome) -> None:

@@ -192,7 +192,8 @@ class Scheduler:
                 if self.queue:
                     log.info("stopping early: %d row(s) left for a later run", len(self.queue))
                 self.queue.clear()
-            self._fill()
+            self._fill(None if should_stop is None
+                       else lambda: should_stop(self._finished + len(self.inflight)))
             if not self.inflight:
                 if self.queue:
                     raise ReplicaLost(f"no replica left to run {len(self.queue)} row(s)")
@@ -225,8 +226,9 @@ class Scheduler:
             self.alone[flight.replica] = False
         return flight
 
-    def _fill(self) -> None:
-        while self.queue:
+    def _fill(self, full: Callable[[], bool] | None = None) -> None:
+        """Submit queued rows while a replica has room (and ``full()`` says more may start)."""
+        while self.queue and (full is None or not full()):
             task = self.queue[0]
             suspect = task.failures > 0
             candidates = [r for r in range(len(self.load)) if self.alive[r] and (

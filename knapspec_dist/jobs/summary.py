@@ -3,8 +3,15 @@
 Every figure comes from the output rows themselves, so the summary of a resumed job covers
 all its runs.  Definitions (all over rows without an error):
 
-* ``decode_tokens_per_s``: generated tokens / the rows' generation wall seconds (what one
-  replica sustains; compare it across strategies).
+* ``throughput``: what the job's replicas sustained together. ``tokens_per_s`` is generated
+  tokens over the time some row was being generated (the union of the rows' admission-to-
+  finish intervals: from the first admission to the last finish of a run, startup and the
+  gaps between resumed runs excluded); ``decode_tokens_per_s`` the same with the prefill time
+  taken out (the rows' prefill seconds over the replicas that served them: a replica prefills
+  one row at a time); ``max_num_seqs`` the rows a replica decodes at once; ``mean_batch`` the
+  rows decoding together per round, weighted by tokens.
+* ``row_tokens_per_s``: generated tokens / the sum of the rows' own wall seconds. Rows that
+  decode together share their wall time, so this is a per-row rate, not throughput.
 * ``speedup``: on the baseline rows (run with the job's strategy *and* with ``ar``, same
   prompts, same replica hardware, one after the other), ``(sum of tokens / sum of wall
   seconds) with the strategy`` over the same for ``ar``.  ``decode_speedup`` leaves out the
@@ -67,6 +74,33 @@ def _throughput(rows: list[dict], prefill: bool = True) -> float | None:
     tokens = sum(r["num_generated_tokens"] for r in rows)
     wall = sum(r["time_taken_llm"] - (0 if prefill else (r["prefill_s"] or 0)) for r in rows)
     return tokens / wall if wall > 0 else None
+
+
+def _busy_seconds(rows: list[dict]) -> float:
+    """Length of the union of the rows' [generation_start, generation_end] intervals."""
+    spans = sorted((r["generation_start"].timestamp(), r["generation_end"].timestamp())
+                   for r in rows if r.get("generation_start") and r.get("generation_end"))
+    total, end = 0.0, -math.inf
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def throughput(rows: list[dict], max_num_seqs=None) -> dict:
+    """Job-level throughput of the ok rows (see the module docstring)."""
+    tokens = sum(r["num_generated_tokens"] for r in rows)
+    busy = _busy_seconds(rows)
+    replicas = len({r["replica"] for r in rows}) or 1
+    prefill = sum(r["prefill_s"] or 0 for r in rows) / replicas
+    weight = sum(r["num_generated_tokens"] for r in rows if r.get("mean_batch") is not None)
+    return {"tokens_per_s": tokens / busy if busy > 0 else None,
+            "decode_tokens_per_s": tokens / (busy - prefill) if busy > prefill else None,
+            "max_num_seqs": max_num_seqs,
+            "mean_batch": (sum(r["mean_batch"] * r["num_generated_tokens"] for r in rows
+                               if r.get("mean_batch") is not None) / weight) if weight else None}
 
 
 def _ratio(a, b):
@@ -135,7 +169,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
             else hi, "rows": len(members), "ok": len(b_ok), "failed": len(members) - len(b_ok),
             "mean_input_tokens": statistics.fmean(r["num_input_tokens"] for r in members),
             "generated_tokens": sum(r["num_generated_tokens"] for r in b_ok),
-            "decode_tokens_per_s": _throughput(b_ok) if b_ok else None,
+            "row_tokens_per_s": _throughput(b_ok) if b_ok else None,
             **{k: v for k, v in _acceptance(b_ok).items()
                if k in ("acceptance_rate", "attention_skipped", "mlp_skipped")},
             "baseline": _speedup(b_pairs)})
@@ -148,7 +182,8 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
         "errors": errors,
         "tokens": {"input": sum(r["num_input_tokens"] or 0 for r in ok),
                    "generated": sum(r["num_generated_tokens"] for r in ok)},
-        "decode_tokens_per_s": _throughput(ok) if ok else None,
+        "row_tokens_per_s": _throughput(ok) if ok else None,
+        "throughput": throughput(ok, run.get("max_num_seqs")),
         "generation_seconds": sum(r["time_taken_llm"] for r in ok),
         "acceptance": _acceptance(ok),
         "baseline": {"strategy": "ar", **_speedup(pairs)},

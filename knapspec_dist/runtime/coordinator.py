@@ -8,9 +8,11 @@
   never matches a stored profile and is measured (priced at its slowest rank).
 * TPT search: rank 0's KnapSpec selector sends its candidate table (skip sets, acceptance
   estimates, context length) and gets the choice back, priced with this replica's profile.
-* Requests: one at a time per replica, dispatched to every rank in the same order (an
-  asyncio lock), so the SPMD ranks always run the same prompt. A dead shard fails the request
-  with its RayActorError; the engine restarts the replica.
+* Requests: continuously batched. Requests queue here; a driver task admits them into the
+  shards' schedulers (speculation/scheduler.py) as slots free up, up to ``max_num_seqs`` rows
+  at once, with one Ray call per batch of rounds that every rank receives in the same order
+  (SPMD), never one per token. A dead shard fails every row of the replica with its
+  RayActorError; the engine restarts the replica and the job retries those rows.
 
 An async actor: awaiting the shards leaves it free to answer rank 0's search calls.
 """
@@ -19,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 import random
 import time
 from dataclasses import replace
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONTEXTS = (64, 256, 1024)  # a quick measurement when no stored profile matches
+DEFAULT_CONTEXTS = (64, 256, 1024)
+ROUNDS_PER_CALL = 16  # scheduler steps per shard call when no row finishes  # a quick measurement when no stored profile matches
 
 
 async def _awaitable(ref):
@@ -46,7 +50,12 @@ class Coordinator:
         self.shards: list = []
         self.profile = None
         self.profile_source = None
-        self._lock = None
+        self._queue: deque = deque()  # (id, prompt ids, config, future) not yet admitted
+        self._active: dict[int, asyncio.Future] = {}  # admitted to the shards, not finished
+        self._ray: dict[int, float] = {}  # each active row's share of Ray round trips
+        self._next_id = 0
+        self._driver: asyncio.Task | None = None
+        self.max_num_seqs = 1
         self._tokenizer = None
         self._tokenizer_tried = False
         self.served = 0
@@ -54,7 +63,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ startup
 
-    async def prepare(self, shards: list, options, infos: list[dict], measure: dict) -> dict:
+    async def prepare(self, shards: list, options, infos: list[dict], measure: dict,
+                      batching: dict | None = None) -> dict:
         """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy.
 
         ``measure``: ``contexts`` / ``repeats`` of a measurement, and ``need``, the longest
@@ -76,8 +86,12 @@ class Coordinator:
                             choice.path, self.profile.tp, self.tp)
             profile_json = self.profile.to_json()
         me = ray.get_runtime_context().current_actor
-        await asyncio.gather(*[s.configure.remote(replace(options, profile=None), profile_json,
-                                                  me) for s in shards])
+        batching = batching or {}
+        seqs = await asyncio.gather(*[s.configure.remote(
+            replace(options, profile=None), profile_json, me, capacity=batching.get("capacity"),
+            max_num_seqs=batching.get("max_num_seqs")) for s in shards])
+        self.max_num_seqs = min(seqs)  # every rank must hold the batch
+        log.info("replica %d: up to %d rows decode at once", self.replica, self.max_num_seqs)
         return self.info()
 
     def _find(self, options, infos: list[dict], need: int | None):
@@ -125,7 +139,8 @@ class Coordinator:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, prompt_ids: list[int], config):
-        """One prompt on every rank; rank 0's result, with text, replica and Ray time."""
+        """One prompt, decoded in this replica's continuous batch; rank 0's result, with text,
+        replica and its share of the Ray time."""
         from ..errors import UserError
 
         ids = list(prompt_ids)
@@ -137,23 +152,72 @@ class Coordinator:
             # every rank must draw the same samples: one seed for the whole replica
             config = replace(config, sampling=replace(config.sampling,
                                                       seed=random.getrandbits(63)))
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:  # same order on every rank
-            start = time.perf_counter()
-            refs = [s.generate.remote(ids, config) for s in self.shards]
-            outs = await self._gather(refs)
-            elapsed = time.perf_counter() - start
-        result, inside = outs[0]
-        for rank, (other, _) in enumerate(outs[1:], 1):
-            if other.token_ids != result.token_ids:
-                raise RuntimeError(f"replica {self.replica}: rank {rank} generated different "
-                                   f"tokens than rank 0 (ranks out of sync)")
-        result.stats.ray_s += max(0.0, elapsed - max(t for _, t in outs))
+        future = asyncio.get_running_loop().create_future()
+        self._next_id += 1
+        self._queue.append((self._next_id, ids, config, future))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+        result = await future
         result.replica = self.replica
         result.text = self._decode(result.token_ids)
         self.served += 1
         return result
+
+    async def _drive(self) -> None:
+        """Feed the shards' schedulers: each call admits queued rows into free slots (rows of
+        one generation config at a time) and returns when a row finishes or after
+        ``ROUNDS_PER_CALL`` rounds, so a freed slot is refilled within one Ray round trip."""
+        from ..errors import UserError
+
+        config, busy = None, False
+        while self._queue or self._active:
+            if not self._active:
+                config = self._queue[0][2]
+            admit = []
+            while (self._queue and self._queue[0][2] == config
+                   and len(self._active) + len(admit) < self.max_num_seqs):
+                admit.append(self._queue.popleft())
+            for rid, _, _, future in admit:
+                self._active[rid] = future
+            start = time.perf_counter()
+            refs = [s.step.remote(config, [(rid, ids) for rid, ids, _, _ in admit],
+                                  ROUNDS_PER_CALL, self.max_num_seqs) for s in self.shards]
+            try:
+                outs = await self._gather(refs)
+            except BaseException as e:  # a dead or failing shard: every row here fails with it
+                for future in list(self._active.values()) + [q[3] for q in self._queue]:
+                    if not future.done():
+                        future.set_exception(e)
+                self._active.clear()
+                self._queue.clear()
+                return
+            finished, refused, elapsed, busy = outs[0]
+            if not busy and len(finished) + len(refused) < len(self._active):
+                lost = RuntimeError(f"replica {self.replica}: the shards dropped rows")
+                for rid, future in self._active.items():
+                    if rid not in {r for r, _ in finished} | {r for r, _ in refused}:
+                        future.set_exception(lost)
+            ray_share = max(0.0, time.perf_counter() - start - max(o[2] for o in outs))
+            for rid in self._active:
+                self._ray[rid] = self._ray.get(rid, 0.0) + ray_share / len(self._active)
+            for rank, other in enumerate(outs[1:], 1):
+                if [r.token_ids for _, r in other[0]] != [r.token_ids for _, r in finished]:
+                    error = RuntimeError(f"replica {self.replica}: rank {rank} generated "
+                                         f"different tokens than rank 0 (ranks out of sync)")
+                    for future in self._active.values():
+                        future.set_exception(error)
+                    self._active.clear()
+                    break
+            for rid, message in refused:
+                future = self._active.pop(rid, None)
+                self._ray.pop(rid, None)
+                if future is not None and not future.done():
+                    future.set_exception(UserError(message))
+            for rid, result in finished:
+                future = self._active.pop(rid, None)
+                result.stats.ray_s += self._ray.pop(rid, 0.0)
+                if future is not None and not future.done():
+                    future.set_result(result)
 
     async def _gather(self, refs: list) -> list:
         """Every rank's result. If a rank fails, the others get a moment to fail the same way
@@ -201,5 +265,6 @@ class Coordinator:
     def info(self) -> dict:
         choice = self.profile_source
         return {"replica": self.replica, "served": self.served,
+                "max_num_seqs": self.max_num_seqs,
                 "profile": choice.describe() if choice is not None else None,
                 "profile_key": self.profile.key() if self.profile else None}

@@ -8,8 +8,10 @@ with Engine("smollm2", tp=1, replicas=2, strategy="knapspec") as engine:
 Per replica: one placement group (STRICT_PACK: all ranks on one node; bundles {"GPU": 1,
 "CPU": c} on CUDA, {"CPU": c} on CPU), one shard actor per rank (its weight slices, its
 slice of the KV cache, torch.distributed over gloo or NCCL; rank 0 picks the port) and one
-coordinator actor (latency profile, TPT search, request order). The driver sends one call
-per prompt; decoding runs SPMD inside the shards: no Ray call per token or sublayer.
+coordinator actor (latency profile, TPT search, continuous batching of the requests). The
+driver sends one call per prompt; the coordinator admits prompts into the shards' batch of up
+to ``max_num_seqs`` rows; decoding runs SPMD inside the shards: no Ray call per token or
+sublayer.
 
 Every start-up failure (indivisible heads, missing checkpoint, a rank that dies or cannot be
 placed) raises a clear error after removing every actor and placement group it created.
@@ -56,18 +58,24 @@ class Engine:
                  dtype: str = "fp32", device: str = "cpu", address: str | None = None, *,
                  cpus_per_rank: int = 1, startup_timeout_s: float = 300.0,
                  profile_contexts: list[int] | None = None, profile_repeats: int = 3,
-                 profile_need: int | None = None, _fail_rank: int | None = None, **options):
+                 profile_need: int | None = None, max_num_seqs: int | None = None,
+                 _fail_rank: int | None = None, **options):
         """``options`` are StrategyOptions fields (skip, gamma, tau_conf, profile, interval,
         coupled, objective, select_once). ``cpus_per_rank`` CPUs are reserved per rank, and
         each rank runs that many torch threads (OMP_NUM_THREADS). ``profile_contexts`` /
         ``profile_repeats``: the measurement made when no stored profile matches;
         ``profile_need``: the longest context the work will run, which a stored profile must
-        cover and a measured one does (profiles/store.py)."""
+        cover and a measured one does (profiles/store.py); it also sizes each row's KV cache
+        (default: the model's window). ``max_num_seqs``: rows each replica decodes at once
+        (continuous batching; default: what the memory left after the weights holds,
+        execution/memory.py)."""
         from ..config import load_config
         from ..embedded import resolve_model_path
         from ..loading import checkpoint_files, load_tokenizer, resolve_dtype
         from ..parallel import check_shardable
 
+        if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+            raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         for name, value in (("tp", tp), ("replicas", replicas), ("cpus_per_rank", cpus_per_rank)):
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be an integer >= 1, got {value!r}")
@@ -87,6 +95,10 @@ class Engine:
         self.startup_timeout_s = startup_timeout_s
         self.measure = {"contexts": profile_contexts, "repeats": profile_repeats,
                         "need": profile_need}
+        from ..speculation.scheduler import row_capacity
+
+        self.batching = {"max_num_seqs": max_num_seqs,
+                         "capacity": row_capacity(profile_need, 0) if profile_need else None}
         self._fail_rank = _fail_rank
         self._id = uuid.uuid4().hex[:8]
         try:
@@ -171,7 +183,7 @@ class Engine:
                 rep.info = {"ranks": infos[:self.tp]}
                 infos = infos[self.tp:]
             prepared = self._wait({rep.coordinator.prepare.remote(
-                rep.shards, self.options, rep.info["ranks"], self.measure):
+                rep.shards, self.options, rep.info["ranks"], self.measure, self.batching):
                 f"replica {rep.index}" for rep in reps}, "prepare")
             for rep, info in zip(reps, prepared):
                 rep.info.update(info)
@@ -294,7 +306,8 @@ class Engine:
         (e.g. the ``ar`` baseline, then ``knapspec``); the profile is resolved again."""
         self.options = self._strategy_options(strategy or self.options.name, options)
         refs = {rep.coordinator.prepare.remote(rep.shards, self.options, rep.info["ranks"],
-                                               self.measure): f"replica {rep.index}"
+                                               self.measure, self.batching):
+                f"replica {rep.index}"
                 for rep in self._replicas if rep is not None}
         for rep, info in zip([r for r in self._replicas if r is not None],
                              self._wait(refs, "reconfigure")):

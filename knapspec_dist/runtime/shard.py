@@ -26,7 +26,7 @@ class Shard:
         torch.set_num_threads(max(1, threads))
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.model = self.strategy = self.meter = None
+        self.model = self.strategy = self.meter = self.scheduler = None
         self.ray_inside = 0.0  # Ray calls made during a request (coordinator TPT search)
 
     # ------------------------------------------------------------------ startup
@@ -87,9 +87,19 @@ class Shard:
         return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
                                           repeats=repeats)
 
-    def configure(self, options, profile: dict | None, coordinator=None) -> None:
+    def configure(self, options, profile: dict | None, coordinator=None, *,
+                  capacity: int | None = None, max_num_seqs: int | None = None) -> int:
         """Build the strategy (same on every rank). KnapSpec's TPT search is delegated to the
-        coordinator (rank 0 asks it; the plan is then broadcast to the other ranks)."""
+        coordinator (rank 0 asks it; the plan is then broadcast to the other ranks).
+        ``capacity``: cache positions per row (default: the model's window);
+        ``max_num_seqs``: rows decoding at once (default: what this rank's free memory holds,
+        execution/memory.py). Returns this rank's max_num_seqs."""
+        from ..execution.memory import max_num_seqs_for
+        from ..speculation.scheduler import row_capacity
+
+        self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
+        self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
+        self.scheduler = None
         from ..parallel import spmd_strategy
         from ..profiles.profile import LatencyProfile
         from ..speculation.factory import build_strategy
@@ -104,6 +114,7 @@ class Shard:
         if getattr(strategy, "selector", None) is not None:
             self.meter.wrap(strategy.selector, "plan")  # the DP counts as compute
         self.strategy = strategy
+        return self.max_num_seqs
 
     def _delegate_search(self, selector, coordinator) -> None:
         """Rank 0's KnapSpec selector asks the coordinator for the TPT choice (one Ray round
@@ -128,24 +139,60 @@ class Shard:
 
     # ------------------------------------------------------------------ requests
 
-    def generate(self, prompt_ids: list[int], config):
-        """One prompt, SPMD on every rank; the result carries this rank's time split."""
+    def step(self, config, admit: list[tuple[int, list[int]]], max_rounds: int, max_num_seqs: int):
+        """Continuous batching, SPMD on every rank: queue the ``admit`` rows (id, prompt ids),
+        then run scheduler steps until a row finishes or ``max_rounds`` have run.
+
+        Returns (finished rows as (id, GenerationResult), refused rows as (id, message), this
+        call's wall seconds, whether rows remain). A row's time split is its share of each
+        call it took part in (the call's split divided among its rows), so the rows of a job
+        add up to the replica's time."""
+        from ..errors import UserError
+        from ..speculation.scheduler import Scheduler, result
         from .accounting import split
 
         if self.strategy is None:
             raise RuntimeError("shard not configured")
+        if self.scheduler is None or (self.scheduler.config != config and not self.scheduler.busy):
+            self.scheduler = Scheduler(self.strategy, self.model, config,
+                                       min(max_num_seqs, self.max_num_seqs), self.capacity)
+            self.shares: dict[int, list[float]] = {}
+        sched = self.scheduler
+        refused = []
+        for rid, ids in admit:
+            try:
+                sched.add(rid, list(ids))
+                self.shares[rid] = [0.0, 0.0, 0.0, 0.0, 0]
+            except UserError as e:
+                refused.append((rid, str(e)))
         comm = self.model.tp.comm
         comm.reset()
         self.meter.seconds, self.ray_inside = 0.0, 0.0
         start = time.perf_counter()
-        result = self.strategy.generate(self.model, [list(prompt_ids)], config)[0]
+        finished = []
+        for _ in range(max_rounds):
+            if not sched.busy:
+                break
+            finished += sched.step()
+            if finished:
+                break
         elapsed = time.perf_counter() - start
         parts = split(elapsed, self.meter.seconds, comm.seconds, self.ray_inside)
-        s = result.stats
-        s.compute_s, s.comm_s, s.ray_s, s.other_s = (parts.compute_s, parts.comm_s,
-                                                     parts.ray_s, parts.other_s)
-        s.comm_calls = comm.calls
-        return result, elapsed
+        taking_part = list(self.shares)
+        for rid in taking_part:  # rows in this call: waiting, prefilling, decoding or just done
+            share = self.shares[rid]
+            for i, v in enumerate((parts.compute_s, parts.comm_s, parts.ray_s, parts.other_s)):
+                share[i] += v / len(taking_part)
+            share[4] += comm.calls / len(taking_part)
+        out = []
+        for row in finished:
+            r = result(row)
+            share = self.shares.pop(row.rid)
+            s = r.stats
+            s.compute_s, s.comm_s, s.ray_s, s.other_s = share[:4]
+            s.comm_calls = round(share[4])
+            out.append((row.rid, r))
+        return out, refused, elapsed, sched.busy
 
     def stats(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
