@@ -157,7 +157,10 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     assert s["rows"] == {"input": 7, "written": 7, "ok": 4, "failed": 3, "pending": 0,
                          "not_in_input": 0}
     assert s["tokens"]["generated"] == sum(rows[k]["num_generated_tokens"] for k in docs)
-    assert s["decode_tokens_per_s"] > 0
+    assert s["row_tokens_per_s"] > 0
+    t = s["throughput"]
+    assert t["tokens_per_s"] > 0 and t["decode_tokens_per_s"] >= t["tokens_per_s"]
+    assert t["max_num_seqs"] >= 1 and 1 <= t["mean_batch"] <= t["max_num_seqs"]
     b = s["baseline"]
     assert b["rows"] == 1 and b["identical_tokens"] == 1 and b["speedup"] > 0
     assert b["speedup"] == pytest.approx(rows[base[0]["id"]]["tokens_per_s"]
