@@ -82,8 +82,10 @@ def test_the_mode_is_recorded_keyed_and_matched(model, dirs):
     assert not store.matches(graph, device, shape, dtype, 1, 1, "eager")
     with pytest.raises(ValueError, match="'mode' must be one of"):
         LatencyProfile.from_json({**data, "mode": "fast"})
-    with pytest.raises(NotImplementedError):
-        measure(model, [8], max_q=1, repeats=1, mode="graph")
+    replayed = measure(model, [8], max_q=1, repeats=1, mode="graph")  # the runner's stand-in
+    assert replayed.mode == "graph" and replayed.key().endswith("__graph")  # on a CPU
+    assert store.decode_mode({"kind": "cuda"}) == "graph"
+    assert store.decode_mode(profile.device) == "eager"
     with pytest.raises(ValueError):
         measure(model, [8], max_q=1, repeats=1, mode="turbo")
 

@@ -18,12 +18,12 @@ CPU, where the runner's graph stand-in re-runs the forward: the same program, ea
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from ..cache import KVCache
+from ..clock import Clock
 from ..execution.runner import ModelRunner
 
 
@@ -38,25 +38,19 @@ class ReplayTimer:
         items = model.cfg.num_layers * 2
         self.no_attention = frozenset(range(0, items, 2))
         self.no_mlp = frozenset(range(1, items, 2))
-        self.cuda = model.device.type == "cuda"
+        self.clock = Clock(model.device)
 
     def time(self, n: int, q: int, skip: frozenset[int] = frozenset()) -> float:
         """Seconds of one replayed forward of q tokens per row at context n."""
         x = self.tokens(q)
         starts = [n] * (self.rows.stop - self.rows.start)
         self.runner(x, starts, self.cache, self.rows, skip)  # capture (first time) and warm
-        if self.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(self.iters):
-                self.runner(x, starts, self.cache, self.rows, skip)
-            end.record()
-            end.synchronize()
-            return begin.elapsed_time(end) / 1e3 / self.iters
-        start = time.perf_counter()
+        begin = self.clock.mark()  # CUDA events on a GPU: launches are not serialized
         for _ in range(self.iters):
             self.runner(x, starts, self.cache, self.rows, skip)
-        return (time.perf_counter() - start) / self.iters
+        end = self.clock.mark()
+        self.clock.sync()
+        return self.clock.seconds(begin, end) / self.iters
 
     def split(self, n: int) -> dict[str, float]:
         """Mean attention and MLP sublayer, head and whole decode step at context n."""

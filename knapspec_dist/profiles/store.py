@@ -159,17 +159,25 @@ def keep(profile: LatencyProfile) -> str | None:
     return str(path)
 
 
+def decode_mode(device: dict) -> str:
+    """The execution mode decoding runs in on ``device`` (``device_info``): CUDA graphs on a
+    GPU, eager ops on a CPU; the profile that prices it must be measured the same way."""
+    return "graph" if device.get("kind") == "cuda" else "eager"
+
+
 def resolve(spec, model, tp: int = 1, batch: int = 1, need: int | None = None) -> Choice:
     """The profile for ``model`` in this process: given, stored, or measured now and kept."""
     from . import profiler
     from .device import device_info, dtype_name
 
     device = device_info(model.device)
-    found = lookup(spec, device, model.cfg.shape(), dtype_name(model.dtype), batch, tp, need=need)
+    mode = decode_mode(device)
+    found = lookup(spec, device, model.cfg.shape(), dtype_name(model.dtype), batch, tp, mode,
+                   need)
     if found is not None:
         return found
     contexts = contexts_for(need, profiler.QUICK_CONTEXTS, model.cfg.max_position_embeddings)
-    profile = profiler.measure(model, contexts=contexts, batch=batch)
+    profile = profiler.measure(model, contexts=contexts, batch=batch, mode=mode)
     return Choice(profile, keep(profile), "measured")
 
 

@@ -78,7 +78,7 @@ class Coordinator:
         if options.name in ("knapspec", "clasp"):
             choice = self._find(options, infos, measure.get("need"))
             if choice is None:
-                choice = await self._measure(measure)
+                choice = await self._measure(infos, measure)
             self.profile, self.profile_source = choice.profile, choice
             if self.profile.tp != self.tp:
                 log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
@@ -97,7 +97,7 @@ class Coordinator:
     def _find(self, options, infos: list[dict], need: int | None):
         """profiles/store.py's lookup for this replica's devices (None: measure one)."""
         from ..config import load_config
-        from ..profiles.store import lookup
+        from ..profiles.store import decode_mode, lookup
 
         devices = [i["device"] for i in infos]
         names = sorted({d.get("name") for d in devices})
@@ -106,19 +106,20 @@ class Coordinator:
                         "applies, measuring one (priced at the slowest rank)", self.replica, names)
             return None
         return lookup(options.profile, devices[0], load_config(self.path).shape(), self.dtype,
-                      1, self.tp, need=need)
+                      1, self.tp, decode_mode(devices[0]), need)
 
-    async def _measure(self, measure: dict):
+    async def _measure(self, infos: list[dict], measure: dict):
         from ..config import load_config
         from ..profiles.profile import LatencyProfile
-        from ..profiles.store import Choice, contexts_for, keep
+        from ..profiles.store import Choice, contexts_for, decode_mode, keep
 
         window = load_config(self.path).max_position_embeddings
         contexts = measure.get("contexts") or contexts_for(measure.get("need"), DEFAULT_CONTEXTS,
                                                            window)
         repeats = int(measure.get("repeats", 3))
         start = time.perf_counter()
-        outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats)
+        mode = decode_mode(infos[0]["device"])
+        outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats, mode=mode)
                                       for s in self.shards])
         profile = LatencyProfile.from_json(outs[0])  # samples are MAX-reduced over ranks
         log.info("replica %d: measured profile %s (contexts %s) in %.0fs", self.replica,

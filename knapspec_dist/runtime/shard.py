@@ -66,7 +66,7 @@ class Shard:
 
     def measure_profile(self, contexts: list[int], repeats: int, **kwargs) -> dict:
         """Measure a latency profile (collective: every rank of the replica calls it).
-        ``kwargs``: profiler.measure's batch, max_q, warmup, fill."""
+        ``kwargs``: profiler.measure's batch, max_q, warmup, fill, mode."""
         import torch.distributed as dist
 
         from ..profiles import profiler
