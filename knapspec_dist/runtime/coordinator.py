@@ -129,12 +129,17 @@ class Coordinator:
     # ------------------------------------------------------------------ search
 
     def search(self, skips: list[list[int]], alphas: list[float], n: int, num_layers: int,
-               max_gamma: int, objective: str, min_gain: float = 1.0):
-        """TPT choice over the shards' candidate table, priced with this replica's profile."""
+               max_gamma: int, objective: str, min_gain: float = 1.0, batch: int = 1):
+        """TPT choice over the shards' candidate table, priced with this replica's profile
+        at the round's batch size."""
+        from ..profiles.batching import BatchPricing
         from ..speculation import tpt
 
-        draft = [self.profile.draft_time(frozenset(s), n, num_layers) for s in skips]
-        return tpt.search(alphas, draft, lambda q: self.profile.verify_time(q, n),
+        if getattr(self, "_pricing", None) is None or self._pricing.base is not self.profile:
+            self._pricing = BatchPricing(self.profile)
+        profile = self._pricing.at(batch)
+        draft = [profile.draft_time(frozenset(s), n, num_layers) for s in skips]
+        return tpt.search(alphas, draft, lambda q: profile.verify_time(q, n),
                           max_gamma=max_gamma, objective=objective, min_gain=min_gain)
 
     # ------------------------------------------------------------------ requests

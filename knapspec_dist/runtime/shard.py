@@ -127,11 +127,11 @@ class Shard:
             return
         shard = self
 
-        def search(candidates, alphas, n, num_layers):
+        def search(candidates, alphas, n, num_layers, batch=1):
             start = time.perf_counter()
             choice = ray.get(coordinator.search.remote(
                 [sorted(c.skipped) for c in candidates], list(alphas), n, num_layers,
-                config.max_gamma, config.objective, config.min_gain))
+                config.max_gamma, config.objective, config.min_gain, batch))
             shard.ray_inside += time.perf_counter() - start
             return choice
 

@@ -28,6 +28,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 from ..model import Attention, Capture, Transformer
+from ..profiles.batching import BatchPricing
 from ..profiles.profile import LatencyProfile, integer_weights
 from . import knapsack, tpt
 from .batch import Batch
@@ -217,11 +219,16 @@ def reference_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 class KnapSpecSelector(Selector):
     """Re-selects the draft subnet and gamma from measured latency and hidden-state similarity."""
 
-    def __init__(self, profile: LatencyProfile, config: KnapSpecConfig = KnapSpecConfig()):
-        self.profile, self.config = profile, config
+    def __init__(self, profile: LatencyProfile | Sequence[LatencyProfile],
+                 config: KnapSpecConfig = KnapSpecConfig()):
+        """``profile``: one latency profile, or several measured at different batch sizes
+        (each round is priced at its batch size, profiles/batching.py)."""
+        self.pricing, self.config = BatchPricing(profile), config
+        self.profile = self.pricing.base  # the profile of the current batch size
         self.history: list[Selection] = []
         self.selections = 0
         self.fallbacks = 0  # plans dropped for plain decoding by the guard (all sequences)
+        self.skipped = 0  # selections not run: no subnet could beat plain decoding
         self.search = self.local_search
 
     def start(self, model: Transformer) -> None:
@@ -277,13 +284,21 @@ class KnapSpecSelector(Selector):
         return found[:self.config.reference_rows]
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
+        self.profile = self.pricing.at(batch.size)
         done_once = self.config.select_once and self.history
         if batch.progress >= self.next_selection and not done_once:
+            context = round(statistics.fmean(batch.lengths))
+            if not self.could_pay(context, model.cfg.num_layers):
+                # Not even a perfect draft of the cheapest allowed subnet beats plain decoding
+                # here (a compute-bound batch): plain decoding, and no DP to pay for.
+                self.plan_now, self.run = Plan(frozenset(), 0), None
+                self.skipped += 1
+                self.next_selection = batch.progress + self.config.interval
+                return self.plan_now
             references = self.references(batch)
             if references:
                 start = time.perf_counter()
                 self.plan_now = self.select(model, batch, references).plan
-                context = round(statistics.fmean(batch.lengths))
                 self.next_selection = batch.progress + self.interval(
                     time.perf_counter() - start, context)
                 return self.plan_now
@@ -295,6 +310,22 @@ class KnapSpecSelector(Selector):
             self.plan_now, self.run = Plan(frozenset(), 0), None
             self.fallbacks += 1
         return self.plan_now
+
+    def could_pay(self, n: int, num_layers: int) -> bool:
+        """Whether speculation can beat plain decoding by ``min_gain`` at context n, with
+        drafts always accepted (alpha = 1) from the cheapest subnet the DP may pick (the
+        sublayers priced at ``1 - max_skip_fraction`` of their time). CLaSp and the alpha
+        objective do not price rounds, so they always select."""
+        cfg = self.config
+        if cfg.fixed_gamma is not None or cfg.objective != "tpt":
+            return True
+        p = self.profile
+        full = p.draft_time(frozenset(), n, num_layers)
+        cheapest = p.head + (1 - cfg.max_skip_fraction) * (full - p.head)
+        plain = 1.0 / p.verify_time(1, n)
+        best = max(tpt.tokens_per_time(1.0, g, cheapest, lambda q: p.verify_time(q, n))
+                   for g in range(1, cfg.max_gamma + 1))
+        return best >= cfg.min_gain * plain
 
     def interval(self, select_s: float, n: int) -> int:
         """Tokens until the next selection: ``config.interval``, stretched when one selection
@@ -349,9 +380,10 @@ class KnapSpecSelector(Selector):
             best = min(range(len(candidates)),
                        key=lambda k: (abs(len(candidates[k].skipped) - target), -alphas[k]))
             return tpt.Choice(best, cfg.fixed_gamma, 0.0)
-        return self.search(candidates, alphas, n, num_layers)
+        return self.search(candidates, alphas, n, num_layers, self.profile.batch)
 
-    def local_search(self, candidates, alphas, n: int, num_layers: int) -> tpt.Choice:
+    def local_search(self, candidates, alphas, n: int, num_layers: int,
+                     batch: int = 1) -> tpt.Choice:
         """The TPT search priced by this process's profile; the Ray runtime replaces
         ``self.search`` on rank 0 by a call to the coordinator, which holds the replica's."""
         cfg = self.config

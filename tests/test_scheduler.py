@@ -1,0 +1,132 @@
+"""Continuous batching (speculation/scheduler.py, batch.py) and batch pricing
+(profiles/batching.py): rows admitted as others finish, prefilled in chunks, decoded together,
+give exactly the tokens each row gets alone."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import random_prompt
+from knapspec_dist.cache import KVCache
+from knapspec_dist.errors import UserError
+from knapspec_dist.profiles.batching import BatchPricing
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.batch import Batch, Row
+from knapspec_dist.speculation.generation import GenerationConfig
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.speculation.scheduler import Scheduler, row_capacity
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+from test_knapspec import LINEAR_ATTENTION, synthetic_profile
+
+NAME = "llama-gqa"
+LENGTHS = (9, 70, 23, 140, 4)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [random_prompt(n, vocab, seed=300 + n) for n in LENGTHS]
+
+
+def run(strategy, model, config, max_num_seqs: int, chunk: int = 512):
+    ps = prompts(model.cfg.vocab_size)
+    capacity = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
+    sched = Scheduler(strategy, model, config, max_num_seqs, capacity, prefill_chunk=chunk)
+    return sched.run(ps), sched
+
+
+STRATEGIES = {
+    "ar": lambda profile: Autoregressive(),
+    "static": lambda profile: SelfSpeculative(StaticSelector(frozenset({2, 5, 7}), 3), 0.3),
+    "knapspec": lambda profile: SelfSpeculative(
+        KnapSpecSelector(profile, KnapSpecConfig(interval=8)), tau_conf=0.0, name="knapspec"),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_batched_rows_get_the_tokens_they_get_alone(engine_model, name):
+    """Rows of mixed lengths, 2 decoding at once, admitted as others finish, long prompts
+    prefilled in 16-token chunks between rounds: every row's greedy tokens equal batch-1 ar."""
+    model = engine_model(NAME)
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    config = GenerationConfig(max_new_tokens=20, stop_at_eos=False)
+    alone, _ = run(Autoregressive(), model, config, max_num_seqs=1)
+    batched, sched = run(STRATEGIES[name](profile), model, config, max_num_seqs=2, chunk=16)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert sched.throughput.mean_batch > 1.5 and sched.throughput.tokens == 5 * 20
+    assert all(r.stats.admitted_at <= r.stats.finished_at for r in batched)
+    if name == "knapspec":
+        assert sum(r.stats.drafted for r in batched) > 0, "speculation never ran"
+
+
+def test_batched_sampling_runs_per_row(engine_model):
+    model = engine_model(NAME)
+    from knapspec_dist.sampling import SamplingConfig
+
+    config = GenerationConfig(max_new_tokens=12, stop_at_eos=False,
+                              sampling=SamplingConfig(temperature=0.9, seed=5))
+    results, _ = run(STRATEGIES["static"](None), model, config, max_num_seqs=3)
+    assert [len(r.token_ids) for r in results] == [12] * len(LENGTHS)
+    assert all(0 <= t < model.cfg.vocab_size for r in results for t in r.token_ids)
+
+
+def test_retire_keeps_rows_packed_with_their_cache(engine_model):
+    """A finished row's slot takes the last decoding row (its K/V and length), and the row
+    being prefilled moves down behind it."""
+    model = engine_model(NAME)
+    cache = KVCache(model.cfg, 4, 32, dtype=model.dtype, device="cpu")
+    for row, n in enumerate((5, 7, 9, 3)):
+        for t in cache.k + cache.v:
+            t[row, :, :n] = row + 1
+        cache.commit(row, n)
+    rows = [Row(i, [1] * 4, 8) for i in range(3)]
+    batch = Batch(cache, rows[:], prefilling=Row(3, [1] * 4, 8))
+    batch.retire([rows[0]])
+    assert [r.rid for r in batch.rows] == [2, 1] and cache.lengths[:3] == [9, 7, 3]
+    assert all((t[0, :, :9] == 3).all() and (t[2, :, :3] == 4).all() for t in cache.k + cache.v)
+    assert cache.lengths[3] == 0
+
+
+def test_a_row_that_cannot_fit_is_refused_alone(engine_model):
+    model = engine_model(NAME)
+    config = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    sched = Scheduler(Autoregressive(), model, config, 2, capacity=row_capacity(40, 8))
+    sched.add(0, random_prompt(30, model.cfg.vocab_size, seed=1))
+    with pytest.raises(UserError, match="cache positions"):
+        sched.add(1, random_prompt(260, model.cfg.vocab_size, seed=2))  # cache: 256 per row
+    done = []
+    while sched.busy:
+        done += sched.step()
+    assert [r.rid for r in done] == [0] and len(done[0].out) == 8
+
+
+def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplog):
+    model = engine_model(NAME)
+    one = synthetic_profile(model, LINEAR_ATTENTION)
+    eight = synthetic_profile(model, LINEAR_ATTENTION, verify_scale=3.0)
+    eight.batch, eight.mlp, eight.head = 8, 3 * one.mlp, 3 * one.head
+    pricing = BatchPricing([eight, one])
+    at4 = pricing.at(4)
+    assert at4.batch == 4 and at4.mlp == pytest.approx(one.mlp * (1 + 2 * 3 / 7))
+    assert at4.verify_time(2, 500) == pytest.approx(
+        one.verify_time(2, 500) + (eight.verify_time(2, 500) - one.verify_time(2, 500)) * 3 / 7)
+    with caplog.at_level(logging.WARNING):
+        assert pricing.at(32) is eight
+    assert "no latency profile at batch 32" in caplog.text
+
+
+def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
+    """A verify whose cost grows steeply with its tokens (a compute-bound batch): even drafts
+    always accepted from the cheapest subnet lose, so the DP never runs and decoding is plain."""
+    model = engine_model(NAME)
+    steep = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=1.0)
+    flat = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    for profile, pays in ((steep, False), (flat, True)):
+        selector = KnapSpecSelector(profile, KnapSpecConfig(interval=8))
+        assert selector.could_pay(100, model.cfg.num_layers) is pays
+        results, _ = run(SelfSpeculative(selector, name="knapspec"), model, config, 3)
+        assert (selector.skipped > 0 and not selector.history) is not pays
+        if not pays:
+            assert sum(r.stats.drafted for r in results) == 0
