@@ -118,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _extra_commands():
-    """Subcommands defined beside their modules (profile, bench, job, gpu-check)."""
+    """Subcommands defined beside their modules (profile, bench, throughput, job, gpu-check)."""
     from . import jobs
     from .bench import command as bench
+    from .bench import throughput
     from .gpucheck import command as gpu_check
     from .profiles import command as profile
 
-    return [profile.register, bench.register, jobs.register, gpu_check.register]
+    return [profile.register, bench.register, throughput.register, jobs.register,
+            gpu_check.register]
 
 
 if __name__ == "__main__":

@@ -133,3 +133,22 @@ def test_bench_report_shows_near_ties_and_bugs(tmp_path):
     assert "| near-tie in 1/2 |" in md and "| **NO: 1 BUG** |" in md
     assert "| 64 | a | static:a1@2 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 0.5 | tie |" in md
     assert "| 64 | b | clasp | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.5 | **BUG** |" in md
+
+
+def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, tmp_path, capsys):
+    """`knapspec throughput`: mixed-length documents through the scheduler at two batch sizes;
+    every row equals batch-1 ar, the batched run decodes more than one row per round."""
+    import json
+
+    code = main(["throughput", "--model", str(checkpoint), "--contexts", "96", "--documents",
+                 "3", "--batch", "1,3", "--strategies", "ar,static:a1,m2@2", "--new-tokens", "6",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "throughput.json").read_text())
+    runs = {(r["strategy"], r["batch"]): r for r in doc["runs"]}
+    assert set(runs) == {(s, b) for s in ("ar", "static:a1,m2@2") for b in (1, 3)}
+    for r in runs.values():
+        assert r["identical_rows"] == 3 and r["tokens"] == 18 and r["tokens_per_s"] > 0
+    assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert "| 96 | ar | 3 |" in capsys.readouterr().out
