@@ -1,11 +1,12 @@
 """Continuous batching: up to ``max_num_seqs`` rows decode together, and a row that finishes
 makes room for the next at once.
 
-Each ``step``: admit the next waiting row when a slot is free (one row is prefilled at a time,
-at the slot after the decoding rows); run one chunk of its prefill (``prefill_chunk`` tokens,
-or the whole prompt when nothing is decoding), so a long prompt never stalls the others for
-its whole prefill; then one round of the strategy over every decoding row; then retire the
-rows that finished. Every strategy runs through this loop, batch 1 included.
+Each ``step``: admit waiting rows into free slots and prefill them, one at a time at the slot
+after the decoding rows, up to ``prefill_chunk`` prompt tokens per step while other rows are
+decoding (a long prompt is cut into chunks across steps, so it never stalls the others for its
+whole prefill; short ones are admitted several per step) and without limit while none is;
+then one round of the strategy over every decoding row; then retire the rows that finished.
+Every strategy runs through this loop, batch 1 included.
 
 Throughput (``Throughput``): tokens emitted over the wall time from the first admission to the
 last finish, and the same over the time spent in decoding rounds only (prefill excluded).
@@ -116,14 +117,20 @@ class Scheduler:
         """Admit, prefill a chunk, run one round; the rows that finished."""
         b, timer = self.batch, self.timer
         finished: list[Row] = []
-        if b.prefilling is None and self.waiting and b.size < self.max_num_seqs:
-            row = b.prefilling = self.waiting.popleft()
-            row.admitted_s = timer.now()
-            row.stats.admitted_at = time.time()
-            if self._first is None:
-                self._first = row.admitted_s
-        if b.prefilling is not None:
-            row = self._prefill_chunk()
+        budget = self.prefill_chunk  # prompt tokens this step, while rows are decoding
+        while True:
+            if b.prefilling is None and self.waiting and b.size < self.max_num_seqs:
+                row = b.prefilling = self.waiting.popleft()
+                row.admitted_s = timer.now()
+                row.stats.admitted_at = time.time()
+                if self._first is None:
+                    self._first = row.admitted_s
+            if b.prefilling is None or (b.rows and budget <= 0):
+                break
+            left = len(b.prefilling.prompt) - b.prefilling.prefilled
+            n = left if not b.rows else min(left, budget)
+            budget -= n
+            row = self._prefill_chunk(n)
             if row is not None and row.reason is not None:  # done at its first token
                 finished.append(row)
         if b.rows:
@@ -153,14 +160,13 @@ class Scheduler:
             self.strategy.retired(row.rid)
         return finished
 
-    def _prefill_chunk(self) -> Row | None:
-        """One chunk of the prefilling row; when its prompt is in, its first token is chosen
-        and it joins the decoding rows (or is returned finished, having left its slot)."""
+    def _prefill_chunk(self, n: int) -> Row | None:
+        """``n`` more prompt tokens of the prefilling row; when its prompt is in, its first
+        token is chosen and it joins the decoding rows (or is returned finished, having left
+        its slot)."""
         b, row, timer = self.batch, self.batch.prefilling, self.timer
         start = timer.now()
         slot = b.size
-        left = len(row.prompt) - row.prefilled
-        n = left if not b.rows else min(left, self.prefill_chunk)
         logits = prefill(self.model, b.cache, slot, row.prompt[row.prefilled:row.prefilled + n],
                          row.prefilled)
         row.prefilled += n
