@@ -15,11 +15,14 @@ log = logging.getLogger(__name__)
 FULL = dict(contexts=(1024, 16384, 65536), batches=(1, 8, 32), qs=(2, 4, 8, 11),
             ab_contexts=(1024, 16384, 65536), iters=20, budget_s=330.0,
             correct=dict(new_tokens=48, prompt_tokens=256, count=2, profile_contexts=(256, 1024)),
-            bench=dict(contexts=(1024, 4096, 8192), count=3, new_tokens=64))
+            bench=dict(contexts=(1024, 4096, 8192), count=3, new_tokens=64),
+            batched=dict(context=8192, batches=(8, 32), new_tokens=64,
+                         profile_contexts=(1024, 8192)))
 QUICK = dict(contexts=(64, 256), batches=(1, 2), qs=(2, 4), ab_contexts=(64, 256), iters=3,
              budget_s=45.0,
              correct=dict(new_tokens=12, prompt_tokens=24, count=1, profile_contexts=(32, 64)),
-             bench=dict(contexts=(64, 128), count=1, new_tokens=8))
+             bench=dict(contexts=(64, 128), count=1, new_tokens=8),
+             batched=dict(context=64, batches=(2, 4), new_tokens=8, profile_contexts=(32, 64)))
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -37,14 +40,12 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     from ..commandline import emit
     from ..errors import UserError
     from ..profiles.device import device_info
-    from . import correct, measure, report, shapes
+    from . import batched, correct, measure, report, shapes
     from .budget import Budget
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here (use --device cpu --quick on a CPU)")
     device = torch.device(args.device)
-    if device.type == "cuda":
-        _more_recompiles()
     setup = QUICK if args.quick else FULL
     budget = Budget(args.budget if args.budget else setup["budget_s"])
     limit = int(args.memory_gib * shapes.GIB) if args.memory_gib else None
@@ -58,7 +59,8 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
                     "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0},
            "decode": [], "verify": [], "draft": [], "backends": [], "captures": [],
            "correctness": {"greedy": [], "sampling": [], "notes": []},
-           "bench": {"runs": [], "summary": [], "notes": []}, "notes": []}
+           "bench": {"runs": [], "summary": [], "notes": []},
+           "batched": {"runs": [], "notes": []}, "notes": []}
     out = Path(args.out)
 
     def save() -> str:
@@ -78,25 +80,17 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
         save()
         doc["bench"] = correct.run_bench(device, args.quick, budget.section("bench"),
                                          **setup["bench"])
+        save()
+        doc["batched"] = batched.run_batched(device, args.quick, budget.section("batched"),
+                                             **setup["batched"])
     text = save()
     emit(text)
     bugs = [r for r in doc["correctness"]["greedy"] + doc["bench"]["runs"]
-            if r["verdict"] == "BUG"]
+            + doc["batched"]["runs"] if r.get("verdict") == "BUG"]
     if bugs:
         emit(f"error: {len(bugs)} greedy run(s) diverge from ar beyond a near-tie", error=True)
         return 1
     return 0
-
-
-def _more_recompiles(limit: int = 64) -> None:
-    """The check compiles flex attention for more shapes (batch, q, capacity, heads) than a
-    serving process; past dynamo's default limit (8) it would fall back to unfused eager flex
-    and time that instead."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(limit, getattr(torch._dynamo.config, name)))
 
 
 def register(sub) -> None:

@@ -74,7 +74,12 @@ def markdown(doc: dict) -> str:
     b = doc["bench"]
     lines += [f"## Long documents ({b.get('model', '-')}, bf16)", "", *table(b["summary"], BENCH),
               ""]
-    notes = doc["notes"] + c["notes"] + b["notes"]
+    bt = doc.get("batched", {"runs": [], "notes": []})
+    from .batched import table as batched_table
+
+    lines += [f"## Continuous batching, ar vs knapspec ({bt.get('model', '-')}, bf16)", "",
+              *batched_table(bt), ""]
+    notes = doc["notes"] + c["notes"] + b["notes"] + bt["notes"]
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
