@@ -118,3 +118,23 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
     result, _ = run(job(tmp_path), Engines())
     summary = json.loads(Path(result.summary_path).read_text())
     assert summary["run"]["profile"] == {"key": "k", "path": "/p/k.json", "origin": "measured"}
+
+
+def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs):
+    """A stored batch-8 profile beside the batch-1 one: knapspec's selector gets both and
+    prices a round of 4 rows between them."""
+    from knapspec_dist.speculation.factory import StrategyOptions
+    from knapspec_dist.speculation.knapspec import build_selector
+
+    repo, _ = dirs
+    one = store.resolve(None, model, need=64).profile
+    eight = measure(model, [64], batch=8, max_q=3, repeats=1)
+    repo.mkdir(parents=True, exist_ok=True)
+    eight.save(repo / f"{eight.key()}.json")
+    assert [p.batch for p in store.batch_siblings(one)] == [8]
+    selector = build_selector(StrategyOptions(name="knapspec"), model)
+    assert selector.pricing.batches == [1, 8]
+    mid = selector.pricing.at(4)
+    assert mid.mlp == pytest.approx(one.mlp + (eight.mlp - one.mlp) * 3 / 7)
+    given = build_selector(StrategyOptions(name="knapspec", profile=one), model)
+    assert given.pricing.batches == [1]  # a profile the user gave is used alone

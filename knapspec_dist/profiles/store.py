@@ -137,6 +137,25 @@ def lookup(spec, device: dict, shape: dict, dtype: str, batch: int = 1, tp: int 
     return found
 
 
+def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
+    """Stored profiles of the same device, shape, dtype, tp and mode at other batch sizes
+    (one per size, the first found): what prices a batched round (profiles/batching.py)."""
+    found: dict[int, LatencyProfile] = {}
+    for directory in search_dirs():
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*.json")):
+            try:
+                other = LatencyProfile.load(path)
+            except (ValueError, OSError):
+                continue
+            if other.batch != profile.batch and other.batch not in found and matches(
+                    other, profile.device, profile.model, profile.dtype, other.batch,
+                    profile.tp, profile.mode):
+                found[other.batch] = other
+    return [found[b] for b in sorted(found)]
+
+
 def contexts_for(need: int | None, default, limit: int | None = None) -> list[int]:
     """Context lengths to measure: ``default`` when the run's longest context is unknown,
     else the steps below ``need`` and ``need`` itself (at most ``limit``)."""

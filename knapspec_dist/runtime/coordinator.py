@@ -84,7 +84,15 @@ class Coordinator:
                 log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
                             "tp=%d: its all-reduce costs do not match", self.replica,
                             choice.path, self.profile.tp, self.tp)
-            profile_json = self.profile.to_json()
+            profile_json = [self.profile.to_json()]
+            if choice.origin == "loaded" and not options.profile:  # batch sizes beside it
+                from ..profiles.store import batch_siblings
+
+                profile_json += [p.to_json() for p in batch_siblings(self.profile)]
+            from ..profiles.batching import BatchPricing
+            from ..profiles.profile import LatencyProfile
+
+            self._pricing = BatchPricing([LatencyProfile.from_json(p) for p in profile_json])
         me = ray.get_runtime_context().current_actor
         batching = batching or {}
         seqs = await asyncio.gather(*[s.configure.remote(
@@ -135,7 +143,7 @@ class Coordinator:
         from ..profiles.batching import BatchPricing
         from ..speculation import tpt
 
-        if getattr(self, "_pricing", None) is None or self._pricing.base is not self.profile:
+        if getattr(self, "_pricing", None) is None:
             self._pricing = BatchPricing(self.profile)
         profile = self._pricing.at(batch)
         draft = [profile.draft_time(frozenset(s), n, num_layers) for s in skips]

@@ -87,7 +87,7 @@ class Shard:
         return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
                                           repeats=repeats)
 
-    def configure(self, options, profile: dict | None, coordinator=None, *,
+    def configure(self, options, profile: list[dict] | None, coordinator=None, *,
                   capacity: int | None = None, max_num_seqs: int | None = None) -> int:
         """Build the strategy (same on every rank). KnapSpec's TPT search is delegated to the
         coordinator (rank 0 asks it; the plan is then broadcast to the other ranks).
@@ -104,8 +104,8 @@ class Shard:
         from ..profiles.profile import LatencyProfile
         from ..speculation.factory import build_strategy
 
-        if profile is not None:
-            options = replace(options, profile=LatencyProfile.from_json(profile))
+        if profile is not None:  # JSON of the profile, and of those at other batch sizes
+            options = replace(options, profile=[LatencyProfile.from_json(p) for p in profile])
         strategy = build_strategy(options, self.model)
         selector = getattr(strategy, "selector", None)
         if selector is not None and coordinator is not None and self.rank == 0:

@@ -394,10 +394,17 @@ class KnapSpecSelector(Selector):
 
 
 def build_selector(options, model: Transformer) -> KnapSpecSelector:
-    """``options`` is a speculation.factory.StrategyOptions; the profile is found or measured."""
-    from ..profiles.store import resolve_profile
+    """``options`` is a speculation.factory.StrategyOptions; the profile is found or measured
+    (with the stored profiles at other batch sizes beside it), or ``options.profile`` is a
+    list of profiles at several batch sizes."""
+    from ..profiles.store import batch_siblings, resolve_profile
 
-    profile = resolve_profile(options.profile, model)
+    if isinstance(options.profile, (list, tuple)):
+        profile = list(options.profile)
+    else:
+        profile = resolve_profile(options.profile, model)
+        if options.profile is None:
+            profile = [profile, *batch_siblings(profile)]
     if options.name == "clasp":
         config = KnapSpecConfig(interval=options.interval, coupled=True, unit_weights=True,
                                 fixed_gamma=options.gamma, skip_layers=0.25)
