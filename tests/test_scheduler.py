@@ -130,3 +130,15 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
         assert (selector.skipped > 0 and not selector.history) is not pays
         if not pays:
             assert sum(r.stats.drafted for r in results) == 0
+
+
+def test_a_fruitless_selection_is_not_redone_in_the_same_conditions(engine_model):
+    """After a selection found nothing worth drafting at context n (batch b), due selections
+    at contexts up to 1.25 n are skipped, at most MAX_PLAIN_SKIPS times in a row."""
+    model = engine_model(NAME)
+    selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION), KnapSpecConfig())
+    selector.plain_at[8] = 1000
+    assert not selector.unchanged(1, 1000)  # another batch size: never selected there
+    assert not selector.unchanged(8, 1300)  # the context grew: attention costs more
+    skips = [selector.unchanged(8, 1100) for _ in range(selector.MAX_PLAIN_SKIPS + 1)]
+    assert skips == [True] * selector.MAX_PLAIN_SKIPS + [False]

@@ -16,7 +16,7 @@ from ..speculation.knapspec import KnapSpecConfig, KnapSpecSelector
 from ..speculation.scheduler import Scheduler, row_capacity
 from ..speculation.selfspec import SelfSpeculative
 from .budget import Section
-from .correct import Subject, compare, prompts, smollm2_path, subject
+from .correct import bf16_subject, compare, prompts
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +24,7 @@ log = logging.getLogger(__name__)
 def run_batched(device: torch.device, quick: bool, section: Section, *, context: int,
                 batches, new_tokens: int, profile_contexts) -> dict:
     out: dict = {"runs": [], "notes": []}
-    path = None if quick else smollm2_path()
-    if path is not None:
-        from ..loading import load_model, load_tokenizer
-
-        subj = Subject("smollm2", load_model(path, dtype=torch.bfloat16, device=device),
-                       load_tokenizer(path))
-    else:
-        subj = subject("bf16", device, quick=True)
-        out["notes"].append("SmolLM2 " + ("not run (--quick)" if quick else "not installed")
-                            + ": a random tiny model instead")
+    subj = bf16_subject(device, quick, out["notes"])
     out["model"], model = subj.name, subj.model
     from ..profiles.profiler import measure
 

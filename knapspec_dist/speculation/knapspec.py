@@ -229,6 +229,10 @@ class KnapSpecSelector(Selector):
         self.selections = 0
         self.fallbacks = 0  # plans dropped for plain decoding by the guard (all sequences)
         self.skipped = 0  # selections not run: no subnet could beat plain decoding
+        # Kept across runs: per batch size, the context of the last selection that found no
+        # subnet worth drafting with, and how many due selections were skipped since.
+        self.plain_at: dict[int, int] = {}
+        self.plain_skips = 0
         self.search = self.local_search
 
     def start(self, model: Transformer) -> None:
@@ -239,6 +243,7 @@ class KnapSpecSelector(Selector):
         # nothing over ar) instead of judging drafts on the prompt's last positions -- with a
         # chat template those are the assistant header, a poor sample of what gets drafted.
         self.next_selection = self.config.m  # batch progress (tokens per row) at the first
+        self._wants = True
         self.history = []
         self.run: PlanRun | None = None
         self.accepted = self.expected = 0.0  # this run: accepted vs predicted drafts
@@ -261,7 +266,9 @@ class KnapSpecSelector(Selector):
         self.expected += run.alpha * sum(verified)
 
     def wants_reference(self) -> bool:
-        return True
+        """Hidden states are kept only in the rounds that feed the next selection (its last
+        m positions per row), not in every round."""
+        return self._wants
 
     def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
         for b, rid in enumerate(rids):
@@ -286,11 +293,21 @@ class KnapSpecSelector(Selector):
     def plan(self, model: Transformer, batch: Batch) -> Plan:
         self.profile = self.pricing.at(batch.size)
         done_once = self.config.select_once and self.history
+        wants = not done_once and batch.progress + self.config.m + 1 >= self.next_selection
+        if wants and not self._wants:
+            self.states.clear()  # only consecutive positions up to each row's end
+        self._wants = wants
+        return self._plan(model, batch)
+
+    def _plan(self, model: Transformer, batch: Batch) -> Plan:
+        done_once = self.config.select_once and self.history
         if batch.progress >= self.next_selection and not done_once:
             context = round(statistics.fmean(batch.lengths))
-            if not self.could_pay(context, model.cfg.num_layers):
+            if not self.could_pay(context, model.cfg.num_layers) or self.unchanged(batch.size,
+                                                                                   context):
                 # Not even a perfect draft of the cheapest allowed subnet beats plain decoding
-                # here (a compute-bound batch): plain decoding, and no DP to pay for.
+                # here (a compute-bound batch), or the last selection in these conditions found
+                # nothing worth drafting: plain decoding, and no DP to pay for.
                 self.plan_now, self.run = Plan(frozenset(), 0), None
                 self.skipped += 1
                 self.next_selection = batch.progress + self.config.interval
@@ -310,6 +327,21 @@ class KnapSpecSelector(Selector):
             self.plan_now, self.run = Plan(frozenset(), 0), None
             self.fallbacks += 1
         return self.plan_now
+
+    RESELECT_GROWTH = 1.25  # context growth that makes a fruitless selection worth redoing
+    MAX_PLAIN_SKIPS = 4  # ... and skipped selections after which it is redone anyway
+
+    def unchanged(self, batch: int, n: int) -> bool:
+        """The last selection at this batch size chose plain decoding at a context within
+        ``RESELECT_GROWTH`` of n, and fewer than ``MAX_PLAIN_SKIPS`` due selections were
+        skipped since: the DP would price the same sublayers the same way, so it is skipped.
+        (Across the runs of a job, rows of similar length pay for one DP, not one each.)"""
+        last = self.plain_at.get(batch)
+        if last is None or n > self.RESELECT_GROWTH * last or \
+                self.plain_skips >= self.MAX_PLAIN_SKIPS or self.config.fixed_gamma is not None:
+            return False
+        self.plain_skips += 1
+        return True
 
     def could_pay(self, n: int, num_layers: int) -> bool:
         """Whether speculation can beat plain decoding by ``min_gain`` at context n, with
@@ -352,6 +384,11 @@ class KnapSpecSelector(Selector):
         choice = self.choose(candidates, alphas, n, num_layers)
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
         selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
+        if choice.candidate is None or not choice.gamma:
+            self.plain_at[self.profile.batch] = n
+        else:
+            self.plain_at.pop(self.profile.batch, None)
+        self.plain_skips = 0
         guarded = cfg.fixed_gamma is None  # CLaSp, the baseline, drafts whatever it yields
         self.run = None if choice.candidate is None or not choice.gamma or not guarded else \
             PlanRun(n, raw[choice.candidate], self.profile.draft_time(skip, n, num_layers))

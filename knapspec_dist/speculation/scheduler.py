@@ -134,11 +134,13 @@ class Scheduler:
             if row is not None and row.reason is not None:  # done at its first token
                 finished.append(row)
         if b.rows:
-            start = timer.now()
+            start = timer.mark()
             emitted = sum(len(r.out) for r in b.rows)
             size = b.size
             self.strategy.round(self.model, b, self.config, self.forward, self.gen, timer)
-            elapsed = timer.now() - start
+            end = timer.mark()
+            timer.sync()  # a round ends with its read-back: nothing is left to wait for
+            elapsed = timer.seconds(start, end)
             b.progress += (sum(len(r.out) for r in b.rows) - emitted) / size
             tp = self.throughput
             tp.rounds += 1

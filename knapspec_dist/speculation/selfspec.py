@@ -100,10 +100,10 @@ class SelfSpeculative(Strategy):
         sampling, sel, dev = config.sampling, self.selector, model.device
         rows, cache = batch.rows, batch.cache
         size = len(rows)
-        t0 = timer.now()
+        t0 = timer.mark()  # CUDA events on a GPU: timing never waits for the device
         selections, fallbacks = sel.selections, sel.fallbacks
         plan = sel.plan(model, batch)
-        t1 = timer.now()
+        t1 = timer.mark()
         lengths = batch.lengths
         room = [r.limit - len(r.out) - 1 for r in rows]  # drafts a row can still use
         gamma = min(plan.gamma, max(room))
@@ -111,7 +111,7 @@ class SelfSpeculative(Strategy):
         pending = torch.tensor([[r.out[-1]] for r in rows], device=dev)
         drafts, probs, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma,
                                          sampling, gen, early_exit, room)
-        t2 = timer.now()
+        t2 = timer.mark()
         capture = Capture() if sel.wants_reference() else None
         logits = forward(torch.cat([pending, drafts], dim=1), lengths, cache, slice(0, size),
                          capture=capture)
@@ -130,13 +130,16 @@ class SelfSpeculative(Strategy):
         if capture is not None:
             sel.observe(capture, [k + 1 for k in accepted], [r.rid for r in rows])
         sel.record(drafts.shape[1], verified, accepted)
-        t3 = timer.now()
+        t3 = timer.mark()
+        timer.sync()  # after the read-back the queue is empty: this costs nothing
         attn = sum(1 for i in plan.skip if i % 2 == 0)
+        select_s, draft_s, verify_s = (timer.seconds(t0, t1), timer.seconds(t1, t2),
+                                       timer.seconds(t2, t3))
         for b, row in enumerate(rows):
             s = row.stats
-            s.select_s += t1 - t0
-            s.draft_s += t2 - t1
-            s.verify_s += t3 - t2
+            s.select_s += select_s
+            s.draft_s += draft_s
+            s.verify_s += verify_s
             s.drafted += verified[b]
             s.accepted += accepted[b]
             s.selections += sel.selections - selections
