@@ -269,7 +269,7 @@ FAULT_DRIVER = textwrap.dedent("""
     killed = []
 
     def kill_a_shard(row):
-        # Right after the first row finished, the next one is already on the replica.
+        # Right after the first row finished, the others are in the replica's batch.
         if killed or row["error"] is not None:
             return
         shards = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "Shard")])
@@ -281,7 +281,7 @@ FAULT_DRIVER = textwrap.dedent("""
     result = run_job(JobConfig(
         input=inp, output=out, address=address, model="smollm2", strategy="static",
         strategy_options={"skip": "a10,a12,m14,a16"}, max_new_tokens=8, baseline_fraction=0,
-        checkpoint_rows=1, max_inflight=2, progress_seconds=5), on_row=kill_a_shard)
+        checkpoint_rows=1, max_num_seqs=8, progress_seconds=5), on_row=kill_a_shard)
     alive = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "Shard")])
     print(json.dumps({"killed": killed, "summary": result.summary,
                       "alive_after": [a.pid for a in alive]}))
@@ -289,7 +289,8 @@ FAULT_DRIVER = textwrap.dedent("""
 
 
 def test_killed_shard_actor_is_replaced_and_no_row_is_lost_or_duplicated(head, tmp_path):
-    docs = _good_docs()
+    """16 rows through a replica decoding 8 at once; its shard is SIGKILLed mid-job."""
+    docs = {f"{key}-{i}": f"{text} ({i})" for i in range(4) for key, text in _good_docs().items()}
     pq.write_table(pa.table({"id": list(docs), "document": list(docs.values())}),
                    tmp_path / "in.parquet")
     out = tmp_path / "out"
@@ -306,6 +307,8 @@ def test_killed_shard_actor_is_replaced_and_no_row_is_lost_or_duplicated(head, t
     retried = [r for r in rows if r["attempts"] >= 2]
     assert retried, rows  # the row in flight when the shard died ran again
     s = report["summary"]
-    assert s["complete"] and s["rows"]["ok"] == 4
+    assert s["complete"] and s["rows"]["ok"] == 16
     assert s["run"]["replica_restarts"] == 1 and s["run"]["row_retries"] >= 1
+    t = s["throughput"]
+    assert t["max_num_seqs"] == 8 and t["mean_batch"] > 1 and t["tokens_per_s"] > 0
     assert report["alive_after"] == []  # the engine shut its (restarted) replica down

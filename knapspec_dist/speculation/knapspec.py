@@ -52,7 +52,7 @@ class KnapSpecConfig:
     max_gamma: int = 10  # D
     tau: float = 0.5  # prune DP states whose mean cosine is below this
     m: int = 5  # reference positions per row
-    reference_rows: int = 4  # rows of a batch whose positions the DP judges drafts on
+    reference_rows: int = 2  # rows of a batch whose positions the DP judges drafts on
     interval: int = 64  # generated tokens between selections (at least)
     overhead_budget: float = 0.025  # stretch the interval so selection stays under this share
     min_gain: float = 1.05  # speculate only when predicted tokens/s beat plain decoding by this

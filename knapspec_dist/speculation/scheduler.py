@@ -32,7 +32,7 @@ from .generation import GenerationConfig, GenerationResult, check_prompt, finish
 log = logging.getLogger(__name__)
 
 MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 2048  # prompt tokens per step while rows decode (vLLM: max_num_batched_tokens)
 
 
 @dataclass
