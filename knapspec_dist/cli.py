@@ -21,34 +21,40 @@ log = logging.getLogger("knapspec_dist")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Every ``--prompt`` / ``--prompt-file`` (repeatable), continuously batched
+    (``--max-num-seqs`` rows at once), in process or on the Ray engine."""
     from .local import encode, generate_texts, load
 
-    if args.prompt_file:
+    texts = list(args.prompt or [])
+    for path in args.prompt_file or []:
         try:
-            text = Path(args.prompt_file).read_text()
+            texts.append(Path(path).read_text())
         except OSError as e:
-            raise UserError(f"cannot read prompt file {args.prompt_file!r}: {e.strerror}") from None
-    else:
-        text = args.prompt
+            raise UserError(f"cannot read prompt file {path!r}: {e.strerror}") from None
+    if not texts:
+        raise UserError("give --prompt or --prompt-file (each may repeat)")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     options, config = strategy_options(args), generation_config(args)
     from .runtime.cli import generate_on_engine
 
     if uses_engine(args):
-        result = generate_on_engine(args, text, options, config)
+        results = generate_on_engine(args, texts, options, config)
     else:
         loaded = load(args.model, args.dtype, args.device)
-        prompt = encode(loaded.tokenizer, text, args.chat)
-        result = generate_texts(loaded, [prompt], options, config)[0]
-    if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text,
-                          "finish_reason": result.finish_reason,
-                          "stats": result.stats.to_dict()}))
-    else:
+        prompts = [encode(loaded.tokenizer, text, args.chat) for text in texts]
+        results = generate_texts(loaded, prompts, options, config, args.max_num_seqs)
+    for result in results:
         s = result.stats
-        print(result.text)
-        print(f"\n[{options.name}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
-              f"({s.tokens_per_s:.1f} tok/s), prompt {s.prompt_tokens} tokens, "
-              f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason, "stats": s.to_dict()}))
+        else:
+            print(result.text)
+            print(f"\n[{options.name}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+                  f"({s.tokens_per_s:.1f} tok/s), prompt {s.prompt_tokens} tokens, "
+                  f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})",
+                  file=sys.stderr)
     return 0
 
 
@@ -85,16 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate from one prompt")
+    g = sub.add_parser("generate", help="generate from one or more prompts (batched)")
     add_model_args(g)
     from .runtime.cli import extend_profile
 
     add_engine_args(g)  # --tp / --replicas / --address: the Ray engine
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-file")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for more)")
+    g.add_argument("--prompt-file", action="append", help="a file holding one prompt (repeatable)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="prompts decoded at once (default: all of them in process; the memory "
+                        "rule on the engine)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_strategy_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

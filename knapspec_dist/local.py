@@ -47,8 +47,11 @@ def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
 
 
 def generate_texts(loaded: LoadedModel, prompts: list[list[int]], options: StrategyOptions,
-                   config: GenerationConfig) -> list[GenerationResult]:
+                   config: GenerationConfig, max_num_seqs: int | None = None
+                   ) -> list[GenerationResult]:
+    """Every prompt, ``max_num_seqs`` decoding at once (None: all together)."""
     strategy = build_strategy(options, loaded.model)
+    strategy.max_num_seqs = max_num_seqs
     results = strategy.generate(loaded.model, prompts, config)
     for r in results:
         r.text = loaded.tokenizer.decode(r.token_ids, skip_special_tokens=True)

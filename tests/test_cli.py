@@ -139,6 +139,30 @@ def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
     assert stats["prompt_tokens"] == want.stats.prompt_tokens
 
 
+def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_path):
+    """Repeated --prompt / --prompt-file go through one continuous batch (--max-num-seqs 2):
+    one JSON line per prompt, in order, each the tokens plain ar gives that prompt alone."""
+    from knapspec_dist.local import encode
+    from knapspec_dist.speculation.autoregressive import Autoregressive
+    from knapspec_dist.speculation.strategy import GenerationConfig
+
+    texts = ["Name three colours of the rainbow.", "What is the capital of France?",
+             "Write one sentence about the sea."]
+    (tmp_path / "p.txt").write_text(texts[2])
+    rc = main(["generate", "--model", "smollm2", "--prompt", texts[0], "--prompt", texts[1],
+               "--prompt-file", str(tmp_path / "p.txt"), "--chat", "--strategy", "ar",
+               "--max-num-seqs", "2", "--max-new-tokens", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(lines) == 3
+    for text, line in zip(texts, lines):
+        want = Autoregressive().generate(smollm2.model, [encode(smollm2.tokenizer, text, chat=True)],
+                                         GenerationConfig(max_new_tokens=8))[0]
+        assert line["token_ids"] == want.token_ids
+    assert max(line["stats"]["mean_batch"] for line in lines) > 1
+
+
 def test_console_script_subprocess_long_prompt(smollm2, tmp_path):
     """The installed `knapspec` script, in its own process, on the real model: a prompt past
     SmolLM2's 8192-token window gives exit code 2 and exactly one stderr line, no traceback

@@ -18,15 +18,17 @@ from ..commandline import add_engine_args
 log = logging.getLogger(__name__)
 
 
-def generate_on_engine(args: argparse.Namespace, text: str, options, config):
-    """One prompt through the engine; returns its GenerationResult (text filled)."""
+def generate_on_engine(args: argparse.Namespace, texts: list[str], options, config):
+    """Prompts through the engine, continuously batched in its replicas; their
+    GenerationResults (text filled), in order."""
     from .engine import Engine
 
     fields = {k: v for k, v in asdict(options).items() if k != "name"}
     with Engine(args.model, tp=args.tp, replicas=args.replicas, strategy=options.name,
                 dtype=args.dtype, device=args.device, address=args.address,
-                cpus_per_rank=args.cpus_per_rank, **fields) as engine:
-        return engine.generate([text], config, chat=args.chat)[0]
+                cpus_per_rank=args.cpus_per_rank,
+                max_num_seqs=getattr(args, "max_num_seqs", None), **fields) as engine:
+        return engine.generate(texts, config, chat=args.chat)
 
 
 def extend_profile(sub) -> None:
