@@ -54,6 +54,7 @@ class Coordinator:
         self._active: dict[int, asyncio.Future] = {}  # admitted to the shards, not finished
         self._ray: dict[int, float] = {}  # each active row's share of Ray round trips
         self._next_id = 0
+        self._seed = random.getrandbits(63)
         self._driver: asyncio.Task | None = None
         self.max_num_seqs = 1
         self._tokenizer = None
@@ -163,9 +164,9 @@ class Coordinator:
             raise UserError(f"prompt has token ids outside the vocabulary 0..{self.vocab - 1}: "
                             f"{bad[:5]}")
         if not config.sampling.greedy and config.sampling.seed is None:
-            # every rank must draw the same samples: one seed for the whole replica
-            config = replace(config, sampling=replace(config.sampling,
-                                                      seed=random.getrandbits(63)))
+            # every rank must draw the same samples: one seed for the whole replica (the same
+            # for every request, so requests of one job share a batch)
+            config = replace(config, sampling=replace(config.sampling, seed=self._seed))
         future = asyncio.get_running_loop().create_future()
         self._next_id += 1
         self._queue.append((self._next_id, ids, config, future))
