@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..clock import Clock
+from ..execution.memory import max_num_seqs_for
 from ..execution.runner import ModelRunner
 from ..model import Transformer
 from .batch import Batch
@@ -26,7 +27,8 @@ from .scheduler import Scheduler, row_capacity
 class Strategy(ABC):
     name: str
     graphs: bool | None = None  # CUDA graphs for decode/verify/draft; None: on CUDA devices
-    max_num_seqs: int | None = None  # rows decoding at once; None: every prompt of a call
+    max_num_seqs: int | None = None  # rows decoding at once; None: every prompt of a call,
+    # as far as memory holds them (execution/memory.py)
 
     def runner(self, model: Transformer) -> ModelRunner:
         """This strategy's runner for ``model``: its reusable cache and captured graphs."""
@@ -55,6 +57,6 @@ class Strategy(ABC):
         """Generate for every prompt, ``max_num_seqs`` at a time; results in input order."""
         capacity = max((row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts),
                        default=1)
-        scheduler = Scheduler(self, model, config, self.max_num_seqs or max(1, len(prompts)),
-                              capacity)
+        rows = self.max_num_seqs or min(max(1, len(prompts)), max_num_seqs_for(model, capacity))
+        scheduler = Scheduler(self, model, config, rows, capacity)
         return scheduler.run(prompts)
