@@ -73,6 +73,7 @@ def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     expected = Autoregressive().generate(model, prompts, config)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=16, overhead_budget=1e9))
+    selector.MAX_PLAIN_SKIPS = 0  # re-select at every interval, even after a plain choice
     results = SelfSpeculative(selector, name="knapspec").generate(model, prompts, config)
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids

@@ -385,9 +385,9 @@ class KnapSpecSelector(Selector):
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
         selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
         if choice.candidate is None or not choice.gamma:
-            self.plain_at[self.profile.batch] = n
+            self.plain_at[batch.size] = n
         else:
-            self.plain_at.pop(self.profile.batch, None)
+            self.plain_at.pop(batch.size, None)
         self.plain_skips = 0
         guarded = cfg.fixed_gamma is None  # CLaSp, the baseline, drafts whatever it yields
         self.run = None if choice.candidate is None or not choice.gamma or not guarded else \
