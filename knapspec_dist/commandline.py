@@ -15,7 +15,9 @@ import sys
 def emit(text: str, *, error: bool = False) -> None:
     """A command's final report (stdout) or error line (stderr): the one place commands print;
     progress and diagnostics go through logging."""
-    print(text, file=sys.stderr if error else sys.stdout)
+    stream = sys.stderr if error else sys.stdout
+    stream.write(f"{text}\n")
+    stream.flush()
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
