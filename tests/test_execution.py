@@ -43,8 +43,10 @@ def test_static_shape_forward_equals_eager(engine_model):
             torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["ar", "static"])
+@pytest.mark.parametrize("strategy", ["ar", "static", "static-pieces"])
 def test_graph_replay_gives_the_tokens_of_eager_decoding(engine_model, strategy):
+    """Decode, verify and draft forwards replayed from graphs (per plan, or per sublayer
+    pieces) give eager decoding's tokens."""
     model = engine_model(NAME)
     seqs = prompts(model.cfg.vocab_size)
 
@@ -58,6 +60,8 @@ def test_graph_replay_gives_the_tokens_of_eager_decoding(engine_model, strategy)
 
     eager = make(False).generate(model, seqs, GREEDY)
     graphed = make(True)
+    if strategy == "static-pieces":
+        graphed.runner(model).draft_graphs = "pieces"
     replayed = graphed.generate(model, seqs, GREEDY)
     assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
     runner = graphed.runner(model)
@@ -66,8 +70,10 @@ def test_graph_replay_gives_the_tokens_of_eager_decoding(engine_model, strategy)
     before = runner.captures
     again = graphed.generate(model, seqs, GREEDY)
     assert [r.token_ids for r in again] == [r.token_ids for r in eager]
-    if strategy == "static":
+    if strategy != "ar":
         assert runner.captures == before
+    if strategy == "static-pieces":
+        assert runner._piece_sets and sum(r.stats.drafted for r in replayed) > 0
 
 
 def test_cache_is_reused_while_it_fits(engine_model):
@@ -187,3 +193,26 @@ def test_graph_mode_profile_runs_on_the_cpu(engine_model):
     model = engine_model(NAME)
     profile = measure(model, [32, 64], batch=1, max_q=3, repeats=1, mode="graph")
     assert all(math.isfinite(profile.verify_time(q, n)) for q in (1, 3) for n in (32, 64))
+
+
+@pytest.mark.parametrize("mode", ["plan", "pieces"])
+def test_graph_draft_step_equals_the_eager_skipped_forward(engine_model, mode):
+    """A draft step replayed from graphs (one per plan, or per-sublayer pieces) computes the
+    logits of the eager forward with the same skip set, for two different skip sets in turn."""
+    model = engine_model(NAME)
+    seqs = prompts(model.cfg.vocab_size)
+    runner = ModelRunner(model, graphs=True)
+    runner.draft_graphs = mode
+    cache = runner.new_cache(3, 200, model.cfg.num_kv_heads)
+    eager_cache = KVCache(model.cfg, 3, cache.capacity, dtype=model.dtype, device="cpu")
+    with torch.inference_mode():
+        for c in (cache, eager_cache):
+            for b, s in enumerate(seqs):
+                model(torch.tensor([s]), [0], c, slice(b, b + 1))
+                c.commit(b, len(s))
+        tok = torch.tensor([[5], [6], [7]])
+        for skip in (frozenset({2, 5, 7}), frozenset({0, 3}), frozenset({2, 5, 7})):
+            got = runner(tok, cache.lengths, cache, slice(0, 3), skip)
+            want = model(tok, eager_cache.lengths, eager_cache, slice(0, 3), skip)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert runner.captures > 0

@@ -79,7 +79,8 @@ def _check_doc(doc: dict) -> None:
     verify = [r for r in doc["verify"] if r["status"] == "ok"]
     assert verify and all(r["ms"] > 0 and r["ratio"] > 0 for r in verify)
     draft = [r for r in doc["draft"] if r["status"] == "ok"]
-    assert draft and all(r["ms"] > 0 and 0 < r["bytes_ratio"] < 1 and r["time_ratio"] > 0
+    assert draft and all(r["ms"] > 0 and r["pieces_ms"] > 0 and 0 < r["bytes_ratio"] < 1
+                         and r["time_ratio"] > 0
                          and r["capture_ms"] >= 0 for r in draft)
     assert any(r["status"] == "ok" and r["ms"] > 0 for r in doc["backends"])
     assert doc["captures"] and all(r["draft_captures"] >= 1 and r["ms_per_capture"] >= 0

@@ -8,9 +8,11 @@ CUDA graph and replayed, the launches go. What is captured, per (rows, T, skip s
 - decode (T = 1) and verify (T = 2..``max_graph_tokens``) of the full model, keeping the
   hidden states the KnapSpec selector reads (they are intermediates the forward makes anyway);
 - a draft step per plan (its skip set), captured on the plan's first draft, then replayed for
-  every draft token until the plan changes. The alternative, graph pieces per sublayer
-  replayed in order, replays 2L + 2 graphs per draft token instead of one; ``knapspec
-  gpu-check`` reports the capture cost that per-plan capture adds.
+  every draft token until the plan changes (``draft_graphs = "plan"``, the default). The
+  alternative, ``"pieces"``: one graph per sublayer plus a prologue (embedding, rotary, block
+  mask) and an epilogue (norm, lm_head) per (rows, T), replayed in order for the executed
+  sublayers: any skip set without a capture, 2L + 2 replays per draft token instead of one.
+  ``knapspec gpu-check`` times both (its draft table) and the capture cost of the first.
 
 Graphs read their inputs from static buffers (tokens, ``starts`` on the device) and bake in
 the cache's addresses, so the runner owns the cache and reuses it across requests: a request
@@ -97,6 +99,8 @@ class ModelRunner:
         else:
             self._factory = EagerGraph
         self.captures = 0  # graphs captured so far (stats, gpu-check)
+        self.draft_graphs = "plan"  # or "pieces": see the module docstring
+        self._piece_sets: dict[tuple, tuple] = {}
 
     def new_cache(self, batch: int, capacity: int, kv_heads: int) -> KVCache:
         """A cache of at least ``capacity`` positions and ``batch`` rows, every row empty; the
@@ -107,6 +111,7 @@ class ModelRunner:
             self.cache = c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
                                      device=self.model.device, kv_heads=kv_heads)
             self._graphs.clear()
+            self._piece_sets.clear()
         for row in range(c.batch):
             c.commit(row, 0)
         return c
@@ -120,6 +125,8 @@ class ModelRunner:
                 or min(starts) == 0):  # prefills stay eager: one per request, long, varied
             return self.model(tokens, starts, cache, rows, skip, last_only, capture)
         rows = rows if rows is not None else slice(0, tokens.shape[0])
+        if skip and self.draft_graphs == "pieces" and capture is None:
+            return self._pieces(tokens, starts, cache, rows, skip)
         key = (rows.start, rows.stop, t, skip, self.model.backend)
         entry = self._graphs.get(key)
         if entry is None:
@@ -155,3 +162,53 @@ class ModelRunner:
         log.debug("captured a graph for rows %s..%s, %d tokens, %d skipped sublayers",
                   key[0], key[1], key[2], len(skip))
         return entry
+
+    def _pieces(self, tokens, starts, cache: KVCache, rows: slice, skip: frozenset[int]):
+        """A draft step replayed from per-sublayer graphs: the prologue, the executed
+        sublayers in order, the epilogue; all share one static hidden-state buffer."""
+        key = (rows.start, rows.stop, tokens.shape[1], self.model.backend)
+        entry = self._piece_sets.get(key)
+        if entry is None:
+            entry = self._capture_pieces(tokens, starts, cache, rows)
+            self._piece_sets[key] = entry
+        static_tokens, static_starts, prologue, items, epilogue = entry
+        static_tokens.copy_(tokens)
+        static_starts.copy_(torch.as_tensor(list(starts), device=static_starts.device))
+        prologue.replay()
+        for i, piece in enumerate(items):
+            if i not in skip:
+                piece.replay()
+        epilogue.replay()
+        return epilogue.output
+
+    def _capture_pieces(self, tokens, starts, cache: KVCache, rows: slice):
+        model, dev = self.model, self.model.device
+        static_tokens = tokens.clone()
+        static_starts = torch.as_tensor(list(starts), device=dev, dtype=torch.long)
+        shared: dict = {}
+
+        def prologue():
+            shared["step"] = model.step(static_starts, static_tokens.shape[1], cache, rows)
+            h = model.embed(static_tokens)
+            if "h" not in shared:
+                shared["h"] = h
+            else:
+                shared["h"].copy_(h)
+            return shared["h"]
+
+        def piece(i: int):
+            layer = model.layers[i // 2]
+
+            def run():
+                h = shared["h"]
+                out = layer.attention(h, shared["step"], cache, i // 2) if i % 2 == 0 \
+                    else layer.mlp(h)
+                h.copy_(out)
+                return h
+            return run
+
+        first = self._factory(prologue)
+        items = [self._factory(piece(i)) for i in range(model.cfg.num_items)]
+        last = self._factory(lambda: model.logits(shared["h"]))
+        self.captures += len(items) + 2
+        return static_tokens, static_starts, first, items, last

@@ -209,6 +209,8 @@ class ShapeCheck:
     def _drafts(self, section: Section, timer: ReplayTimer, n: int, decode_s: float,
                 full: int) -> None:
         before = timer.runner.captures
+        pieces = self._timer(timer.cache, timer.rows)  # the alternative: per-sublayer graphs
+        pieces.runner.draft_graphs = "pieces"
         for label, skip in S.skip_sets(self.cfg.num_layers).items():
             nbytes = S.step_bytes(self.cfg, 1, n, self.nbytes, skip)
             row = self._row(n, 1, skip_set=label, skipped=len(skip), bytes=nbytes)
@@ -217,6 +219,7 @@ class ShapeCheck:
                 continue
             first, t = self._first_and_replay(timer, n, 1, skip)
             self.out["draft"].append({**row, "status": "ok", "ms": 1e3 * t,
+                                      "pieces_ms": 1e3 * pieces.time(n, 1, skip),
                                       "time_ratio": t / decode_s, "bytes_ratio": nbytes / full,
                                       "capture_ms": 1e3 * max(first - t, 0.0)})
         done = [r for r in self.out["draft"] if r["model"] == self.name and r["context"] == n

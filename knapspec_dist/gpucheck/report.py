@@ -37,7 +37,8 @@ SECTIONS = [
         ("decode_ms", "decode ms"), ("ratio", "ratio"), ("status", "status")]),
     ("draft", "Draft step vs bytes skipped (batch 1)", [
         ("model", "model"), ("context", "context"), ("skip_set", "skip set"),
-        ("skipped", "sublayers"), ("ms", "draft ms"), ("time_ratio", "time ratio"),
+        ("skipped", "sublayers"), ("ms", "draft ms (plan graph)"),
+        ("pieces_ms", "draft ms (sublayer pieces)"), ("time_ratio", "time ratio"),
         ("bytes_ratio", "bytes ratio"), ("capture_ms", "capture ms"), ("status", "status")]),
     ("backends", "Attention backend A/B (decode, batch 1)", [
         ("model", "model"), ("context", "context"), ("backend", "backend"), ("ms", "step ms"),
