@@ -66,14 +66,14 @@ def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
 
 def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
     model = smollm2.model
-    # Verify priced flat in q, as on a GPU: drafting pays for both rows of the batch.
+    # A full forward priced far above its sublayers: drafting pays clearly, so the test does
+    # not hang on a borderline choice (thread scheduling changes the last float bits).
     profile = synthetic_profile(model, [(256, 8.7e-4), (8192, 7.4e-3)], mlp=7.5e-4,
-                                verify_growth=0.0)
+                                verify_growth=0.0, verify_scale=100.0)
     prompts = [corpus_prompt[:300], corpus_prompt]
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     expected = Autoregressive().generate(model, prompts, config)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=16, overhead_budget=1e9))
-    selector.MAX_PLAIN_SKIPS = 0  # re-select at every interval, even after a plain choice
     results = SelfSpeculative(selector, name="knapspec").generate(model, prompts, config)
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
