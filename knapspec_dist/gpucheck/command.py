@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import logging
 import time
 from pathlib import Path

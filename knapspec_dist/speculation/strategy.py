@@ -19,8 +19,8 @@ from ..execution.memory import max_num_seqs_for
 from ..execution.runner import ModelRunner
 from ..model import Transformer
 from .batch import Batch
-from .generation import (GenerationConfig, GenerationResult, GenerationStats,  # noqa: F401
-                         check_prompt, finish)
+from .generation import (GenerationConfig, GenerationResult,  # noqa: F401 (re-exported)
+                         GenerationStats)
 from .scheduler import Scheduler, row_capacity
 
 
