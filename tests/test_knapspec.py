@@ -73,11 +73,12 @@ def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
     prompts = [corpus_prompt[:300], corpus_prompt]
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     expected = Autoregressive().generate(model, prompts, config)
-    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=16, overhead_budget=1e9))
+    selector = KnapSpecSelector(profile, KnapSpecConfig(interval=8, overhead_budget=1e9))
     results = SelfSpeculative(selector, name="knapspec").generate(model, prompts, config)
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
-        assert got.stats.selections >= 3  # after prefill, then every 16 tokens
+        assert got.stats.selections >= 1
+    assert selector.selections >= 2  # after m tokens, then again (every 8 tokens per row)
     assert sum(r.stats.drafted for r in results) > 0
 
 
