@@ -144,12 +144,14 @@ def test_pruning_matches_brute_force_above_tau(seed: int) -> None:
 def test_pruned_states_are_dropped_but_the_all_executed_path_is_kept() -> None:
     ev = AdditiveEvaluator([0.6, 0.6, 0.6])  # every skip falls below tau=0.5
     assert solve([1, 1, 1], ev, tau=0.5, max_skip_fraction=1.0) == []
-    assert all(set(chosen) == {0} for chosen in ev.kept)
-    # even when the full model's own state scores below tau, budget 0 survives every stage
-    low = AdditiveEvaluator([0.0, 0.0])
+    # budget 0 survives while a skip is still ahead of it (after the last item it cannot
+    # become a candidate any more)
+    assert [set(chosen) for chosen in ev.kept] == [{0}, {0}, set()]
+    # even when the full model's own state scores below tau
+    low = AdditiveEvaluator([0.0, 0.0, 0.0])
     low.states = {0: 0.1}
-    assert solve([1, 1], low, tau=0.5, max_skip_fraction=1.0) == []
-    assert [set(c) for c in low.kept] == [{0}, {0}]
+    assert solve([1, 1, 1], low, tau=0.5, max_skip_fraction=1.0) == []
+    assert [set(c) for c in low.kept] == [{0}, {0}, set()]
 
 
 def test_one_batched_evaluate_call_per_item_and_mode() -> None:
@@ -173,6 +175,39 @@ def test_ties_prefer_execute_and_cap_is_respected() -> None:
     # At item 1, "execute from budget 1" ties "skip from budget 0": execute wins.
     cands = solve([1, 1], AdditiveEvaluator([0.0, 0.0]), tau=-math.inf, max_skip_fraction=0.5)
     assert cands == [Candidate(frozenset({0}), 1, BASE)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("coupled", [False, True])
+def test_useful_from_returns_the_full_dps_candidates_at_or_above_it(seed: int, coupled: bool) -> None:
+    n_items = [6, 10, 16][seed % 3]
+    rng, weights, penalties = random_instance(300 + seed, n_items)
+    always = rng.sample(range(n_items), k=rng.randint(0, 2))
+    tau = rng.choice([-math.inf, 0.6])
+    full_ev = AdditiveEvaluator(penalties)
+    full = solve(weights, full_ev, tau=tau, always_execute=always, coupled=coupled)
+    cap = math.floor(0.5 * sum(weights))
+    for useful_from in (0, 1, cap // 2, cap - 1, cap, cap + 1):
+        ev = AdditiveEvaluator(penalties)
+        got = solve(weights, ev, tau=tau, always_execute=always, coupled=coupled,
+                    useful_from=useful_from)
+        assert got == [c for c in full if c.skipped_weight >= useful_from]
+        evaluated = sum(len(sources) for _, sources, _ in ev.calls)
+        assert evaluated <= sum(len(sources) for _, sources, _ in full_ev.calls)
+        if useful_from > cap:
+            assert ev.calls == []  # nothing can be useful: nothing is evaluated
+
+
+def test_useful_from_drops_states_that_cannot_reach_it() -> None:
+    # 8 items of weight 1, cap 4; only budget 4 is useful. After item 5 (two skippable items
+    # ahead) a state needs budget >= 2, so budgets 0 and 1 are no longer evaluated.
+    ev = AdditiveEvaluator([0.01] * 8)
+    got = solve([1] * 8, ev, tau=-math.inf, useful_from=4)
+    assert [c.skipped_weight for c in got] == [4]
+    assert sorted(ev.kept[5]) == [2, 3, 4]
+    assert sorted(ev.kept[7]) == [4]
+    execute_sources = {item: sources for item, sources, execute in ev.calls if execute}
+    assert execute_sources[6] == [2, 3, 4] and execute_sources[7] == [3, 4]
 
 
 def test_invalid_inputs() -> None:

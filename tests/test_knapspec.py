@@ -88,7 +88,8 @@ def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_promp
     model = smollm2.model
     prompt = corpus_prompt[:200]
     first_n = 200 + KnapSpecConfig().m  # the first selection waits for m generated tokens
-    profile = synthetic_profile(model, [(first_n, 1e-5), (first_n + 130, 1.3e-2)], mlp=1e-3,
+    # (steps priced slow next to a DP on this CPU, so that each due DP is worth its cost)
+    profile = synthetic_profile(model, [(first_n, 1e-4), (first_n + 130, 1.3e-1)], mlp=1e-2,
                                 verify_growth=0.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9,
                                                         min_gain=1.0))
@@ -154,7 +155,8 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
     selector.next_selection = 0
     skip, n = frozenset({2, 3}), 100
     selected = []
-    monkeypatch.setattr(selector, "references", lambda batch: ["a reference"])
+    reference = type("R", (), {"states": torch.zeros(1, selector.config.m, 1)})()
+    monkeypatch.setattr(selector, "references", lambda batch: [reference])
 
     def select(model, batch, references):  # what select() records for a plan, at alpha 0.9
         selector.run = PlanRun(n, 0.9, profile.draft_time(skip, n, model.cfg.num_layers))
@@ -232,3 +234,71 @@ def test_dp_states_equal_a_drafted_forward(engine_model, name):
     assert torch.allclose(got, want, atol=1e-3, rtol=1e-4)
     full_states = torch.cat([r.states[-1] for r in references])
     assert not torch.allclose(got, full_states, atol=1e-3, rtol=1e-4)
+
+
+def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
+    """The DP drops states that cannot reach the least weight that could pay
+    (``least_paying_weight``): its candidates are the full DP's at or above that weight, and
+    the plan chosen from them is the full DP's, at every price (acceptance stood in by a
+    function of each candidate's value, so that some plans pay)."""
+    from knapspec_dist.speculation.batch import Batch, Row
+
+    model = engine_model("llama-gqa")
+    gen = torch.Generator().manual_seed(5)
+    m, cache, references = 5, KVCache(model.cfg, 2, 100, dtype=model.dtype, device="cpu"), []
+    with torch.inference_mode():
+        for row, n in enumerate((80, 64)):
+            prompt = torch.randint(2, 256, (1, n), generator=gen)
+            model(prompt[:, :-m], [0], cache, slice(row, row + 1))
+            cache.commit(row, n - m)
+            full = Capture()
+            model(prompt[:, -m:], [n - m], cache, slice(row, row + 1), capture=full)
+            references.append(Reference(row, n - m, torch.stack([h[0] for h in full])))
+    batch = Batch(cache, rows=[Row(0, [], 10), Row(1, [], 10)])
+    monkeypatch.setattr(KnapSpecSelector, "_alphas", lambda self, model, ev, candidates: [
+        smoothed_alpha(2 * m, 2 * m) * c.value ** 4 for c in candidates])
+    pruned_any = speculated = plain = 0
+    for scale in (1.0, 1.3, 1.6, 2.0, 3.0, 6.0):
+        profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1, verify_scale=scale)
+        with torch.inference_mode():
+            pruned = KnapSpecSelector(profile).select(model, batch, references)
+            with monkeypatch.context() as patch:
+                patch.setattr(KnapSpecSelector, "least_paying_weight", lambda *a: 1)
+                whole = KnapSpecSelector(profile).select(model, batch, references)
+        useful = KnapSpecSelector(profile).least_paying_weight(
+            pruned.weights, pruned.context, model.cfg.num_layers, 2 * m)
+        kept = [c for c in whole.candidates if c.skipped_weight >= useful]
+        # (values to float precision: fewer states in a batched forward may round differently)
+        assert [(c.skipped, c.skipped_weight) for c in pruned.candidates] == \
+            [(c.skipped, c.skipped_weight) for c in kept]
+        assert [c.value for c in pruned.candidates] == pytest.approx([c.value for c in kept])
+        assert pruned.plan == whole.plan
+        assert pruned.choice.tokens_per_time == pytest.approx(whole.choice.tokens_per_time)
+        pruned_any += len(pruned.candidates) < len(whole.candidates)
+        speculated += pruned.plan.gamma > 0
+        plain += pruned.plan.gamma == 0
+    assert pruned_any and speculated and plain  # the prices cover all three cases
+
+
+def test_references_spread_m_positions_over_the_longest_rows(engine_model):
+    """In a batch the DP judges drafts on m positions in all: the last 3 of the longest row
+    and the last 2 of the next (m = 5, two reference rows), each starting where its kept
+    positions do."""
+    from knapspec_dist.speculation.batch import Batch, Row
+
+    model = engine_model("llama-gqa")
+    selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION))
+    selector.start(model)
+    cache = KVCache(model.cfg, 3, 64, dtype=model.dtype, device="cpu")
+    for slot, length in enumerate((20, 40, 30)):
+        cache.commit(slot, length)
+    batch = Batch(cache, rows=[Row(rid, [], 10) for rid in (7, 8, 9)])
+    layers = model.cfg.num_layers
+    for position in range(6):  # a [2L + 1, d] state per position, valued by row and position
+        hidden = [torch.tensor([[[100.0 * rid + position]] for rid in (7, 8, 9)])
+                  for _ in range(2 * layers + 1)]
+        selector.observe(hidden, [1, 1, 1], [7, 8, 9])
+    refs = selector.references(batch)
+    assert [(r.slot, r.start, r.states.shape[1]) for r in refs] == [(1, 37, 3), (2, 28, 2)]
+    assert refs[0].states[0, :, 0].tolist() == [803.0, 804.0, 805.0]
+    assert refs[1].states[0, :, 0].tolist() == [904.0, 905.0]

@@ -118,27 +118,99 @@ def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplo
 
 def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
     """A verify whose cost grows steeply with its tokens (a compute-bound batch): even drafts
-    always accepted from the cheapest subnet lose, so the DP never runs and decoding is plain."""
+    all judged right from the cheapest subnet lose, so the DP never runs and decoding is plain."""
     model = engine_model(NAME)
+    layers = model.cfg.num_layers
     steep = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=1.0)
     flat = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
     for profile, pays in ((steep, False), (flat, True)):
         selector = KnapSpecSelector(profile, KnapSpecConfig(interval=8))
-        assert selector.could_pay(100, model.cfg.num_layers) is pays
+        empty = type("B", (), {"rows": []})()
+        assert selector.nothing_pays(empty, 100, layers, positions=10) is not pays
         results, _ = run(SelfSpeculative(selector, name="knapspec"), model, config, 3)
         assert (selector.skipped > 0 and not selector.history) is not pays
         if not pays:
             assert sum(r.stats.drafted for r in results) == 0
 
 
-def test_a_fruitless_selection_is_not_redone_in_the_same_conditions(engine_model):
-    """After a selection found nothing worth drafting at context n (batch b), due selections
-    at contexts up to 1.25 n are skipped, at most MAX_PLAIN_SKIPS times in a row."""
+def test_least_paying_weight_is_the_exact_threshold(engine_model):
+    """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
+    estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
+    from knapspec_dist.speculation import tpt
+    from knapspec_dist.speculation.knapspec import smoothed_alpha
+
     model = engine_model(NAME)
-    selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION), KnapSpecConfig())
-    selector.plain_at[8] = 1000
-    assert not selector.unchanged(1, 1000)  # another batch size: never selected there
-    assert not selector.unchanged(8, 1300)  # the context grew: attention costs more
-    skips = [selector.unchanged(8, 1100) for _ in range(selector.MAX_PLAIN_SKIPS + 1)]
+    layers = model.cfg.num_layers
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.3)
+    selector = KnapSpecSelector(profile, KnapSpecConfig())
+    n, positions = 2000, 5
+    weights = selector.weights(n, layers)
+    j = selector.least_paying_weight(weights, n, layers, positions)
+    assert 1 < j <= sum(weights)
+    per_weight = max((profile.attention_time(n), profile.mlp_time())[i % 2] / w
+                     for i, w in enumerate(weights))
+    full = profile.draft_time(frozenset(), n, layers)
+
+    def best(skipped_weight):
+        return max(tpt.tokens_per_time(smoothed_alpha(positions, positions), g,
+                                       full - skipped_weight * per_weight,
+                                       lambda q: profile.verify_time(q, n)) for g in range(1, 11))
+
+    needed = 1.05 / profile.verify_time(1, n)
+    assert best(j) >= needed > best(j - 1)
+
+
+def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(engine_model):
+    """After a DP found nothing worth drafting at context n, a due selection at a context up
+    to 1.25 n is skipped if, priced at the batch size of the moment, neither the subnets that
+    DP returned nor those it did not evaluate could pay; at most MAX_PLAIN_SKIPS times in a row."""
+    from knapspec_dist.speculation.knapspec import Frontier
+
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    one = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1)
+    selector = KnapSpecSelector(one, KnapSpecConfig())
+    weights = selector.weights(1000, layers)
+    useful = selector.least_paying_weight(weights, 1000, layers, 5)
+    skip = frozenset(range(2, 2 * layers - 2))  # all but the first and last layer
+    assert sum(weights[i] for i in skip) >= useful  # a subnet the DP would return
+    selector.frontier = Frontier(1000, weights, useful, [skip], [0.2])
+    assert not selector.frontier_rules_out(1300, layers, 5)  # the context grew: redo the DP
+    skips = [selector.frontier_rules_out(1100, layers, 5)
+             for _ in range(selector.MAX_PLAIN_SKIPS + 1)]
     assert skips == [True] * selector.MAX_PLAIN_SKIPS + [False]
+    # the same subnet, had it shown a high acceptance, would pay: the DP is redone
+    selector.plain_skips = 0
+    selector.frontier = Frontier(1000, weights, useful, [skip], [0.95])
+    assert not selector.frontier_rules_out(1000, layers, 5)
+    # a batch size where drafting is cheaper (a flat verify) makes the unevaluated subnets
+    # (those that skipped less than `useful`) worth a look: the DP is redone
+    selector.frontier = Frontier(1000, weights, useful, [skip], [0.2])
+    selector.profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0,
+                                         verify_scale=3.0)
+    assert selector.least_paying_weight(weights, 1000, layers, 5) < useful
+    assert not selector.frontier_rules_out(1000, layers, 5)
+
+
+def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engine_model):
+    """Once a DP has cost s seconds, the next runs only if drafting at the best rate any
+    subnet could reach, until the longest remaining row is done, could save more than s."""
+    from knapspec_dist.speculation.batch import Row
+
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=3.0)
+    selector = KnapSpecSelector(profile, KnapSpecConfig())
+    weights = selector.weights(1000, layers)
+    batch = type("B", (), {"rows": [Row(0, [], 100), Row(1, [], 100)]})()
+    assert selector.worth_a_dp(batch, weights, 1000, layers, 5)  # no DP yet: no cost known
+    step = profile.verify_time(1, 1000)
+    cap = sum(weights) // 2
+    gain = step * selector.best_rate(weights, 1000, layers, 5)(cap)
+    assert gain > 1.05
+    selector.last_select_s = 30 * step * (1 - 1 / gain)  # what 30 tokens could save at best
+    for left, worth in ((20, False), (29, False), (31, True), (80, True)):
+        batch.rows[1].out = [0] * (100 - left)  # the longest row has `left` tokens to go
+        batch.rows[0].out = [0] * 99
+        assert selector.worth_a_dp(batch, weights, 1000, layers, 5) is worth

@@ -32,6 +32,14 @@ negative ids are the sources of ``execute=False``; every final state after the M
 plain budget again. ``evaluate`` is still called once per (item, execute), and backtracking
 is the same walk over the recorded choices in both modes. Pruning applies at every stage,
 attention-skipped states included (scored against the full model after the attention).
+
+Useful budgets
+--------------
+``useful_from`` > 1 says that only final budgets of at least that weight can be of use (the
+caller knows that a subnet skipping less cannot pay for its drafts). A state that cannot reach
+it, even by skipping every skippable item still ahead, is dropped; its successors could not
+reach it either, so the candidates returned are exactly those of the full DP at or above
+``useful_from``, for fewer evaluations. Once no state can reach it the DP stops.
 """
 
 from __future__ import annotations
@@ -87,26 +95,37 @@ def solve(
     max_skip_fraction: float = 0.5,
     always_execute: Collection[int] = (),
     coupled: bool = False,
+    useful_from: int = 1,
 ) -> list[Candidate]:
-    """Run the DP over all items; return one candidate per reachable final budget j > 0, sorted by j.
+    """Run the DP over all items; return one candidate per reachable final budget
+    j >= max(1, useful_from), sorted by j.
 
     Ties between executing and skipping go to executing (the cheaper-to-trust, more accurate
     state). States with value < tau are pruned, except the all-executed state (id 0), which is
-    always kept so every stage has a source. NaN values count as -inf.
+    kept so every stage has a source, unless it cannot reach ``useful_from`` (module
+    docstring). NaN values count as -inf.
     """
     weights = [int(w) for w in weights]
     _check(weights, max_skip_fraction, always_execute, coupled)
     cap = math.floor(max_skip_fraction * sum(weights))
+    useful_from = max(1, useful_from)
     forced = set(always_execute)
     if coupled:  # a layer is skippable only if both its sublayers are
         forced |= {i ^ 1 for i in forced}
+    ahead = _skippable_ahead(weights, forced)
 
     values: dict[int, float] = {0: 1.0}  # stage -1: the input state
     history: list[dict[int, tuple[int, bool]]] = []
+    if useful_from > cap:
+        return []
     for item, weight in enumerate(weights):
+        if not values:
+            return []  # no state can reach a useful budget: nothing left to evaluate
         moves = _moves(item, weights, values, cap=cap, skippable=item not in forced, coupled=coupled)
         scored = _score(item, moves, evaluator)
         chosen, values = _select(moves, scored, tau)
+        for s in [s for s in chosen if _reach(s, item, weights, ahead) < useful_from]:
+            del chosen[s], values[s]
         evaluator.keep(item, chosen)
         history.append(chosen)
         logger.debug("knapsack item %d (w=%d): %d states kept", item, weight, len(values))
@@ -114,10 +133,26 @@ def solve(
     candidates = [
         Candidate(skipped=_backtrack(history, j), skipped_weight=j, value=v)
         for j, v in sorted(values.items())
-        if j > 0
+        if j >= useful_from
     ]
     logger.debug("knapsack: %d candidates, cap %d, coupled=%s", len(candidates), cap, coupled)
     return candidates
+
+
+def _skippable_ahead(weights: list[int], forced: set[int]) -> list[int]:
+    """``ahead[i]``: the weight of the skippable items from item i on (``ahead[len] = 0``)."""
+    ahead = [0] * (len(weights) + 1)
+    for i in range(len(weights) - 1, -1, -1):
+        ahead[i] = ahead[i + 1] + (0 if i in forced else weights[i])
+    return ahead
+
+
+def _reach(state: int, item: int, weights: list[int], ahead: list[int]) -> int:
+    """The most weight a state after ``item`` can have skipped at the end. A coupled
+    attention-skipped id -(j + 1) is budget j with its layer's MLP skipped too."""
+    if state >= 0:
+        return state + ahead[item + 1]
+    return -state - 1 + weights[item] + ahead[item + 1]
 
 
 def _check(weights: list[int], max_skip_fraction: float, always_execute: Collection[int], coupled: bool) -> None:

@@ -28,7 +28,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +51,7 @@ class KnapSpecConfig:
 
     max_gamma: int = 10  # D
     tau: float = 0.5  # prune DP states whose mean cosine is below this
-    m: int = 5  # reference positions per row
+    m: int = 5  # reference positions (a row's last m tokens; in a batch, spread over rows)
     reference_rows: int = 2  # rows of a batch whose positions the DP judges drafts on
     interval: int = 64  # generated tokens between selections (at least)
     overhead_budget: float = 0.025  # stretch the interval so selection stays under this share
@@ -77,6 +77,19 @@ class Selection:
     alphas: list[float]
     choice: tpt.Choice
     plan: Plan
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """What a DP that chose plain decoding returned: its subnets and their raw acceptance,
+    at context ``context``, weights ``weights``, subnets skipping less than ``useful_from``
+    not evaluated. Priced again at a later batch size or context, it can spare the next DP."""
+
+    context: int
+    weights: list[int]
+    useful_from: int
+    skips: list[frozenset[int]]
+    alphas: list[float]
 
 
 @dataclass
@@ -229,10 +242,12 @@ class KnapSpecSelector(Selector):
         self.selections = 0
         self.fallbacks = 0  # plans dropped for plain decoding by the guard (all sequences)
         self.skipped = 0  # selections not run: no subnet could beat plain decoding
-        # Kept across runs: per batch size, the context of the last selection that found no
-        # subnet worth drafting with, and how many due selections were skipped since.
-        self.plain_at: dict[int, int] = {}
+        # Kept across runs: what the last DP found when it found nothing worth drafting with,
+        # and how many due selections were skipped since (frontier_rules_out).
+        self.frontier: Frontier | None = None
         self.plain_skips = 0
+        self.last_select_s: float | None = None  # what the last DP cost (worth_a_dp)
+        self.accepted = self.expected = 0.0  # per run (start): accepted vs predicted drafts
         self.search = self.local_search
 
     def start(self, model: Transformer) -> None:
@@ -279,16 +294,21 @@ class KnapSpecSelector(Selector):
         self.states.pop(rid, None)
 
     def references(self, batch: Batch) -> list[Reference]:
-        """Up to ``reference_rows`` rows with m positions observed, longest context first
-        (attention there is what the knapsack prices highest)."""
+        """The last positions of up to ``reference_rows`` rows with m positions observed,
+        longest context first (attention there is what the knapsack prices highest), m in all
+        (the DP's cost grows with its positions: 3 + 2 over two rows costs what one row's 5
+        does)."""
         m, found = self.config.m, []
         for slot, row in enumerate(batch.rows):
             states = self.states.get(row.rid)
             if states is not None and len(states) == m:
-                end = batch.cache.lengths[slot]
-                found.append(Reference(slot, end - m, torch.stack(list(states), dim=1)))
-        found.sort(key=lambda r: -r.start)
-        return found[:self.config.reference_rows]
+                found.append((batch.cache.lengths[slot], slot, list(states)))
+        found = sorted(found, key=lambda f: -f[0])[:self.config.reference_rows]
+        out = []
+        for i, (end, slot, states) in enumerate(found):
+            k = m // len(found) + (i < m % len(found))
+            out.append(Reference(slot, end - k, torch.stack(states[-k:], dim=1)))
+        return out
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
         self.profile = self.pricing.at(batch.size)
@@ -303,21 +323,22 @@ class KnapSpecSelector(Selector):
         done_once = self.config.select_once and self.history
         if batch.progress >= self.next_selection and not done_once:
             context = round(statistics.fmean(batch.lengths))
-            if not self.could_pay(context, model.cfg.num_layers) or self.unchanged(batch.size,
-                                                                                   context):
-                # Not even a perfect draft of the cheapest allowed subnet beats plain decoding
-                # here (a compute-bound batch), or the last selection in these conditions found
-                # nothing worth drafting: plain decoding, and no DP to pay for.
+            references = self.references(batch)
+            positions = sum(r.states.shape[1] for r in references)
+            if references and self.nothing_pays(batch, context, model.cfg.num_layers,
+                                                positions):
+                # Not even drafts that the DP could judge all right from the cheapest subnet
+                # beat plain decoding here (a compute-bound batch), or the last DP's subnets
+                # would not at these prices: plain decoding, and no DP to pay for.
                 self.plan_now, self.run = Plan(frozenset(), 0), None
                 self.skipped += 1
                 self.next_selection = batch.progress + self.config.interval
                 return self.plan_now
-            references = self.references(batch)
             if references:
                 start = time.perf_counter()
                 self.plan_now = self.select(model, batch, references).plan
-                self.next_selection = batch.progress + self.interval(
-                    time.perf_counter() - start, context)
+                self.last_select_s = time.perf_counter() - start
+                self.next_selection = batch.progress + self.interval(self.last_select_s, context)
                 return self.plan_now
         if self.run is not None and self.run.losing(self.profile):
             log.info("plan %s gamma=%d yields %.2f tokens per round, below plain decoding at "
@@ -331,33 +352,97 @@ class KnapSpecSelector(Selector):
     RESELECT_GROWTH = 1.25  # context growth that makes a fruitless selection worth redoing
     MAX_PLAIN_SKIPS = 4  # ... and skipped selections after which it is redone anyway
 
-    def unchanged(self, batch: int, n: int) -> bool:
-        """The last selection at this batch size chose plain decoding at a context within
-        ``RESELECT_GROWTH`` of n, and fewer than ``MAX_PLAIN_SKIPS`` due selections were
-        skipped since: the DP would price the same sublayers the same way, so it is skipped.
-        (Across the runs of a job, rows of similar length pay for one DP, not one each.)"""
-        last = self.plain_at.get(batch)
-        if last is None or n > self.RESELECT_GROWTH * last or \
-                self.plain_skips >= self.MAX_PLAIN_SKIPS or self.config.fixed_gamma is not None:
+    def nothing_pays(self, batch: Batch, n: int, num_layers: int, positions: int) -> bool:
+        """Whether a due selection can be spared: no subnet could beat plain decoding at
+        context n and the current batch size's prices (``least_paying_weight`` past the cap),
+        the most any subnet could save over the batch's remaining tokens is less than the last
+        DP cost (``worth_a_dp``), or the last DP's frontier says so (``frontier_rules_out``)."""
+        cfg = self.config
+        if cfg.fixed_gamma is not None or cfg.objective != "tpt":
+            return False  # CLaSp and the alpha objective do not price rounds: always select
+        weights = self.weights(n, num_layers)
+        cap = math.floor(cfg.max_skip_fraction * sum(weights))
+        return (self.least_paying_weight(weights, n, num_layers, positions) > cap
+                or not self.worth_a_dp(batch, weights, n, num_layers, positions)
+                or self.frontier_rules_out(n, num_layers, positions))
+
+    def best_rate(self, weights: list[int], n: int, num_layers: int, positions: int
+                  ) -> Callable[[int], float]:
+        """j -> the most tokens/s a subnet skipping weight j (of ``weights``) could decode at
+        at context n: drafting at the highest acceptance the DP can estimate from
+        ``positions`` reference positions (all agree, then calibrated), and saving j times the
+        most time one unit of weight stands for. Increasing in j."""
+        cfg, p = self.config, self.profile
+        alpha = min(1.0, self.calibration * smoothed_alpha(positions, positions))
+        times = (p.attention_time(n), p.mlp_time())
+        per_weight = max(times[i % 2] / w for i, w in enumerate(weights))
+        full = p.draft_time(frozenset(), n, num_layers)
+
+        def rate(j: int) -> float:
+            draft = max(p.head, full - j * per_weight)
+            return max(tpt.tokens_per_time(alpha, g, draft, lambda q: p.verify_time(q, n))
+                       for g in range(1, cfg.max_gamma + 1))
+        return rate
+
+    def least_paying_weight(self, weights: list[int], n: int, num_layers: int,
+                            positions: int) -> int:
+        """The least skipped weight (of ``weights``) with which a subnet could beat plain
+        decoding by ``min_gain`` at context n (``best_rate``); ``sum(weights) + 1`` when no
+        weight can. The DP drops states that cannot reach it (knapsack.solve's
+        ``useful_from``); where it is past the cap the DP is not run."""
+        cfg, p = self.config, self.profile
+        if cfg.fixed_gamma is not None or cfg.objective != "tpt":
+            return 1
+        rate = self.best_rate(weights, n, num_layers, positions)
+        needed = cfg.min_gain / p.verify_time(1, n)
+        lo, hi = 1, sum(weights) + 1  # the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if rate(mid) >= needed else (mid + 1, hi)
+        return lo
+
+    def worth_a_dp(self, batch: Batch, weights: list[int], n: int, num_layers: int,
+                   positions: int) -> bool:
+        """Whether the most a DP could save, drafting from the cheapest subnet at the best
+        rate (``best_rate``) until the batch's longest remaining row is done, exceeds what
+        the last DP cost. Before any DP: yes (nothing to predict its cost from). It spares the
+        DPs of a batch's last tokens, e.g. a job's tail, where rows finish and the batch
+        shrinks."""
+        if self.last_select_s is None or not batch.rows:
+            return True
+        cap = math.floor(self.config.max_skip_fraction * sum(weights))
+        step = self.profile.verify_time(1, n)
+        best = self.best_rate(weights, n, num_layers, positions)(cap)
+        remaining = max(r.limit - len(r.out) for r in batch.rows)
+        return remaining * step * max(0.0, 1.0 - 1.0 / (step * best)) > self.last_select_s
+
+    def frontier_rules_out(self, n: int, num_layers: int, positions: int) -> bool:
+        """The last DP chose plain decoding at a context within ``RESELECT_GROWTH`` of n, and
+        at today's prices (batch size, context, calibration) neither the subnets it returned
+        nor the ones it did not (which skipped less than its ``useful_from``) could pay; at
+        most ``MAX_PLAIN_SKIPS`` due selections in a row are skipped so. Rows of similar length
+        pay for one DP, not one each, and a batch that shrinks at a job's tail for none."""
+        f = self.frontier
+        if f is None or n > self.RESELECT_GROWTH * f.context or \
+                self.plain_skips >= self.MAX_PLAIN_SKIPS:
+            return False
+        p = self.profile
+        if f.skips:
+            alphas = [min(1.0, self.calibration * a) for a in f.alphas]
+            times = [p.draft_time(skip, n, num_layers) for skip in f.skips]
+            choice = tpt.search(alphas, times, lambda q: p.verify_time(q, n),
+                                max_gamma=self.config.max_gamma, min_gain=self.config.min_gain)
+            if choice.candidate is not None:
+                return False
+        if self.least_paying_weight(f.weights, n, num_layers, positions) < f.useful_from:
             return False
         self.plain_skips += 1
         return True
 
-    def could_pay(self, n: int, num_layers: int) -> bool:
-        """Whether speculation can beat plain decoding by ``min_gain`` at context n, with
-        drafts always accepted (alpha = 1) from the cheapest subnet the DP may pick (the
-        sublayers priced at ``1 - max_skip_fraction`` of their time). CLaSp and the alpha
-        objective do not price rounds, so they always select."""
-        cfg = self.config
-        if cfg.fixed_gamma is not None or cfg.objective != "tpt":
-            return True
-        p = self.profile
-        full = p.draft_time(frozenset(), n, num_layers)
-        cheapest = p.head + (1 - cfg.max_skip_fraction) * (full - p.head)
-        plain = 1.0 / p.verify_time(1, n)
-        best = max(tpt.tokens_per_time(1.0, g, cheapest, lambda q: p.verify_time(q, n))
-                   for g in range(1, cfg.max_gamma + 1))
-        return best >= cfg.min_gain * plain
+    def weights(self, n: int, num_layers: int) -> list[int]:
+        if self.config.unit_weights:
+            return [1] * (2 * num_layers)
+        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
 
     def interval(self, select_s: float, n: int) -> int:
         """Tokens until the next selection: ``config.interval``, stretched when one selection
@@ -370,24 +455,22 @@ class KnapSpecSelector(Selector):
     def select(self, model: Transformer, batch: Batch, references: list[Reference]) -> Selection:
         cfg, num_layers = self.config, model.cfg.num_layers
         n = round(statistics.fmean(batch.lengths))  # priced at the batch's mean context
-        weights = ([1] * (2 * num_layers) if cfg.unit_weights
-                   else integer_weights(self.profile, n, num_layers, cfg.weight_cap))
+        weights = self.weights(n, num_layers)
         keep = set()
         if cfg.keep_first_last:
             keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1}
         evaluator = HiddenStateEvaluator(model, batch.cache, references)
+        useful = self.least_paying_weight(weights, n, num_layers, evaluator.reference.shape[1])
         candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
                                     max_skip_fraction=cfg.max_skip_fraction,
-                                    always_execute=keep, coupled=cfg.coupled)
+                                    always_execute=keep, coupled=cfg.coupled, useful_from=useful)
         raw = self._alphas(model, evaluator, candidates)
         alphas = [min(1.0, self.calibration * a) for a in raw]
         choice = self.choose(candidates, alphas, n, num_layers)
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
         selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
-        if choice.candidate is None or not choice.gamma:
-            self.plain_at[batch.size] = n
-        else:
-            self.plain_at.pop(batch.size, None)
+        self.frontier = Frontier(n, weights, useful, [c.skipped for c in candidates], raw) \
+            if choice.candidate is None or not choice.gamma else None
         self.plain_skips = 0
         guarded = cfg.fixed_gamma is None  # CLaSp, the baseline, drafts whatever it yields
         self.run = None if choice.candidate is None or not choice.gamma or not guarded else \
