@@ -142,13 +142,15 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
 
     code = main(["throughput", "--model", str(checkpoint), "--contexts", "96", "--documents",
                  "3", "--batch", "1,3", "--strategies", "ar,static:a1,m2@2", "--new-tokens", "6",
-                 "--out", str(tmp_path)])
+                 "--repeats", "2", "--out", str(tmp_path)])
     assert code == 0
     doc = json.loads((tmp_path / "throughput.json").read_text())
     runs = {(r["strategy"], r["batch"]): r for r in doc["runs"]}
     assert set(runs) == {(s, b) for s in ("ar", "static:a1,m2@2") for b in (1, 3)}
     for r in runs.values():
         assert r["identical_rows"] == 3 and r["tokens"] == 18 and r["tokens_per_s"] > 0
+        assert r["runs"] == 2 and [x["tokens"] for x in r["repeats"]] == [18, 18]
+        assert r["tokens_per_s"] in [x["tokens_per_s"] for x in r["repeats"]]
     assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
     assert (tmp_path / "throughput.png").stat().st_size > 0
-    assert "| 96 | ar | 3 |" in capsys.readouterr().out
+    assert "| 96 | ar | 3 | 2 |" in capsys.readouterr().out

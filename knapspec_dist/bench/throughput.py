@@ -12,6 +12,11 @@ same row decoded alone by ``ar`` at batch 1 (exact in fp32; every difference cla
 near-tie rule, speculation/ties.py, otherwise). Outputs: ``throughput.json``,
 ``throughput.md`` and ``throughput.png`` (tokens/s against batch, one line per strategy and
 context). Exit status 1 when a row differs from ``ar`` beyond a near-tie.
+
+``--repeats N`` runs each configuration N times, interleaved, and reports the median run: on
+a shared two-core machine one run's rate moves by 5-15 % with the neighbours, more than the
+differences this command is for. Every run builds its strategy afresh, so a KnapSpec run pays
+its own first selection (over a job, the selector keeps what it learned).
 """
 
 from __future__ import annotations
@@ -52,51 +57,76 @@ def workload(tokenizer, contexts: list[int], count: int, window: int, new_tokens
     return out
 
 
-def measure(model, strategies: dict, work: dict, batches: list[int], config) -> list[dict]:
-    """Every (context, strategy, batch) run; each row checked against batch-1 ar."""
+def measure(model, build_strategy, labels: list[str], work: dict, batches: list[int], config,
+            repeats: int = 1) -> list[dict]:
+    """Every (context, strategy, batch) run ``repeats`` times, interleaved (the order rotates
+    each repeat, so a slow spell of the machine is shared out), each with a freshly built
+    strategy (a KnapSpec selector carries nothing from one run to the next, so every run pays
+    its own first selection); each row checked against batch-1 ar. One entry per
+    configuration: the median run's rates, every run's in ``repeats``."""
     from ..speculation.autoregressive import Autoregressive
     from ..speculation.scheduler import Scheduler, row_capacity
-    from ..speculation.ties import check_divergence
 
-    runs = []
+    entries = []
     for n, rows in work.items():
         ids = [p for _, p in rows]
         capacity = max(row_capacity(len(p), config.max_new_tokens) for p in ids)
         reference = Scheduler(Autoregressive(), model, config, 1, capacity).run(ids)
-        for label, strategy in strategies.items():
-            for b in batches:
-                sched = Scheduler(strategy, model, config, b, capacity)
-                results = sched.run(ids)
-                t = sched.throughput
-                divergences = []
-                for (rid, p), got, want in zip(rows, results, reference):
-                    div = check_divergence(model, p, want.token_ids, got.token_ids)
-                    if div is not None:
-                        divergences.append({"row": rid, **div.to_dict()})
-                        (log.warning if div.is_tie else log.error)(
-                            "%s batch %d context %d row %s: %s", label, b, n, rid,
-                            div.describe())
-                runs.append({"strategy": label, "batch": b, "context": n, "rows": len(rows),
-                             **t.to_dict(), "identical_rows": len(rows) - len(divergences),
-                             "divergences": divergences,
-                             "drafted": sum(r.stats.drafted for r in results),
-                             "accepted": sum(r.stats.accepted for r in results),
-                             "selections": sum(r.stats.selections for r in results)})
-                log.info("context %d %s batch %d: %.1f tok/s, %.1f decode tok/s, mean batch %.1f",
-                         n, label, b, t.tokens_per_s, t.decode_tokens_per_s, t.mean_batch)
-    return runs
+        configs = [(label, b) for label in labels for b in batches]
+        done: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+        for rep in range(repeats):
+            k = rep % len(configs)
+            for label, b in configs[k:] + configs[:k]:
+                done[(label, b)].append(_one_run(model, build_strategy(label), config, b,
+                                                 capacity, rows, reference))
+                t = done[(label, b)][-1]
+                log.info("context %d %s batch %d (run %d of %d): %.1f tok/s, %.1f decode tok/s, "
+                         "mean batch %.1f", n, label, b, rep + 1, repeats, t["tokens_per_s"],
+                         t["decode_tokens_per_s"], t["mean_batch"])
+        for label, b in configs:
+            runs = done[(label, b)]
+            median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+            entries.append({"strategy": label, "batch": b, "context": n, "rows": len(rows),
+                            **median, "runs": len(runs),
+                            "identical_rows": min(r["identical_rows"] for r in runs),
+                            "divergences": [d for r in runs for d in r["divergences"]],
+                            "repeats": runs})
+    return entries
+
+
+def _one_run(model, strategy, config, batch: int, capacity: int, rows, reference) -> dict:
+    from ..speculation.scheduler import Scheduler
+    from ..speculation.ties import check_divergence
+
+    sched = Scheduler(strategy, model, config, batch, capacity)
+    results = sched.run([p for _, p in rows])
+    divergences = []
+    for (rid, p), got, want in zip(rows, results, reference):
+        div = check_divergence(model, p, want.token_ids, got.token_ids)
+        if div is not None:
+            divergences.append({"row": rid, **div.to_dict()})
+            (log.warning if div.is_tie else log.error)(
+                "%s batch %d row %s: %s", strategy.name, batch, rid, div.describe())
+    return {**sched.throughput.to_dict(), "identical_rows": len(rows) - len(divergences),
+            "divergences": divergences,
+            "drafted": sum(r.stats.drafted for r in results),
+            "accepted": sum(r.stats.accepted for r in results),
+            # the strategy is this run's alone: its selector's counts are this run's DPs
+            "selections": getattr(getattr(strategy, "selector", None), "selections", 0),
+            "selections_spared": getattr(getattr(strategy, "selector", None), "skipped", 0)}
 
 
 def table(runs: list[dict]) -> list[str]:
-    lines = ["| context | strategy | max_num_seqs | mean batch | tok/s | decode tok/s | "
+    lines = ["| context | strategy | max_num_seqs | runs | mean batch | tok/s | decode tok/s | "
              "vs batch-1 same strategy (tok/s, decode) | vs ar same batch (tok/s) | rows = ar |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     index = {(r["context"], r["strategy"], r["batch"]): r for r in runs}
     for r in runs:
         one = index.get((r["context"], r["strategy"], min(x["batch"] for x in runs)))
         ar = index.get((r["context"], "ar", r["batch"]))
         lines.append(
-            f"| {r['context']} | {r['strategy']} | {r['batch']} | {r['mean_batch']:.2f} | "
+            f"| {r['context']} | {r['strategy']} | {r['batch']} | {r['runs']} | "
+            f"{r['mean_batch']:.2f} | "
             f"{r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | "
             f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x, "
             f"{r['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x | "
@@ -150,11 +180,14 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(path, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device))
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
-    strategies = {s.label: build(s, model) for s in specs}
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    by_label = {s.label: s for s in specs}
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
                     args.new_tokens)
     config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=False)
-    runs = measure(model, strategies, work, batches, config)
+    runs = measure(model, lambda label: build(by_label[label], model), list(by_label), work,
+                   batches, config, args.repeats)
     header = {"command": command_line(args, parser), "machine": machine(args.device),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
@@ -186,5 +219,7 @@ def register(sub) -> None:
     p.add_argument("--batch", default="1,8", help="max_num_seqs values, comma-separated")
     p.add_argument("--strategies", default="ar,knapspec", help="as for bench")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each configuration, interleaved; the median is reported")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_throughput, parser=p))
