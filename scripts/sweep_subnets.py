@@ -26,7 +26,8 @@ from knapspec_dist.model import Capture
 from knapspec_dist.profiles.store import resolve_profile
 from knapspec_dist.speculation import tpt
 from knapspec_dist.speculation.batch import Batch, Row
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Reference
+from knapspec_dist.speculation.hidden_states import Reference
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.speculation.scheduler import MAX_GAMMA, prefill
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.speculation.strategy import GenerationConfig

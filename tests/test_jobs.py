@@ -87,7 +87,7 @@ class FakeBackend:
 
     def submit(self, replica, prompt_ids, config):
         e = self.engine
-        e.submits.append((e.strategy, tuple(prompt_ids), replica))
+        e.submits.append((e.strategy, tuple(prompt_ids), replica, len(e.created) - 1))
         h = self.next
         self.next += 1
         self.handles[h] = {"replica": replica, "ids": prompt_ids, "config": config,
@@ -120,7 +120,9 @@ class FakeBackend:
         tokens = [(sum(ids) + k) % 50 + 100 for k in range(n)]  # same for every strategy
         wall = n / self.speed[e.strategy]
         spec = e.strategy != "ar"
+        e.clock += wall  # rows one after another on a made-up clock
         stats = GenerationStats(prompt_tokens=len(ids), new_tokens=n, steps=n, wall_s=wall,
+                                admitted_at=e.clock - wall, finished_at=e.clock,
                                 prefill_s=0.0, drafted=2 * n if spec else 0,
                                 accepted=n if spec else 0, attention_skipped=3.0 if spec else 0,
                                 mlp_skipped=1.0 if spec else 0, selections=1 if spec else 0)
@@ -141,10 +143,11 @@ class FakeEngines:
     def __init__(self, poison=None, row_error=None, after_answers=None):
         self.poison, self.row_error, self.after_answers = poison, row_error, after_answers
         self.created: list[tuple[str, int]] = []
-        self.submits: list[tuple[str, tuple, int]] = []
+        self.submits: list[tuple[str, tuple, int, int]] = []  # strategy, ids, replica, engine
         self.restarts: list[int] = []
         self.kills = 0
         self.answered = 0
+        self.clock = 1.7e9  # seconds since the epoch of the made-up clock
         self.strategy = None
         self.num_replicas = 0
 
@@ -339,11 +342,16 @@ def test_job_writes_one_row_per_input_row_summary_and_plot(tmp_path):
         assert r["acceptance_rate"] == 0.5 and r["attention_skipped"] == 3.0
         assert r["attempts"] == 1 and r["replica"] == 0 and r["finished_at"] is not None
     # longest document first
-    assert [len(s[1]) for s in engines.submits if s[0] == "knapspec"] == [35, 14, 10]
-    # baseline: ceil(0.5 * 3) = 2 rows (shortest and longest) run again with ar
-    assert engines.created == [("knapspec", 1), ("ar", 1)]
+    assert [len(s[1]) for s in engines.submits if s[3] == 0] == [35, 14, 10]
+    # baseline: ceil(0.5 * 3) = 2 rows (shortest and longest) run again with the job's
+    # strategy, then with ar
+    assert engines.created == [("knapspec", 1), ("knapspec", 1), ("ar", 1)]
+    assert [(s[0], len(s[1])) for s in engines.submits if s[3] > 0] == [
+        ("knapspec", 35), ("knapspec", 10), ("ar", 35), ("ar", 10)]  # longest first
     base = {r["id"]: r for r in read_rows(result.output, "baseline")}
     assert set(base) == {"a", "b"} and {r["strategy"] for r in base.values()} == {"ar"}
+    again = {r["id"]: r for r in read_rows(result.output, "baseline_strategy")}
+    assert set(again) == {"a", "b"} and {r["strategy"] for r in again.values()} == {"knapspec"}
     s = json.loads(open(result.summary_path).read())
     assert s["complete"] and s["rows"] == {"input": 4, "written": 4, "ok": 3, "failed": 1,
                                            "pending": 0, "not_in_input": 0}
@@ -486,7 +494,7 @@ def test_stop_then_resume_skips_finished_rows(tmp_path):
     assert not second.stopped_early and second.skipped == 2 and second.generated == 3
     rows = read_rows(second.output)
     assert sorted(r["id"] for r in rows) == list("abcde")
-    generated_again = [s for s in e2.submits if s[0] == "knapspec"]
+    generated_again = [s for s in e2.submits if s[3] == 0]  # the main pass
     assert sorted(len(s[1]) for s in generated_again) == [8, 9, 10]  # only a, c, e
     after = {r["id"]: r for r in rows}
     for key in ("b", "d"):  # untouched: same finish time, same part
@@ -496,6 +504,26 @@ def test_stop_then_resume_skips_finished_rows(tmp_path):
 
     third, e3 = run(job(tmp_path, baseline_fraction=0.2))  # nothing left: no engine at all
     assert e3.created == [] and third.generated == 0 and third.summary["complete"]
+
+
+def test_a_crash_between_the_baseline_passes_resumes_with_the_missing_pass_only(tmp_path):
+    write_input(tmp_path / "in.parquet", list("abcd"), docs_of([3, 9, 5, 7]))
+
+    class Crash(BaseException):
+        pass
+
+    def crash(answered, backend):
+        if backend.engine.strategy == "ar":  # the strategy's baseline pass is written
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(job(tmp_path, baseline_fraction=0.5, checkpoint_rows=1),
+            FakeEngines(after_answers=crash))
+    assert len(read_rows(str(tmp_path / "out"), "baseline_strategy")) == 2
+    result, engines = run(job(tmp_path, baseline_fraction=0.5))
+    assert engines.created == [("ar", 1)]  # nothing else to do
+    b = result.summary["baseline"]
+    assert b["rows"] == 2 and b["speedup"] == pytest.approx(1.5) and b["identical_tokens"] == 2
 
 
 def test_crash_then_resume_yields_every_row_exactly_once(tmp_path):
@@ -571,7 +599,7 @@ def test_sigterm_writes_the_finished_rows_before_exiting(tmp_path):
     result, engines = run(job(tmp_path))  # and the resumed job does the rest, once each
     rows = read_rows(result.output)
     assert sorted(r["id"] for r in rows) == list("abcdefgh")
-    assert len([s for s in engines.submits if s[0] == "knapspec"]) == 8 - len(written)
+    assert len([s for s in engines.submits if s[3] == 0]) == 8 - len(written)  # main pass
 
 
 def test_resume_refuses_a_different_job_but_allows_other_hardware(tmp_path):
@@ -611,30 +639,48 @@ def test_part_writer_is_atomic_and_refuses_a_second_row_for_an_id(tmp_path):
 
 
 def test_summary_speedup_and_buckets_from_rows():
-    schema = output_schema("id", pa.string())
+    """The speedup compares the baseline pass of the job's strategy with ar's (each pass's
+    throughput); the job's own rows only count for token identity. Here the main pass ran
+    in a batch (its rows overlap in time: a per-row comparison with ar would say 0.5x)."""
+    import datetime as dt
 
-    def row(i, n_in, wall, prefill, strategy="knapspec", tokens=10):
+    schema = output_schema("id", pa.string())
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+    def row(i, n_in, wall, prefill, strategy="knapspec", tokens=10, start=0.0, same=True):
         r = result_row("id", i, strategy)
         r.update(num_input_tokens=n_in, num_generated_tokens=tokens, time_taken_llm=wall,
                  prefill_s=prefill, tokens_per_s=tokens / wall, drafted=10, accepted=5,
-                 generated_tokens=[1] * tokens, acceptance_rate=0.5, attention_skipped=2.0,
-                 mlp_skipped=1.0, selections=1)
+                 generated_tokens=[1 if same else 2] * tokens, acceptance_rate=0.5,
+                 attention_skipped=2.0, mlp_skipped=1.0, selections=1, replica=0,
+                 generation_start=t0 + dt.timedelta(seconds=start),
+                 generation_end=t0 + dt.timedelta(seconds=start + wall))
         return r
 
-    rows = pa.Table.from_pylist([row("a", 300, 1.0, 0.5), row("b", 1500, 2.0, 1.0),
-                                 row("c", 3000, 4.0, 1.0)], schema=schema)
-    base = pa.Table.from_pylist([row("a", 300, 1.5, 0.5, "ar"), row("b", 1500, 4.0, 1.0, "ar")],
-                                schema=schema)
-    s = summarize(rows, base, "id", ["a", "b", "c", "d"], {}, {})
+    # the job: three rows decoded together, 8 s each
+    rows = pa.Table.from_pylist([row("a", 300, 8.0, 0.5), row("b", 1500, 8.0, 1.0),
+                                 row("c", 3000, 8.0, 1.0, same=False)], schema=schema)
+    # the baseline passes, one row after the other
+    again = pa.Table.from_pylist([row("a", 300, 1.0, 0.5, start=100),
+                                  row("b", 1500, 2.0, 1.0, start=101)], schema=schema)
+    base = pa.Table.from_pylist([row("a", 300, 1.5, 0.5, "ar", start=200),
+                                 row("b", 1500, 4.0, 1.0, "ar", start=201.5),
+                                 row("c", 3000, 4.0, 1.0, "ar", start=205.5)], schema=schema)
+    s = summarize(rows, base, "id", ["a", "b", "c", "d"], {}, {}, again=again)
     assert not s["complete"] and s["rows"]["pending"] == 1
-    assert s["baseline"]["rows"] == 2
-    assert s["baseline"]["speedup"] == pytest.approx((20 / 3.0) / (20 / 5.5))
-    assert s["baseline"]["decode_speedup"] == pytest.approx((20 / 1.5) / (20 / 4.0))
-    assert s["baseline"]["row_speedup_min"] == pytest.approx(1.5)
-    assert s["baseline"]["row_speedup_max"] == pytest.approx(2.0)
-    assert [(b["bucket"], b["rows"], b["baseline"]["rows"]) for b in s["buckets"]] == [
+    b = s["baseline"]
+    assert b["rows"] == 2  # c has no strategy run in the baseline pass
+    assert b["speedup"] == pytest.approx((20 / 3.0) / (20 / 5.5))
+    assert b["decode_speedup"] == pytest.approx((20 / 1.5) / (20 / 4.0))
+    assert b["row_speedup_min"] == pytest.approx(1.5)
+    assert b["row_speedup_max"] == pytest.approx(2.0)
+    assert b["identical_tokens"] == 2  # of the job's rows a, b, c: c differs from ar
+    assert [(k["bucket"], k["rows"], k["baseline"]["rows"]) for k in s["buckets"]] == [
         ("0-512", 1, 1), ("1k-2k", 1, 1), ("2k-4k", 1, 0)]
-    assert s["row_tokens_per_s"] == pytest.approx(30 / 7.0)
+    assert s["row_tokens_per_s"] == pytest.approx(30 / 24.0)
+    # without the strategy's baseline pass there is no speedup, only the token check
+    alone = summarize(rows, base, "id", ["a", "b", "c"], {}, {})["baseline"]
+    assert alone["speedup"] is None and alone["identical_tokens"] == 2
 
 
 def test_summary_throughput_counts_time_some_row_was_generating():

@@ -146,11 +146,14 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     assert rows["too-long"]["num_input_tokens"] > 8192
     assert all(rows[k]["generated_text"] is None for k in ("null-doc", "blank-doc", "too-long"))
 
-    # the baseline: ceil(0.25 * 4) = 1 row, the median length, run again with ar
-    base = _rows(out, "baseline")
+    # the baseline: ceil(0.25 * 4) = 1 row, the median length, run again with the job's
+    # strategy and then with ar
+    base, again = _rows(out, "baseline"), _rows(out, "baseline_strategy")
     assert len(base) == 1 and base[0]["strategy"] == "ar" and base[0]["error"] is None
-    assert base[0]["id"] == "short"  # valid rows by length: tiny, short, mid, long
+    assert len(again) == 1 and again[0]["strategy"] == "knapspec" and again[0]["error"] is None
+    assert base[0]["id"] == again[0]["id"] == "short"  # valid rows: tiny, short, mid, long
     assert base[0]["generated_tokens"] == rows[base[0]["id"]]["generated_tokens"]  # lossless
+    assert again[0]["generated_tokens"] == base[0]["generated_tokens"]
 
     s = json.loads((out / "summary.json").read_text())
     assert s["complete"] is True
@@ -163,8 +166,10 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     assert t["max_num_seqs"] >= 1 and 1 <= t["mean_batch"] <= t["max_num_seqs"]
     b = s["baseline"]
     assert b["rows"] == 1 and b["identical_tokens"] == 1 and b["speedup"] > 0
-    assert b["speedup"] == pytest.approx(rows[base[0]["id"]]["tokens_per_s"]
-                                         / base[0]["tokens_per_s"])
+    assert b["strategy_mean_batch"] == b["ar_mean_batch"] == 1.0  # one row: like with like
+    assert b["speedup"] == pytest.approx(  # one row: its rate in the two baseline passes
+        (again[0]["num_generated_tokens"] / again[0]["time_taken_llm"])
+        / (base[0]["num_generated_tokens"] / base[0]["time_taken_llm"]), rel=0.05)
     assert [x["bucket"] for x in s["buckets"]] == ["0-512", "8k-16k"]
     assert s["buckets"][0]["ok"] == 4 and s["buckets"][1]["failed"] == 1
     assert s["job"]["strategy"] == "knapspec" and s["run"]["rows_generated"] == 4

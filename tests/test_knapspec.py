@@ -9,9 +9,9 @@ from knapspec_dist.profiles.profile import fit_profile
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.cache import KVCache
 from knapspec_dist.model import Capture
-from knapspec_dist.speculation.knapspec import (HiddenStateEvaluator, KnapSpecConfig, Reference,
-                                                KnapSpecSelector, prefix_attention,
-                                                reference_prefix_attention, smoothed_alpha)
+from knapspec_dist.speculation.hidden_states import (HiddenStateEvaluator, Reference,
+                                                     prefix_attention, reference_prefix_attention)
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 from knapspec_dist.speculation.strategy import GenerationConfig
 
@@ -241,6 +241,8 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
     (``least_paying_weight``): its candidates are the full DP's at or above that weight, and
     the plan chosen from them is the full DP's, at every price (acceptance stood in by a
     function of each candidate's value, so that some plans pay)."""
+    import math
+
     from knapspec_dist.speculation.batch import Batch, Row
 
     model = engine_model("llama-gqa")
@@ -256,17 +258,23 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
             references.append(Reference(row, n - m, torch.stack([h[0] for h in full])))
     batch = Batch(cache, rows=[Row(0, [], 10), Row(1, [], 10)])
     monkeypatch.setattr(KnapSpecSelector, "_alphas", lambda self, model, ev, candidates: [
-        smoothed_alpha(2 * m, 2 * m) * c.value ** 4 for c in candidates])
-    pruned_any = speculated = plain = 0
-    for scale in (1.0, 1.3, 1.6, 2.0, 3.0, 6.0):
-        profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1, verify_scale=scale)
+        smoothed_alpha(m, m) * c.value ** 4 for c in candidates])
+    pruned_any = speculated = plain = slack = 0
+    steep = [(60, 1e-3), (100, 4e-2)]  # attention 40x dearer 40 tokens on
+    for attention, scale in [(LINEAR_ATTENTION, s) for s in (1.0, 1.3, 1.6, 2.0, 3.0, 6.0)] + \
+            [(steep, s) for s in (0.8, 1.0, 1.3)]:
+        profile = synthetic_profile(model, attention, verify_growth=0.1, verify_scale=scale)
+        selector = KnapSpecSelector(profile)
         with torch.inference_mode():
-            pruned = KnapSpecSelector(profile).select(model, batch, references)
+            pruned = selector.select(model, batch, references)
             with monkeypatch.context() as patch:
                 patch.setattr(KnapSpecSelector, "least_paying_weight", lambda *a: 1)
                 whole = KnapSpecSelector(profile).select(model, batch, references)
-        useful = KnapSpecSelector(profile).least_paying_weight(
-            pruned.weights, pruned.context, model.cfg.num_layers, 2 * m)
+        n, layers = pruned.context, model.cfg.num_layers
+        # pruned below the least weight that could pay here or at 1.25 n
+        useful = min(KnapSpecSelector(profile).least_paying_weight(pruned.weights, c, layers,
+                                                                   2 * m)
+                     for c in (n, math.ceil(1.25 * n)))
         kept = [c for c in whole.candidates if c.skipped_weight >= useful]
         # (values to float precision: fewer states in a batched forward may round differently)
         assert [(c.skipped, c.skipped_weight) for c in pruned.candidates] == \
@@ -277,7 +285,11 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
         pruned_any += len(pruned.candidates) < len(whole.candidates)
         speculated += pruned.plan.gamma > 0
         plain += pruned.plan.gamma == 0
-    assert pruned_any and speculated and plain  # the prices cover all three cases
+        if pruned.plan.gamma == 0:  # the subnets it left out could not pay up to 1.25 n,
+            assert selector.frontier.useful_from == useful  # where its frontier is reused
+            slack += useful < KnapSpecSelector(profile).least_paying_weight(
+                pruned.weights, n, layers, 2 * m)
+    assert pruned_any and speculated and plain and slack  # the prices cover every case
 
 
 def test_references_spread_m_positions_over_the_longest_rows(engine_model):

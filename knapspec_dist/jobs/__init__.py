@@ -58,8 +58,9 @@ def report(result) -> str:
                      + (f", acceptance {acc:.2f}" if acc is not None else ""))
     if base["speedup"]:
         lines.append(f"speedup vs ar: {base['speedup']:.2f}x measured on {base['rows']} "
-                     f"baseline row(s) (identical tokens: {base['identical_tokens']}/"
-                     f"{base['rows']})")
+                     f"baseline row(s), both passes at mean batch "
+                     f"{base['strategy_mean_batch'] or 0:.1f} / {base['ar_mean_batch'] or 0:.1f} "
+                     f"(identical tokens: {base['identical_tokens']}/{base['rows']})")
     if result.stopped_early:
         lines.append("stopped early (--stop-after): submit the same job again to continue")
     lines += [f"results: {result.rows_path}", f"summary: {result.summary_path}",

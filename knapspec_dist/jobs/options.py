@@ -172,8 +172,9 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                       help="context window to allow per row (prompt + new tokens); default and "
                            "maximum: the model's")
     rows.add_argument("--baseline-fraction", type=float, default=0.05,
-                      help="share of rows also run with `ar`, to measure the speedup (at least "
-                           "one row; 0 turns the baseline off; default 0.05)")
+                      help="share of rows run again, with the job's strategy and with `ar`, "
+                           "to measure the speedup (at least one row; 0 turns the baseline "
+                           "off; default 0.05)")
     sched = p.add_argument_group("scheduling and checkpoints")
     sched.add_argument("--max-num-seqs", type=int, default=None,
                        help="rows each replica decodes at once, continuously batched (default: "

@@ -6,6 +6,8 @@ Layout of ``--output DIR`` (a local path or a pyarrow filesystem URI)::
                           job resumes; written with the first rows)
     DIR/rows/part-*.parquet       one row per input row, in the order rows finished
     DIR/baseline/part-*.parquet   the baseline rows, run again with ``ar``
+    DIR/baseline_strategy/part-*.parquet   the same rows run again with the job's strategy,
+                          right before ``ar`` and batched alike: the speedup's numerator
     DIR/summary.json, DIR/speedup.png
 
 Read the results with ``pyarrow.parquet.read_table("DIR/rows")``,
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 ROWS = "rows"
 BASELINE = "baseline"
+BASELINE_STRATEGY = "baseline_strategy"
+SUBDIRS = (ROWS, BASELINE, BASELINE_STRATEGY)
 JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "speedup.png"
@@ -145,7 +149,7 @@ class OutputDir:
                     existing = json.loads(f.read().decode())
             elif [i for i in self.fs.get_file_info(pafs.FileSelector(self.path))
                   if not os.path.basename(i.path).startswith((".", "_"))
-                  and os.path.basename(i.path) not in (ROWS, BASELINE)] or has_rows:
+                  and os.path.basename(i.path) not in SUBDIRS] or has_rows:
                 raise UserError(f"--output {self.uri!r} holds files but no {JOB_FILE}: it is not "
                                 "the output of a knapspec job; choose an empty or new directory")
         self._job = json.dumps({"fingerprint": fingerprint, "created": _now_iso()},
@@ -163,7 +167,7 @@ class OutputDir:
             return True
         if existing is not None:
             log.info("%s holds no rows yet: starting over with this job's options", self.uri)
-        for sub in ("", ROWS, BASELINE):
+        for sub in ("", *SUBDIRS):
             self._call(lambda sub=sub: self.fs.create_dir(self.join(sub) if sub else self.path,
                                                           recursive=True))
         probe = f".write-test-{uuid.uuid4().hex[:8]}"
@@ -173,7 +177,7 @@ class OutputDir:
 
     def has_rows(self) -> bool:
         """Whether any part file of a job is there (rows or baseline)."""
-        for sub in (ROWS, BASELINE):
+        for sub in SUBDIRS:
             infos = self.fs.get_file_info(pafs.FileSelector(self.join(sub), allow_not_found=True))
             if any(i.type == pafs.FileType.File and i.path.endswith(".parquet")
                    and not os.path.basename(i.path).startswith((".", "_")) for i in infos):

@@ -21,7 +21,7 @@ from typing import Callable
 from ..errors import UserError
 from .inputs import read_input
 from .options import JobConfig
-from .output import (BASELINE, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir, PartWriter,
+from .output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir, PartWriter,
                      output_schema, result_row)
 from .progress import Progress
 from .prompts import PromptBuilder, choose_baseline
@@ -125,6 +125,8 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     done_ids = set(existing.column(config.id_column).to_pylist())
     existing_base = out.read_rows(BASELINE, schema)
     base_done = set(existing_base.column(config.id_column).to_pylist())
+    again_done = set(out.read_rows(BASELINE_STRATEGY, schema).column(config.id_column)
+                     .to_pylist())
     pending = [i for i, row_id in enumerate(rows.ids) if row_id not in done_ids]
     if resuming:
         log.info("resuming into %s: %d of %d rows already written, %d to go", out.display(),
@@ -159,6 +161,8 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
                          if r["error"] is not None)
     base_writer = PartWriter(out, BASELINE, schema, base_done, config.checkpoint_rows,
                              config.checkpoint_seconds)
+    again_writer = PartWriter(out, BASELINE_STRATEGY, schema, again_done,
+                              config.checkpoint_rows, config.checkpoint_seconds)
     result = JobResult(output=out.display(), rows_path=out.display(ROWS),
                        summary_path=out.display(SUMMARY_FILE), plot_path=out.display(PLOT_FILE),
                        summary={}, skipped=len(rows) - len(pending))
@@ -183,7 +187,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
         failed_prompts = [prompts[i] for i in pending if prompts[i].error is not None]
         todo.sort(key=lambda p: (-p.num_input_tokens, p.index))  # longest first
         generate = bool(todo) and (stop_after is None or len(failed_prompts) < stop_after)
-        if real_engine and (generate or baseline_ids - base_done):
+        if real_engine and (generate or baseline_ids - (base_done & again_done)):
             owns_ray = _connect_ray(config.address)
             _install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
         _check_terminate()
@@ -206,21 +210,30 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
         result.stopped_early = any(rows.ids[i] not in writer.done for i in pending)
         writer.flush()
 
-        # 3. Baseline: the same prompts with ar, for a measured speedup.
-        base_todo = [by_id[i] for i in baseline_ids if i not in base_done
-                     and i in writer.done and i not in writer.failed]
+        # 3. Baseline: the same prompts with the job's strategy again, then with ar, in two
+        # passes batched alike, for a measured speedup (the main pass decoded them among
+        # other rows, at another batch: its timings are not comparable with ar's).
+        ready = [i for i in baseline_ids if i in writer.done and i not in writer.failed]
         _check_terminate()
-        if base_todo and not result.stopped_early:
-            base_todo.sort(key=lambda p: (-p.num_input_tokens, p.index))
-            replicas = min(config.replicas, len(base_todo))
-            log.info("baseline: %d row(s) with ar on %d replica(s), to measure the speedup",
-                     len(base_todo), replicas)
-            with engine_factory(config, "ar", replicas) as engine:
-                _generate(engine, backend_factory, config, "ar", base_todo, base_writer, by_id,
-                          "baseline", None, None, result, "baseline_generated")
+        if ready and not result.stopped_early:
+            for strategy, sub_writer, done_ids_ in ((config.strategy, again_writer, again_done),
+                                                    ("ar", base_writer, base_done)):
+                todo_ = sorted((by_id[i] for i in ready if i not in done_ids_),
+                               key=lambda p: (-p.num_input_tokens, p.index))
+                if not todo_:
+                    continue
+                replicas = min(config.replicas, len(todo_))
+                log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
+                         len(todo_), strategy, replicas)
+                with engine_factory(config, strategy, replicas) as engine:
+                    _generate(engine, backend_factory, config, strategy, todo_, sub_writer,
+                              by_id, f"baseline ({strategy})", None, None, result,
+                              "baseline_generated")
+                _check_terminate()
         base_writer.flush()
+        again_writer.flush()
     finally:
-        for w in (writer, base_writer):
+        for w in (writer, base_writer, again_writer):
             try:
                 w.flush()
             except Exception:  # noqa: BLE001 - keep the original error
@@ -234,6 +247,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     # 4. Summary and plot over everything in the output directory.
     rows_table = out.read_rows(ROWS, schema)
     base_table = out.read_rows(BASELINE, schema)
+    again_table = out.read_rows(BASELINE_STRATEGY, schema)
     job = {"model": config.model, "strategy": config.strategy, "tp": config.tp,
            "replicas": config.replicas, "dtype": config.dtype, "device": config.device,
            "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
@@ -248,10 +262,11 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
            result.baseline_generated, "stopped_early": result.stopped_early,
            "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
            "profile": result.profile, "max_num_seqs": result.max_num_seqs}
-    summary = summarize(rows_table, base_table, config.id_column, rows.ids, job, run)
+    summary = summarize(rows_table, base_table, config.id_column, rows.ids, job, run,
+                        again=again_table)
     out.write_bytes(SUMMARY_FILE, dumps(summary))
     write_plot(summary, rows_table, base_table, config.id_column,
-               lambda data: out.write_bytes(PLOT_FILE, data))
+               lambda data: out.write_bytes(PLOT_FILE, data), again=again_table)
     result.summary = summary
     return result
 

@@ -12,12 +12,15 @@ all its runs.  Definitions (all over rows without an error):
   rows decoding together per round, weighted by tokens.
 * ``row_tokens_per_s``: generated tokens / the sum of the rows' own wall seconds. Rows that
   decode together share their wall time, so this is a per-row rate, not throughput.
-* ``speedup``: on the baseline rows (run with the job's strategy *and* with ``ar``, same
-  prompts, same replica hardware, one after the other), ``(sum of tokens / sum of wall
-  seconds) with the strategy`` over the same for ``ar``.  ``decode_speedup`` leaves out the
-  prefill time, which speculation does not change.  ``row_speedups`` holds each row's
-  ratio; ``identical_tokens`` counts the baseline rows whose tokens equal ``ar``'s (with
-  greedy decoding every one must: the method is lossless).
+* ``speedup``: on the baseline rows, run again after the main pass in two passes batched
+  alike (same rows, replicas and ``max_num_seqs``), first with the job's strategy, then with
+  ``ar``: the first pass's throughput (as above) over the second's. The main pass decoded
+  those rows among all the others, at another batch, so its timings are not compared with
+  ``ar``'s. ``decode_speedup`` leaves out the prefill time, which speculation does not
+  change; ``strategy_mean_batch`` / ``ar_mean_batch`` say at which batch the two passes ran;
+  ``row_speedup_*`` are per-row ratios between the passes; ``identical_tokens`` counts the
+  baseline rows whose tokens *in the job's output* equal ``ar``'s (with greedy decoding every
+  one must: the method is lossless).
 * buckets: rows grouped by prompt length (``num_input_tokens``) at powers of two.
 """
 
@@ -121,32 +124,39 @@ def _acceptance(rows: list[dict]) -> dict:
             "selections": sum(r["selections"] or 0 for r in rows)}
 
 
-def _speedup(pairs: list[tuple[dict, dict]]) -> dict:
-    """pairs: (strategy row, ar row) of the same id, both ok."""
+def _speedup(pairs: list[tuple[dict, dict]], lossless: list[tuple[dict, dict]]) -> dict:
+    """pairs: (the job's strategy row from the baseline pass, ar row) of the same id, both
+    ok; lossless: (the job's own row, ar row)."""
+    identical = sum(s["generated_tokens"] == a["generated_tokens"] for s, a in lossless)
     if not pairs:
-        return {"rows": 0, "speedup": None, "decode_speedup": None}
-    spec = [p[0] for p in pairs]
-    ar = [p[1] for p in pairs]
+        return {"rows": 0, "speedup": None, "decode_speedup": None,
+                "identical_tokens": identical}
+    spec, ar = throughput([p[0] for p in pairs]), throughput([p[1] for p in pairs])
     per_row = [s["tokens_per_s"] / a["tokens_per_s"] for s, a in pairs
                if s["tokens_per_s"] and a["tokens_per_s"]]
     return {
         "rows": len(pairs),
-        "speedup": _ratio(_throughput(spec), _throughput(ar)),
-        "decode_speedup": _ratio(_throughput(spec, prefill=False), _throughput(ar, prefill=False)),
-        "strategy_tokens_per_s": _throughput(spec),
-        "ar_tokens_per_s": _throughput(ar),
+        "speedup": _ratio(spec["tokens_per_s"], ar["tokens_per_s"]),
+        "decode_speedup": _ratio(spec["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
+        "strategy_tokens_per_s": spec["tokens_per_s"],
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        "strategy_mean_batch": spec["mean_batch"],
+        "ar_mean_batch": ar["mean_batch"],
         "row_speedup_median": statistics.median(per_row) if per_row else None,
         "row_speedup_min": min(per_row) if per_row else None,
         "row_speedup_max": max(per_row) if per_row else None,
-        "identical_tokens": sum(s["generated_tokens"] == a["generated_tokens"] for s, a in pairs),
+        "identical_tokens": identical,
     }
 
 
 def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: list,
-              job: dict, run: dict) -> dict:
-    """The content of ``summary.json``."""
+              job: dict, run: dict, again: pa.Table | None = None) -> dict:
+    """The content of ``summary.json``; ``again``: the baseline rows run with the job's
+    strategy in the baseline pass."""
     out = rows.to_pylist()
     base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
+    again_ok = {} if again is None else {r[id_column]: r for r in again.to_pylist()
+                                         if r["error"] is None}
     ok = [r for r in out if r["error"] is None]
     failed = [r for r in out if r["error"] is not None]
     written = {r[id_column] for r in out}
@@ -155,7 +165,8 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
     for r in failed:
         kind = error_kind(r["error"])
         errors[kind] = errors.get(kind, 0) + 1
-    pairs = [(r, base[r[id_column]]) for r in ok if r[id_column] in base]
+    lossless = [(r, base[r[id_column]]) for r in ok if r[id_column] in base]
+    pairs = [(again_ok[i], b) for i, b in base.items() if i in again_ok]
     buckets = []
     for lo, hi in zip(BUCKET_EDGES, BUCKET_EDGES[1:]):
         members = [r for r in out if r["num_input_tokens"] is not None
@@ -164,6 +175,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
             continue
         b_ok = [r for r in members if r["error"] is None]
         b_pairs = [p for p in pairs if lo <= p[0]["num_input_tokens"] < hi]
+        b_lossless = [p for p in lossless if lo <= p[0]["num_input_tokens"] < hi]
         buckets.append({
             "bucket": _label(lo, hi), "min_tokens": lo, "max_tokens": None if hi == math.inf
             else hi, "rows": len(members), "ok": len(b_ok), "failed": len(members) - len(b_ok),
@@ -172,7 +184,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
             "row_tokens_per_s": _throughput(b_ok) if b_ok else None,
             **{k: v for k, v in _acceptance(b_ok).items()
                if k in ("acceptance_rate", "attention_skipped", "mlp_skipped")},
-            "baseline": _speedup(b_pairs)})
+            "baseline": _speedup(b_pairs, b_lossless)})
     return {
         "job": job,
         "complete": inputs <= written,
@@ -186,15 +198,16 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
         "throughput": throughput(ok, run.get("max_num_seqs")),
         "generation_seconds": sum(r["time_taken_llm"] for r in ok),
         "acceptance": _acceptance(ok),
-        "baseline": {"strategy": "ar", **_speedup(pairs)},
+        "baseline": {"strategy": "ar", **_speedup(pairs, lossless)},
         "buckets": buckets,
         "run": run,
     }
 
 
 def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
-               path_bytes_writer) -> None:
-    """``speedup.png``: speedup (baseline rows) and acceptance by context length."""
+               path_bytes_writer, again: pa.Table | None = None) -> None:
+    """``speedup.png``: speedup (baseline rows: the strategy's baseline pass against ar's)
+    and acceptance by context length."""
     import io
 
     import matplotlib
@@ -206,9 +219,10 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
     out = [r for r in rows.to_pylist() if r["error"] is None]
     base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
-    xs = [r["num_input_tokens"] for r in out if r[id_column] in base
+    rerun = [] if again is None else [r for r in again.to_pylist() if r["error"] is None]
+    xs = [r["num_input_tokens"] for r in rerun if r[id_column] in base
           and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
-    ys = [r["tokens_per_s"] / base[r[id_column]]["tokens_per_s"] for r in out
+    ys = [r["tokens_per_s"] / base[r[id_column]]["tokens_per_s"] for r in rerun
           if r[id_column] in base and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
     ax1.scatter(xs, ys, s=24, alpha=0.7, label="baseline rows")
     bx = [b["mean_input_tokens"] for b in summary["buckets"] if b["baseline"]["speedup"]]

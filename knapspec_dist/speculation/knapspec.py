@@ -9,10 +9,17 @@ while the DP is slow next to decoding, see ``interval``), it:
    (integer weights, attention growing with n, MLP constant, all-reduce included under TP);
 2. runs the pure knapsack solver (knapsack.py); every stage evaluates all surviving budgets
    in one batched forward of that sublayer over the reference positions, attending to the
-   real KV cache prefix, and scores them by mean cosine to the full model's state;
+   real KV cache prefix, and scores them by mean cosine to the full model's state
+   (hidden_states.py); states that cannot reach the least skipped weight that could pay
+   (``least_paying_weight``) are dropped, which leaves the choice unchanged;
 3. estimates each candidate's acceptance from top-1 agreement with the full model;
 4. picks subnet and draft length by Tokens-per-Time (tpt.py), where gamma = 0 means plain
    autoregressive decoding until the next selection.
+
+A due selection is spared, and decoding stays plain, where the DP cannot pay for itself
+(``nothing_pays``): no weight could pay at these prices, the batch has too few tokens left to
+repay the last DP's cost, or the last fruitless DP's subnets, priced again at today's batch
+size and context, still lose.
 
 Between selections a guard (``PlanRun``) drops a plan for plain decoding once its drafts,
 priced by the profile at the acceptance actually seen, yield fewer tokens per second than plain
@@ -32,14 +39,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..cache import KVCache
-from ..model import Attention, Capture, Transformer
+from ..model import Capture, Transformer
 from ..profiles.batching import BatchPricing
 from ..profiles.profile import LatencyProfile, integer_weights
 from . import knapsack, tpt
 from .batch import Batch
+from .hidden_states import HiddenStateEvaluator, Reference
 from .selfspec import Plan, Selector
 
 log = logging.getLogger(__name__)
@@ -121,112 +127,6 @@ def smoothed_alpha(agree: int, total: int) -> float:
     from betting on ten-token drafts from five observations.
     """
     return (agree + 1) / (total + 2)
-
-
-@dataclass
-class Reference:
-    """The full model's hidden states at one row's last committed positions."""
-
-    slot: int  # the row's cache row
-    start: int  # position of the first state (the prefix before it is in the cache)
-    states: torch.Tensor  # [2L + 1, m, d]: input, then after each item
-
-
-class HiddenStateEvaluator:
-    """The DP's tensors: one batched sublayer forward per (stage, execute) over all budgets,
-    at every reference position of every reference row."""
-
-    def __init__(self, model: Transformer, cache: KVCache, references: list[Reference]):
-        self.model, self.cache = model, cache
-        self.reference = torch.cat([r.states for r in references], dim=1)  # [2L + 1, M, d]
-        self.blocks = []  # (cache row, prefix length, rotary step, causal mask, positions)
-        offset = 0
-        for r in references:
-            m = r.states.shape[1]
-            step = model.step([r.start], m, cache, slice(r.slot, r.slot + 1))
-            causal = torch.ones(m, m, dtype=torch.bool, device=r.states.device).tril()
-            self.blocks.append((r.slot, r.start, step, causal, slice(offset, offset + m)))
-            offset += m
-        self.current: dict[int, torch.Tensor] = {0: self.reference[0]}
-        self.pending: dict[tuple[int, bool], torch.Tensor] = {}
-
-    def evaluate(self, item: int, sources: list[int], execute: bool) -> list[float]:
-        x = torch.stack([self.current[j] for j in sources])
-        if execute:
-            layer = self.model.layers[item // 2]
-            x = self._attention(layer.attention, item // 2, x) if item % 2 == 0 else layer.mlp(x)
-        for j, state in zip(sources, x):
-            self.pending[(j, execute)] = state
-        target = self.reference[item + 1]
-        cos = F.cosine_similarity(x.float(), target.float()[None], dim=-1).mean(dim=-1)
-        return cos.tolist()
-
-    def keep(self, item: int, chosen: dict[int, tuple[int, bool]]) -> None:
-        self.current = {j: self.pending[src] for j, src in chosen.items()}
-        self.pending = {}
-
-    def _attention(self, attn: Attention, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Attention sublayer of N candidate states [N, M, d], each reference row's positions
-        against that row's cache."""
-        out = torch.cat([self._row_attention(attn, layer, x[:, positions], slot, prefix, step,
-                                             causal)
-                         for slot, prefix, step, causal, positions in self.blocks], dim=1)
-        return x + attn.reduce(attn.o_proj(out.to(x.dtype)))
-
-    def _row_attention(self, attn: Attention, layer: int, x: torch.Tensor, slot: int, prefix: int,
-                       step, causal: torch.Tensor) -> torch.Tensor:
-        """Attention of N candidate states at one row's m reference positions: each attends to
-        the cached prefix (the full model's K/V) and, causally, to its own K/V, as a draft
-        would. The two parts are merged through the prefix's log-sum-exp. [N, m, H * hd]."""
-        n, m, _ = x.shape
-        q, k, v = attn.qkv(attn.norm(x), step)
-        kv, hd = attn.num_kv_heads, attn.head_dim
-        g, scale = attn.num_heads // kv, attn.head_dim ** -0.5
-        q = q.reshape(n, kv, g * m, hd)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, m, hd]
-        own = (q @ k.transpose(-1, -2)) * scale  # [N, KV, g*m, m]
-        own = own.masked_fill(~causal.repeat(g, 1), float("-inf"))
-        if not prefix:
-            out = torch.softmax(own, dim=-1) @ v
-        else:
-            # All N states share the prefix: one attention per KV head with N folded into rows.
-            rows = q.transpose(0, 1).reshape(1, kv, n * g * m, hd)
-            out_p, lse = prefix_attention(rows, self.cache.k[layer][slot:slot + 1, :, :prefix],
-                                          self.cache.v[layer][slot:slot + 1, :, :prefix], scale)
-            out_p = out_p.reshape(kv, n, g * m, hd).transpose(0, 1)
-            lse = lse.reshape(kv, n, g * m, 1).transpose(0, 1)
-            top = torch.maximum(own.amax(dim=-1, keepdim=True), lse)
-            w_own, w_prefix = (own - top).exp(), (lse - top).exp()
-            # v.to: on a CPU the fused kernel's log-sum-exp is fp32 even for a bf16 model
-            out = (w_prefix * out_p + w_own @ v.to(w_own.dtype)) / (
-                w_prefix + w_own.sum(dim=-1, keepdim=True))
-        return out.reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
-
-
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention [1, KV, R, hd] over keys [1, KV, P, hd]: (output, log-sum-exp [1, KV, R]).
-
-    On a CPU this is torch's fused flash kernel: with R = N budgets x m positions x group rows
-    against an 8k prefix, plain ops stream a [KV, R, P] score matrix through memory five times
-    per stage (SmolLM2 at 8k on two cores: 5.5 s per selection with plain ops, 1.3 s fused, same
-    values to 3e-7). bf16 would be faster still (1.0 s) but changed 2 of 60 candidates.
-    """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, scale=scale)[:2]
-        return out, lse
-    return reference_prefix_attention(q, k, v, scale)
-
-
-def reference_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain tensor ops (GPUs, and the check of the fused path in the tests)."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - top).exp()
-    total = weights.sum(dim=-1, keepdim=True)
-    return (weights @ v) / total, (top + total.log()).squeeze(-1)
 
 
 class KnapSpecSelector(Selector):
@@ -460,7 +360,12 @@ class KnapSpecSelector(Selector):
         if cfg.keep_first_last:
             keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1}
         evaluator = HiddenStateEvaluator(model, batch.cache, references)
-        useful = self.least_paying_weight(weights, n, num_layers, evaluator.reference.shape[1])
+        # The least weight that could pay here or at a context up to RESELECT_GROWTH times
+        # longer (attention dearer, skipping it worth more): the subnets left out could then
+        # not pay anywhere this DP's frontier is reused (frontier_rules_out).
+        positions = evaluator.reference.shape[1]
+        useful = min(self.least_paying_weight(weights, c, num_layers, positions)
+                     for c in (n, math.ceil(n * self.RESELECT_GROWTH)))
         candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
                                     max_skip_fraction=cfg.max_skip_fraction,
                                     always_execute=keep, coupled=cfg.coupled, useful_from=useful)
