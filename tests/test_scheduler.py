@@ -164,7 +164,8 @@ def test_least_paying_weight_is_the_exact_threshold(engine_model):
 def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(engine_model):
     """After a DP found nothing worth drafting at context n, a due selection at a context up
     to 1.25 n is skipped if, priced at the batch size of the moment, neither the subnets that
-    DP returned nor those it did not evaluate could pay; at most MAX_PLAIN_SKIPS times in a row."""
+    DP returned nor those it did not evaluate could pay, until the decoding since (priced by
+    the profile) is 100 times what the DP cost (RECHECK_SHARE)."""
     from knapspec_dist.speculation.knapspec import Frontier
 
     model = engine_model(NAME)
@@ -176,12 +177,15 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
     skip = frozenset(range(2, 2 * layers - 2))  # all but the first and last layer
     assert sum(weights[i] for i in skip) >= useful  # a subnet the DP would return
     selector.frontier = Frontier(1000, weights, useful, [skip], [0.2])
+    selector.last_select_s = 0.5
     assert not selector.frontier_rules_out(1300, layers, 5)  # the context grew: redo the DP
-    skips = [selector.frontier_rules_out(1100, layers, 5)
-             for _ in range(selector.MAX_PLAIN_SKIPS + 1)]
-    assert skips == [True] * selector.MAX_PLAIN_SKIPS + [False]
+    step = one.verify_time(1, 1100)
+    due = 0.5 / (selector.RECHECK_SHARE * step)  # rounds of decoding 100x the DP's cost
+    for rounds, spared in ((0, True), (int(due) - 1, True), (int(due) + 1, False)):
+        selector.rounds_since_dp = rounds
+        assert selector.frontier_rules_out(1100, layers, 5) is spared
+    selector.rounds_since_dp = 0
     # the same subnet, had it shown a high acceptance, would pay: the DP is redone
-    selector.plain_skips = 0
     selector.frontier = Frontier(1000, weights, useful, [skip], [0.95])
     assert not selector.frontier_rules_out(1000, layers, 5)
     # a batch size where drafting is cheaper (a flat verify) makes the unevaluated subnets

@@ -287,3 +287,39 @@ def test_per_rank_memory_is_a_tp_share_of_the_weights(memory_reports):
     print(f"\nweights {total / mib:.0f} MiB; tp=1 rss +{single['rss'] / mib:.0f} MiB; tp=2 per "
           f"rank: params {reports[WORLD][0]['params'] / mib:.0f} MiB, rss "
           f"+{reports[WORLD][0]['rss'] / mib:.0f} MiB, peak +{reports[WORLD][0]['peak'] / mib:.0f} MiB")
+
+
+def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
+    """What a rank measured on its own clock (KnapSpec's next selection and the cost of its
+    last DP, which decides whether the next DP runs) must not differ between ranks, or one
+    rank would run a DP's collectives alone: rank 0's values are broadcast with its plan."""
+    from types import SimpleNamespace
+
+    from knapspec_dist.parallel.tp import SyncedSelector
+    from knapspec_dist.speculation.selfspec import Plan
+
+    class Inner:
+        def __init__(self, plan, next_selection, last_select_s):
+            self.p, self.next_selection, self.last_select_s = plan, next_selection, last_select_s
+
+        def plan(self, model, batch):
+            return self.p
+
+    sent = []
+    model = SimpleNamespace(cfg=SimpleNamespace(num_items=8))
+    root = SyncedSelector(Inner(Plan(frozenset({2, 5}), 3), 140, 0.4321),
+                          SimpleNamespace(cuda=False, rank=0,
+                                          broadcast=lambda t, src: sent.append(t.clone())))
+    assert root.plan(model, None) == Plan(frozenset({2, 5}), 3)
+    other = Inner(Plan(frozenset({2}), 2), 151, 0.5)
+    synced = SyncedSelector(other, SimpleNamespace(cuda=False, rank=1,
+                                                   broadcast=lambda t, src: t.copy_(sent[0])))
+    assert synced.plan(model, None) == Plan(frozenset({2, 5}), 3)
+    assert other.next_selection == 140 and other.last_select_s == pytest.approx(0.4321)
+    assert synced.divergences == 1
+    before_any = Inner(Plan(frozenset(), 0), 5, None)  # no DP yet: stays None
+    sent.clear()
+    SyncedSelector(before_any, SimpleNamespace(cuda=False, rank=0,
+                                               broadcast=lambda t, src: sent.append(t))).plan(
+        model, None)
+    assert before_any.last_select_s is None and before_any.next_selection == 5

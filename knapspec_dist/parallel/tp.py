@@ -370,11 +370,12 @@ def spmd_strategy(strategy, model: Transformer):
 
 class SyncedSelector:
     """Wraps a Selector: every rank runs it (its DP issues the same collectives everywhere),
-    then rank 0's plan -- and its selection schedule (``next_selection``, which KnapSpec sets
-    from its measured selection time, a per-rank wall-clock quantity) -- is broadcast, so all
+    then rank 0's plan -- and the per-rank wall-clock quantities its schedule depends on
+    (KnapSpec's ``next_selection``, set from its measured selection time, and
+    ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
     ranks draft with the same subnet and gamma and run the DP at the same steps."""
 
-    SCHEDULE = "next_selection"
+    SCHEDULE = {"next_selection": 1, "last_select_s": 1_000_000}  # name: integer scale
 
     def __init__(self, inner, comm: Comm):
         self.inner, self.comm = inner, comm
@@ -402,19 +403,25 @@ class SyncedSelector:
         from ..speculation.selfspec import Plan
 
         plan = self.inner.plan(model, batch)
-        schedule = getattr(self.inner, self.SCHEDULE, None)
-        code = torch.zeros(model.cfg.num_items + 2, dtype=torch.int64)
+        names = list(self.SCHEDULE)
+        code = torch.zeros(model.cfg.num_items + 1 + len(names), dtype=torch.int64)
         code[0] = plan.gamma
-        code[1] = -1 if schedule is None else int(schedule)
+        for k, name in enumerate(names):  # -1: the selector has none (yet)
+            value = getattr(self.inner, name, None)
+            code[1 + k] = -1 if value is None else int(value * self.SCHEDULE[name])
+        first = 1 + len(names)
         if plan.skip:
-            code[2 + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
+            code[first + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
         if self.comm.cuda:
             code = code.cuda()
         self.comm.broadcast(code, src=0)
         code = code.cpu()
-        agreed = Plan(frozenset(torch.nonzero(code[2:]).flatten().tolist()), int(code[0]))
-        if schedule is not None:
-            setattr(self.inner, self.SCHEDULE, int(code[1]))
+        agreed = Plan(frozenset(torch.nonzero(code[first:]).flatten().tolist()), int(code[0]))
+        for k, name in enumerate(names):
+            if hasattr(self.inner, name):
+                value, scale = int(code[1 + k]), self.SCHEDULE[name]
+                setattr(self.inner, name, None if value == -1 else
+                        value if scale == 1 else value / scale)
         if agreed != plan:
             self.divergences += 1
             log.warning("rank %d: selector plan %s differs from rank 0's %s; using rank 0's",

@@ -143,10 +143,10 @@ class KnapSpecSelector(Selector):
         self.fallbacks = 0  # plans dropped for plain decoding by the guard (all sequences)
         self.skipped = 0  # selections not run: no subnet could beat plain decoding
         # Kept across runs: what the last DP found when it found nothing worth drafting with,
-        # and how many due selections were skipped since (frontier_rules_out).
+        # what it cost, and the decoding rounds since (frontier_rules_out, worth_a_dp).
         self.frontier: Frontier | None = None
-        self.plain_skips = 0
         self.last_select_s: float | None = None  # what the last DP cost (worth_a_dp)
+        self.rounds_since_dp = 0
         self.accepted = self.expected = 0.0  # per run (start): accepted vs predicted drafts
         self.search = self.local_search
 
@@ -212,6 +212,7 @@ class KnapSpecSelector(Selector):
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
         self.profile = self.pricing.at(batch.size)
+        self.rounds_since_dp += 1
         done_once = self.config.select_once and self.history
         wants = not done_once and batch.progress + self.config.m + 1 >= self.next_selection
         if wants and not self._wants:
@@ -238,6 +239,7 @@ class KnapSpecSelector(Selector):
                 start = time.perf_counter()
                 self.plan_now = self.select(model, batch, references).plan
                 self.last_select_s = time.perf_counter() - start
+                self.rounds_since_dp = 0
                 self.next_selection = batch.progress + self.interval(self.last_select_s, context)
                 return self.plan_now
         if self.run is not None and self.run.losing(self.profile):
@@ -250,7 +252,7 @@ class KnapSpecSelector(Selector):
         return self.plan_now
 
     RESELECT_GROWTH = 1.25  # context growth that makes a fruitless selection worth redoing
-    MAX_PLAIN_SKIPS = 4  # ... and skipped selections after which it is redone anyway
+    RECHECK_SHARE = 0.01  # ... and the share of decoding time a periodic re-check may cost
 
     def nothing_pays(self, batch: Batch, n: int, num_layers: int, positions: int) -> bool:
         """Whether a due selection can be spared: no subnet could beat plain decoding at
@@ -319,13 +321,16 @@ class KnapSpecSelector(Selector):
     def frontier_rules_out(self, n: int, num_layers: int, positions: int) -> bool:
         """The last DP chose plain decoding at a context within ``RESELECT_GROWTH`` of n, and
         at today's prices (batch size, context, calibration) neither the subnets it returned
-        nor the ones it did not (which skipped less than its ``useful_from``) could pay; at
-        most ``MAX_PLAIN_SKIPS`` due selections in a row are skipped so. Rows of similar length
-        pay for one DP, not one each, and a batch that shrinks at a job's tail for none."""
+        nor the ones it did not (which skipped less than its ``useful_from``) could pay. It is
+        redone anyway once the decoding since, priced by the profile, reaches the DP's cost
+        over ``RECHECK_SHARE`` (other rows, other text). Rows of similar length pay for one DP,
+        not one each."""
         f = self.frontier
-        if f is None or n > self.RESELECT_GROWTH * f.context or \
-                self.plain_skips >= self.MAX_PLAIN_SKIPS:
+        if f is None or n > self.RESELECT_GROWTH * f.context:
             return False
+        decoded = self.rounds_since_dp * self.profile.verify_time(1, n)  # priced: rank-equal
+        if decoded * self.RECHECK_SHARE >= (self.last_select_s or 0.0):
+            return False  # the rows have changed enough since: check again, at 1 % of time
         p = self.profile
         if f.skips:
             alphas = [min(1.0, self.calibration * a) for a in f.alphas]
@@ -336,7 +341,6 @@ class KnapSpecSelector(Selector):
                 return False
         if self.least_paying_weight(f.weights, n, num_layers, positions) < f.useful_from:
             return False
-        self.plain_skips += 1
         return True
 
     def weights(self, n: int, num_layers: int) -> list[int]:
@@ -376,7 +380,6 @@ class KnapSpecSelector(Selector):
         selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
         self.frontier = Frontier(n, weights, useful, [c.skipped for c in candidates], raw) \
             if choice.candidate is None or not choice.gamma else None
-        self.plain_skips = 0
         guarded = cfg.fixed_gamma is None  # CLaSp, the baseline, drafts whatever it yields
         self.run = None if choice.candidate is None or not choice.gamma or not guarded else \
             PlanRun(n, raw[choice.candidate], self.profile.draft_time(skip, n, num_layers))
