@@ -164,7 +164,9 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
         return type("S", (), {"plan": Plan(skip, 3)})()
 
     monkeypatch.setattr(selector, "select", select)
-    batch = type("B", (), {"lengths": [n], "progress": 0.0, "size": 1})()
+    batch = type("B", (), {"lengths": [n], "progress": 0.0, "size": 1,
+                           "rows": [type("R", (), {"rid": 0})()]})()
+    selector.states = {0: [None] * selector.config.m}  # m positions observed: a DP can run
     assert selector.plan(model, batch) == Plan(skip, 3)
     for i in range(PlanRun.GUARD_ROUNDS):
         batch.progress = i + 1

@@ -21,8 +21,8 @@ from typing import Callable
 from ..errors import UserError
 from .inputs import read_input
 from .options import JobConfig
-from .output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir, PartWriter,
-                     output_schema, result_row)
+from .output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir,
+                     PartWriter, output_schema, result_row)
 from .progress import Progress
 from .prompts import PromptBuilder, choose_baseline
 from .scheduler import EngineBackend, Outcome, Scheduler, Task
@@ -216,17 +216,17 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
         ready = [i for i in baseline_ids if i in writer.done and i not in writer.failed]
         _check_terminate()
         if ready and not result.stopped_early:
-            for strategy, sub_writer, done_ids_ in ((config.strategy, again_writer, again_done),
-                                                    ("ar", base_writer, base_done)):
-                todo_ = sorted((by_id[i] for i in ready if i not in done_ids_),
-                               key=lambda p: (-p.num_input_tokens, p.index))
-                if not todo_:
+            for strategy, pass_writer, passed in ((config.strategy, again_writer, again_done),
+                                                  ("ar", base_writer, base_done)):
+                pass_rows = sorted((by_id[i] for i in ready if i not in passed),
+                                   key=lambda p: (-p.num_input_tokens, p.index))
+                if not pass_rows:
                     continue
-                replicas = min(config.replicas, len(todo_))
+                replicas = min(config.replicas, len(pass_rows))
                 log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
-                         len(todo_), strategy, replicas)
+                         len(pass_rows), strategy, replicas)
                 with engine_factory(config, strategy, replicas) as engine:
-                    _generate(engine, backend_factory, config, strategy, todo_, sub_writer,
+                    _generate(engine, backend_factory, config, strategy, pass_rows, pass_writer,
                               by_id, f"baseline ({strategy})", None, None, result,
                               "baseline_generated")
                 _check_terminate()

@@ -73,9 +73,9 @@ def error_kind(message: str) -> str:
     return re.sub(r"\d+", "N", message.split(";")[0].split(":")[0])[:120]
 
 
-def _throughput(rows: list[dict], prefill: bool = True) -> float | None:
+def _throughput(rows: list[dict]) -> float | None:
     tokens = sum(r["num_generated_tokens"] for r in rows)
-    wall = sum(r["time_taken_llm"] - (0 if prefill else (r["prefill_s"] or 0)) for r in rows)
+    wall = sum(r["time_taken_llm"] for r in rows)
     return tokens / wall if wall > 0 else None
 
 

@@ -107,7 +107,7 @@ def solve(
     """
     weights = [int(w) for w in weights]
     _check(weights, max_skip_fraction, always_execute, coupled)
-    cap = math.floor(max_skip_fraction * sum(weights))
+    cap = skip_cap(weights, max_skip_fraction)
     useful_from = max(1, useful_from)
     forced = set(always_execute)
     if coupled:  # a layer is skippable only if both its sublayers are
@@ -137,6 +137,11 @@ def solve(
     ]
     logger.debug("knapsack: %d candidates, cap %d, coupled=%s", len(candidates), cap, coupled)
     return candidates
+
+
+def skip_cap(weights: Sequence[int], max_skip_fraction: float) -> int:
+    """The most weight a candidate may skip."""
+    return math.floor(max_skip_fraction * sum(weights))
 
 
 def _skippable_ahead(weights: list[int], forced: set[int]) -> list[int]:

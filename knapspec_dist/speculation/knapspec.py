@@ -224,10 +224,9 @@ class KnapSpecSelector(Selector):
         done_once = self.config.select_once and self.history
         if batch.progress >= self.next_selection and not done_once:
             context = round(statistics.fmean(batch.lengths))
-            references = self.references(batch)
-            positions = sum(r.states.shape[1] for r in references)
-            if references and self.nothing_pays(batch, context, model.cfg.num_layers,
-                                                positions):
+            m = self.config.m  # the positions a DP would judge on (references: m in all)
+            ready = any(len(self.states.get(row.rid, ())) == m for row in batch.rows)
+            if ready and self.nothing_pays(batch, context, model.cfg.num_layers, m):
                 # Not even drafts that the DP could judge all right from the cheapest subnet
                 # beat plain decoding here (a compute-bound batch), or the last DP's subnets
                 # would not at these prices: plain decoding, and no DP to pay for.
@@ -235,6 +234,7 @@ class KnapSpecSelector(Selector):
                 self.skipped += 1
                 self.next_selection = batch.progress + self.config.interval
                 return self.plan_now
+            references = self.references(batch) if ready else []
             if references:
                 start = time.perf_counter()
                 self.plan_now = self.select(model, batch, references).plan
@@ -263,7 +263,7 @@ class KnapSpecSelector(Selector):
         if cfg.fixed_gamma is not None or cfg.objective != "tpt":
             return False  # CLaSp and the alpha objective do not price rounds: always select
         weights = self.weights(n, num_layers)
-        cap = math.floor(cfg.max_skip_fraction * sum(weights))
+        cap = knapsack.skip_cap(weights, cfg.max_skip_fraction)
         return (self.least_paying_weight(weights, n, num_layers, positions) > cap
                 or not self.worth_a_dp(batch, weights, n, num_layers, positions)
                 or self.frontier_rules_out(n, num_layers, positions))
@@ -312,7 +312,7 @@ class KnapSpecSelector(Selector):
         shrinks."""
         if self.last_select_s is None or not batch.rows:
             return True
-        cap = math.floor(self.config.max_skip_fraction * sum(weights))
+        cap = knapsack.skip_cap(weights, self.config.max_skip_fraction)
         step = self.profile.verify_time(1, n)
         best = self.best_rate(weights, n, num_layers, positions)(cap)
         remaining = max(r.limit - len(r.out) for r in batch.rows)
@@ -339,9 +339,7 @@ class KnapSpecSelector(Selector):
                                 max_gamma=self.config.max_gamma, min_gain=self.config.min_gain)
             if choice.candidate is not None:
                 return False
-        if self.least_paying_weight(f.weights, n, num_layers, positions) < f.useful_from:
-            return False
-        return True
+        return self.least_paying_weight(f.weights, n, num_layers, positions) >= f.useful_from
 
     def weights(self, n: int, num_layers: int) -> list[int]:
         if self.config.unit_weights:
