@@ -53,8 +53,8 @@ class FirstTokenClock:
 
 
 def run_ours(model, prompt: list[int], new_tokens: int) -> dict:
-    from knapspec_dist.speculation.autoregressive import Autoregressive
-    from knapspec_dist.speculation.strategy import GenerationConfig
+    from knapspec_dist.spec.autoregressive import Autoregressive
+    from knapspec_dist.engine.strategy import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     r = Autoregressive().generate(model, [prompt], config)[0]
@@ -88,8 +88,8 @@ def profile_ours(model, prompt: list[int], steps: int, rows: int = 15) -> str:
     """torch.profiler over ``steps`` decode steps of ours (the prefill runs outside it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from knapspec_dist.cache import KVCache
-    from knapspec_dist.speculation.scheduler import prefill
+    from knapspec_dist.model.cache import KVCache
+    from knapspec_dist.engine.scheduler import prefill
 
     with torch.inference_mode():
         cache = KVCache(model.cfg, 1, len(prompt) + steps + 1, dtype=model.dtype,
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from knapspec_dist import local
-    from knapspec_dist.bench.report import machine
-    from knapspec_dist.corpus import document_of_tokens
+    from knapspec_dist import llm as local
+    from knapspec_dist.tools.bench.report import machine
+    from knapspec_dist.tools.corpus import document_of_tokens
 
     loaded = local.load("smollm2")
     ours = loaded.model

@@ -6,7 +6,7 @@ Writes
 * ``knapspec_dist/data/sample_chapters.parquet``: 12 chapters, two from each of the six
   novels, of varied length (four short of 1-2k tokens, two of 2-3k, six of 3-6k,
   counted with the SmolLM2 tokenizer); columns ``id`` (``persuasion-ch03``), ``book``,
-  ``chapter`` (1-based position in the book, see ``knapspec_dist.corpus``) and
+  ``chapter`` (1-based position in the book, see ``knapspec_dist.tools.corpus``) and
   ``document`` (the chapter's body);
 * ``knapspec_dist/data/chapter.txt``: Pride and Prejudice, chapter 1 (about 1.2k
   tokens), the document of the first demo.
@@ -15,7 +15,7 @@ Usage::
 
     python scripts/build_sample.py [--corpus DIR] [--out DIR]
 
-The corpus defaults to ``knapspec_dist.corpus.shared_corpus_dir()``.  Token counts use
+The corpus defaults to ``knapspec_dist.tools.corpus.shared_corpus_dir()``.  Token counts use
 the embedded SmolLM2 tokenizer when it is available (converted on first use); without it
 the length checks are skipped.  The output is deterministic (same input, same bytes
 apart from Parquet's writer metadata).
@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from knapspec_dist.corpus import Chapter, chapters, shared_corpus_dir  # noqa: E402
+from knapspec_dist.tools.corpus import Chapter, chapters, shared_corpus_dir  # noqa: E402
 
 logger = logging.getLogger("build_sample")
 
@@ -58,7 +58,7 @@ def _token_counter():
     try:
         from transformers import AutoTokenizer
 
-        from knapspec_dist.embedded import ensure_smollm2
+        from knapspec_dist.model.embedded import ensure_smollm2
 
         tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     except Exception as exc:  # noqa: BLE001 - optional: only used for checks

@@ -19,18 +19,18 @@ from pathlib import Path
 
 import torch
 
-from knapspec_dist.bench.prompts import build_prompts, resolve_tokenizer
-from knapspec_dist.cache import KVCache
-from knapspec_dist.local import load
-from knapspec_dist.model import Capture
+from knapspec_dist.tools.bench.prompts import build_prompts, resolve_tokenizer
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.llm import load
+from knapspec_dist.model.decoder import Capture
 from knapspec_dist.profiles.store import resolve_profile
-from knapspec_dist.speculation import tpt
-from knapspec_dist.speculation.batch import Batch, Row
-from knapspec_dist.speculation.hidden_states import Reference
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.speculation.scheduler import MAX_GAMMA, prefill
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.speculation.strategy import GenerationConfig
+from knapspec_dist.spec import tpt
+from knapspec_dist.engine.sequence import Batch, Row
+from knapspec_dist.spec.hidden_states import Reference
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.engine.scheduler import MAX_GAMMA, prefill
+from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.engine.strategy import GenerationConfig
 
 log = logging.getLogger("sweep")
 

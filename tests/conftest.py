@@ -6,7 +6,7 @@ Everything heavy is built once per session and cached:
   checkpoint into one temporary folder (name -> folder);
 * ``engine_model(name)`` / ``hf_reference(name)``: our Transformer and transformers'
   ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` loaded from the same folder;
-* ``smollm2`` (``knapspec_dist.local.load("smollm2")``) and ``smollm2_hf`` (transformers
+* ``smollm2`` (``knapspec_dist.llm.load("smollm2")``) and ``smollm2_hf`` (transformers
   loading the same converted folder);
 * ``corpus_prompt``: a ~1k-token document from the corpus (shared corpus, else the bundled
   sample), as SmolLM2 token ids.
@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def engine_model(checkpoints):
     """name -> our fp32 Transformer loaded from the test checkpoint (cached)."""
-    from knapspec_dist.loading import load_model
+    from knapspec_dist.model.weights import load_model
 
     cache: dict[str, object] = {}
 
@@ -84,7 +84,7 @@ def tiny_vocab_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from knapspec_dist import local
+    from knapspec_dist import llm as local
 
     return local.load("smollm2")
 
@@ -97,8 +97,8 @@ def smollm2_hf(smollm2):
 @pytest.fixture(scope="session")
 def corpus_prompt(smollm2) -> list[int]:
     """About 1000 SmolLM2 tokens of a public-domain chapter (shared corpus or bundled)."""
-    from knapspec_dist.corpus import document_of_tokens
-    from knapspec_dist.local import encode
+    from knapspec_dist.tools.corpus import document_of_tokens
+    from knapspec_dist.llm import encode
 
     ids = encode(smollm2.tokenizer, document_of_tokens(smollm2.tokenizer, 1000))
     assert 950 <= len(ids) <= 1050, len(ids)

@@ -38,7 +38,7 @@ def summarize(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "knapspec_dist.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "knapspec_dist.cli.main", *args], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -121,7 +121,7 @@ def test_an_unwritable_output_is_one_error_line(tmp_path, where):
 @pytest.fixture(scope="module")
 def corrupt_model(tmp_path_factory) -> Path:
     """SmolLM2's folder with garbage in model.safetensors."""
-    from knapspec_dist.embedded import resolve_model_path
+    from knapspec_dist.model.embedded import resolve_model_path
 
     source = resolve_model_path("smollm2")
     folder = tmp_path_factory.mktemp("corrupt")

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from knapspec_dist.bench.specs import parse_strategies
-from knapspec_dist.cli import main
+from knapspec_dist.tools.bench.specs import parse_strategies
+from knapspec_dist.cli.main import main
 from knapspec_dist.errors import UserError
-from knapspec_dist.speculation.selfspec import SelfSpeculative
+from knapspec_dist.spec.selfspec import SelfSpeculative
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -105,9 +105,9 @@ def test_strategy_specs():
 
 def test_bench_report_shows_near_ties_and_bugs(tmp_path):
     """A tie is reported with its gap and tolerance, not as an error; a BUG is an error."""
-    from knapspec_dist.bench.command import bugs
-    from knapspec_dist.bench.report import summarize, write_markdown
-    from knapspec_dist.speculation.ties import classify
+    from knapspec_dist.cli.bench import bugs
+    from knapspec_dist.tools.bench.report import summarize, write_markdown
+    from knapspec_dist.spec.ties import classify
     import torch
 
     z = torch.full((8,), -2.0)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import random_prompt
-from knapspec_dist.cache import KVCache
-from knapspec_dist.execution import runner
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.speculation.strategy import GenerationConfig
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.engine import model_runner as runner
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.engine.strategy import GenerationConfig
 
 NAME = "llama-gqa"  # 4 layers, GQA
 SENTINEL = 7.25

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from knapspec_dist.cli import main
+from knapspec_dist.cli.main import main
 from models import make_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -86,7 +86,7 @@ def test_empty_and_missing_prompt_file(capsys, cli_model, tmp_path):
 
 
 def test_prompt_longer_than_context_window(capsys, cli_model, smollm2, tmp_path):
-    from knapspec_dist.corpus import document_of_tokens
+    from knapspec_dist.tools.corpus import document_of_tokens
 
     long = tmp_path / "long.txt"
     long.write_text(document_of_tokens(smollm2.tokenizer, 4300))
@@ -110,9 +110,9 @@ def test_invalid_generation_options(capsys, cli_model, option, needle):
 def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
     """`--json` on the embedded model: one JSON object with token_ids (generated only), text
     and stats; the static tokens equal plain `ar` decoding of the same chat prompt."""
-    from knapspec_dist.local import encode
-    from knapspec_dist.speculation.autoregressive import Autoregressive
-    from knapspec_dist.speculation.strategy import GenerationConfig
+    from knapspec_dist.llm import encode
+    from knapspec_dist.spec.autoregressive import Autoregressive
+    from knapspec_dist.engine.strategy import GenerationConfig
 
     prompt = "Name three colours of the rainbow."
     rc = main(["generate", "--model", "smollm2", "--prompt", prompt, "--chat", "--strategy",
@@ -142,9 +142,9 @@ def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
 def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_path):
     """Repeated --prompt / --prompt-file go through one continuous batch (--max-num-seqs 2):
     one JSON line per prompt, in order, each the tokens plain ar gives that prompt alone."""
-    from knapspec_dist.local import encode
-    from knapspec_dist.speculation.autoregressive import Autoregressive
-    from knapspec_dist.speculation.strategy import GenerationConfig
+    from knapspec_dist.llm import encode
+    from knapspec_dist.spec.autoregressive import Autoregressive
+    from knapspec_dist.engine.strategy import GenerationConfig
 
     texts = ["Name three colours of the rainbow.", "What is the capital of France?",
              "Write one sentence about the sea."]
@@ -167,7 +167,7 @@ def test_console_script_subprocess_long_prompt(smollm2, tmp_path):
     """The installed `knapspec` script, in its own process, on the real model: a prompt past
     SmolLM2's 8192-token window gives exit code 2 and exactly one stderr line, no traceback
     (nor transformers' own "sequence length is longer" warning)."""
-    from knapspec_dist.corpus import document_of_tokens
+    from knapspec_dist.tools.corpus import document_of_tokens
 
     script = Path(sys.executable).parent / "knapspec"
     script = str(script) if script.is_file() else shutil.which("knapspec")

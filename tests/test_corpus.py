@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from knapspec_dist import corpus
-from knapspec_dist.corpus import (
+from knapspec_dist.tools import corpus
+from knapspec_dist.tools.corpus import (
     Chapter,
     bundled_chapter_path,
     bundled_chapters,
@@ -139,7 +139,7 @@ def test_document_of_tokens_falls_back_to_bundled(monkeypatch: pytest.MonkeyPatc
 def test_document_of_tokens_smollm2_tokenizer() -> None:
     from transformers import AutoTokenizer
 
-    from knapspec_dist.embedded import ensure_smollm2
+    from knapspec_dist.model.embedded import ensure_smollm2
 
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     for n in (100, 3000):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from knapspec_dist import embedded
-from knapspec_dist.embedded import (
+from knapspec_dist.model import embedded
+from knapspec_dist.model.embedded import (
     SmolLM2NotInstalledError,
     cache_dir,
     ensure_smollm2,

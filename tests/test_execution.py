@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import random_prompt
-from knapspec_dist.cache import KVCache
-from knapspec_dist.execution.attention import FLEX_BLOCK, length_block_mask
-from knapspec_dist.execution.runner import ModelRunner
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.speculation.strategy import GenerationConfig
-from knapspec_dist.sampling import SamplingConfig
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.attention import FLEX_BLOCK, length_block_mask
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.sampling import SamplingConfig
 
 NAME = "llama-gqa"
 GREEDY = GenerationConfig(max_new_tokens=24, stop_at_eos=False)

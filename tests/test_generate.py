@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import CONFIG_NAMES, random_prompt
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.speculation.strategy import GenerationConfig
-from knapspec_dist.speculation.factory import format_skip
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.spec.factory import format_skip
 
 NO_EOS = dict(stop_at_eos=False)
 
@@ -217,7 +217,7 @@ def smol_plans() -> list[tuple[set[int], int, float]]:
 
 @pytest.fixture(scope="module")
 def smol_prompts(smollm2, corpus_prompt):
-    from knapspec_dist.local import encode
+    from knapspec_dist.llm import encode
 
     tok = smollm2.tokenizer
     return [encode(tok, "Write a short poem about the sea and the wind.", chat=True),

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from knapspec_dist.cli import main
-from knapspec_dist.loading import load_model
+from knapspec_dist.cli.main import main
+from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles.profiler import measure
-from knapspec_dist.sampling import SamplingConfig
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.strategy import GenerationConfig
-from knapspec_dist.speculation.ties import TIE, check_divergence
-from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
+from knapspec_dist.engine.sampling import SamplingConfig
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.spec.ties import TIE, check_divergence
+from knapspec_dist.spec.factory import StrategyOptions, build_strategy
 
 from conftest import random_prompt
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
@@ -58,10 +58,10 @@ def target(request, checkpoints) -> Target:
         path = checkpoints["llama-gqa"]  # 4 layers, vocab 256, random weights
         prompts = [random_prompt(n, 256, seed) for seed, n in enumerate((20, 60, 120))]
         return Target("cpu", path, "a1,m2", "static:a1,m2@4", prompts, 24, 64)
-    from knapspec_dist.corpus import document_of_tokens
-    from knapspec_dist.embedded import ensure_smollm2
-    from knapspec_dist.loading import load_tokenizer
-    from knapspec_dist.local import encode
+    from knapspec_dist.tools.corpus import document_of_tokens
+    from knapspec_dist.model.embedded import ensure_smollm2
+    from knapspec_dist.model.weights import load_tokenizer
+    from knapspec_dist.llm import encode
 
     path = Path(ensure_smollm2())
     tok = load_tokenizer(path)

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from knapspec_dist.cli import main
-from knapspec_dist.gpucheck import shapes as S
-from knapspec_dist.gpucheck.budget import Budget
+from knapspec_dist.cli.main import main
+from knapspec_dist.tools.gpucheck import shapes as S
+from knapspec_dist.tools.gpucheck.budget import Budget
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SECTIONS = ("decode", "verify", "draft", "backends", "captures", "correctness", "bench", "batched")
@@ -114,7 +114,7 @@ def test_quick_run_on_cpu(tmp_path, capsys):
 
 
 def test_rows_that_do_not_fit_say_so():
-    from knapspec_dist.gpucheck import measure as M
+    from knapspec_dist.tools.gpucheck import measure as M
 
     cfg = S.tiny(2)
     resident = S.resident_bytes(cfg, 2)

@@ -89,21 +89,21 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 def test_the_import_graph_has_no_cycle():
     graph = import_graph()
-    assert "knapspec_dist.cli" in graph and graph["knapspec_dist.cli"]  # the walk sees imports
+    assert "knapspec_dist.cli.main" in graph and graph["knapspec_dist.cli.main"]  # the walk sees imports
     assert cycles(graph) == [], "import cycles in knapspec_dist"
 
 
 def test_the_shared_command_line_pieces_import_nothing_above_them():
     graph = import_graph()
-    commands = {"knapspec_dist.cli", "knapspec_dist.jobs", "knapspec_dist.jobs.options",
-                "knapspec_dist.bench.command", "knapspec_dist.profiles.command",
-                "knapspec_dist.runtime.cli"}
+    commands = {"knapspec_dist.cli.main", "knapspec_dist.jobs", "knapspec_dist.jobs.options",
+                "knapspec_dist.cli.bench", "knapspec_dist.cli.profile",
+                "knapspec_dist.cli.engine_commands"}
     for name in commands:  # nothing imports the top-level CLI back
-        assert "knapspec_dist.cli" not in graph[name] or name == "knapspec_dist.cli"
-    seen, todo = set(), ["knapspec_dist.commandline"]
+        assert "knapspec_dist.cli.main" not in graph[name] or name == "knapspec_dist.cli.main"
+    seen, todo = set(), ["knapspec_dist.cli.common"]
     while todo:  # everything commandline reaches, transitively
         for child in graph[todo.pop()] - seen:
             seen.add(child)
             todo.append(child)
-    assert not seen & (commands | {"knapspec_dist.local", "knapspec_dist.runtime.engine"})
+    assert not seen & (commands | {"knapspec_dist.llm", "knapspec_dist.runtime.engine"})
     assert not any("jobs" in m or "bench" in m for m in seen)

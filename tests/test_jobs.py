@@ -22,9 +22,9 @@ from knapspec_dist.jobs import JobConfig, config_from_args, add_job_args, main, 
 from knapspec_dist.jobs.inputs import read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
-from knapspec_dist.jobs.scheduler import Scheduler, Task
+from knapspec_dist.jobs.dispatch import Scheduler, Task
 from knapspec_dist.jobs.summary import summarize
-from knapspec_dist.speculation.strategy import GenerationResult, GenerationStats
+from knapspec_dist.engine.strategy import GenerationResult, GenerationStats
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -289,8 +289,8 @@ def test_truncate_cuts_the_end_of_the_document_to_fit():
 
 
 def test_truncate_with_the_real_tokenizer_fits_exactly():
-    from knapspec_dist.embedded import ensure_smollm2
-    from knapspec_dist.loading import load_tokenizer
+    from knapspec_dist.model.embedded import ensure_smollm2
+    from knapspec_dist.model.weights import load_tokenizer
 
     tok = load_tokenizer(ensure_smollm2())
     b = PromptBuilder(tok, "text", "Summarize:", 300, 50, True, "document")

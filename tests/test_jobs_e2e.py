@@ -93,7 +93,7 @@ def head():
 
 
 def _words(n: int, offset: int = 0) -> str:
-    from knapspec_dist.corpus import bundled_sample_path
+    from knapspec_dist.tools.corpus import bundled_sample_path
 
     text = pq.read_table(bundled_sample_path(), columns=["document"]).column(0)[1].as_py()
     return " ".join(text.split()[offset:offset + n])
@@ -111,7 +111,7 @@ def _rows(out: Path, sub: str = "rows") -> list[dict]:
 
 def test_ray_job_submit_end_to_end(head, tmp_path):
     docs = _good_docs()
-    from knapspec_dist.corpus import bundled_sample_path
+    from knapspec_dist.tools.corpus import bundled_sample_path
 
     sample = pq.read_table(bundled_sample_path(), columns=["document"]).column(0).to_pylist()
     too_long = "\n\n".join(sample[:3])  # ~9.3k tokens: over SmolLM2's 8192-token window

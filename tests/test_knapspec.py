@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from knapspec_dist.profiles.profile import fit_profile
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.cache import KVCache
-from knapspec_dist.model import Capture
-from knapspec_dist.speculation.hidden_states import (HiddenStateEvaluator, Reference,
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.decoder import Capture
+from knapspec_dist.spec.hidden_states import (HiddenStateEvaluator, Reference,
                                                      prefix_attention, reference_prefix_attention)
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
-from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
-from knapspec_dist.speculation.strategy import GenerationConfig
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
+from knapspec_dist.spec.selfspec import Plan, SelfSpeculative
+from knapspec_dist.engine.strategy import GenerationConfig
 
 
 def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
@@ -121,8 +121,8 @@ def test_smoothed_alpha():
 
 def test_speculation_needs_a_predicted_margin(engine_model):
     """A predicted gain under min_gain falls back to plain decoding; a larger one speculates."""
-    from knapspec_dist.speculation import tpt
-    from knapspec_dist.speculation.knapsack import Candidate
+    from knapspec_dist.spec import tpt
+    from knapspec_dist.spec.knapsack import Candidate
 
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0)
@@ -145,7 +145,7 @@ def test_speculation_needs_a_predicted_margin(engine_model):
 def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, monkeypatch):
     """A plan whose drafts are rejected falls back to plain decoding after GUARD_ROUNDS rounds,
     and the next selection's alphas are scaled by the realized/predicted acceptance."""
-    from knapspec_dist.speculation.knapspec import PlanRun
+    from knapspec_dist.spec.knapspec import PlanRun
 
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
@@ -181,7 +181,7 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
 
 
 def test_guard_keeps_a_plan_that_pays(engine_model):
-    from knapspec_dist.speculation.knapspec import PlanRun
+    from knapspec_dist.spec.knapspec import PlanRun
 
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
@@ -245,7 +245,7 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
     function of each candidate's value, so that some plans pay)."""
     import math
 
-    from knapspec_dist.speculation.batch import Batch, Row
+    from knapspec_dist.engine.sequence import Batch, Row
 
     model = engine_model("llama-gqa")
     gen = torch.Generator().manual_seed(5)
@@ -298,7 +298,7 @@ def test_references_spread_m_positions_over_the_longest_rows(engine_model):
     """In a batch the DP judges drafts on m positions in all: the last 3 of the longest row
     and the last 2 of the next (m = 5, two reference rows), each starting where its kept
     positions do."""
-    from knapspec_dist.speculation.batch import Batch, Row
+    from knapspec_dist.engine.sequence import Batch, Row
 
     model = engine_model("llama-gqa")
     selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import CONFIG_NAMES, random_prompt
-from knapspec_dist.cache import KVCache
-from knapspec_dist.model import Capture, rope_frequencies
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.decoder import Capture, rope_frequencies
 
 TOL = 1e-4
 # Long enough that positions run past original_max_position_embeddings=256 of the llama3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from knapspec_dist.errors import UserError
-from knapspec_dist.loading import load_model
+from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import LatencyProfile
 from knapspec_dist.profiles import store
 from knapspec_dist.profiles.profiler import measure
@@ -124,8 +124,8 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
 def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs):
     """A stored batch-8 profile beside the batch-1 one: knapspec's selector gets both and
     prices a round of 4 rows between them."""
-    from knapspec_dist.speculation.factory import StrategyOptions
-    from knapspec_dist.speculation.knapspec import build_selector
+    from knapspec_dist.spec.factory import StrategyOptions
+    from knapspec_dist.spec.knapspec import build_selector
 
     repo, _ = dirs
     one = store.resolve(None, model, need=64).profile

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from knapspec_dist.cli import main
-from knapspec_dist.loading import load_model
+from knapspec_dist.cli.main import main
+from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import LatencyProfile
-from knapspec_dist.profiles.command import parse_contexts
+from knapspec_dist.cli.profile import parse_contexts
 from knapspec_dist.profiles.profiler import fill_cache, measure, measure_allreduce
 from knapspec_dist.errors import UserError
 
@@ -92,7 +92,7 @@ def test_measure_leaves_no_hooks_and_an_untouched_model(checkpoint) -> None:
 
 
 def test_fill_cache_prefill_writes_exactly_the_requested_positions(checkpoint) -> None:
-    from knapspec_dist.cache import KVCache
+    from knapspec_dist.model.cache import KVCache
 
     model = load_model(checkpoint)
     cache = KVCache(model.cfg, 2, 40, dtype=model.dtype, device="cpu")

@@ -47,8 +47,8 @@ def leftovers() -> list[str]:
 
 
 def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
-    from knapspec_dist.speculation.strategy import GenerationConfig
-    from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
+    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.spec.factory import StrategyOptions, build_strategy
 
     s = build_strategy(StrategyOptions(name=strategy, **options), model)
     config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)
@@ -71,7 +71,7 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
                 engine.reconfigure(name, **options)
             if name == "ar":  # a bad row fails on every rank alike; the replica lives on
                 from knapspec_dist.errors import UserError
-                from knapspec_dist.speculation.strategy import GenerationConfig
+                from knapspec_dist.engine.strategy import GenerationConfig
 
                 too_long = [5] * model.cfg.max_position_embeddings
                 with pytest.raises(UserError, match="context window"):
@@ -101,9 +101,9 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
 
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
     from knapspec_dist.errors import UserError
-    from knapspec_dist.local import encode
+    from knapspec_dist.llm import encode
     from knapspec_dist.runtime import Engine
-    from knapspec_dist.speculation.strategy import GenerationConfig
+    from knapspec_dist.engine.strategy import GenerationConfig
 
     texts = ["The capital of France is", "One, two, three,", "Water boils at",
              "The quick brown fox", "In the beginning"]
@@ -162,7 +162,7 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
 
 
 def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
-    from knapspec_dist.cli import main
+    from knapspec_dist.cli.main import main
 
     code = main(["generate", "--model", str(checkpoints["llama-gqa"]), "--prompt", "hi",
                  "--tp", "4", "--strategy", "ar"])
@@ -173,7 +173,7 @@ def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
 
 @pytest.mark.slow
 def test_cli_profile_tp2_measures_the_allreduce(cluster, checkpoints, tmp_path, capsys):
-    from knapspec_dist.cli import main
+    from knapspec_dist.cli.main import main
     from knapspec_dist.profiles import LatencyProfile
 
     code = main(["profile", "--model", str(checkpoints["llama-gqa"]), "--tp", "2",

@@ -19,14 +19,14 @@ import torch
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from knapspec_dist.cache import KVCache
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.errors import UserError
-from knapspec_dist.loading import load_model
-from knapspec_dist.sampling import SamplingConfig, accept_sampling, probabilities
-from knapspec_dist.speculation import selfspec
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.speculation.strategy import GenerationConfig
+from knapspec_dist.model.weights import load_model
+from knapspec_dist.engine.sampling import SamplingConfig, accept_sampling, probabilities
+from knapspec_dist.spec import selfspec
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.engine.strategy import GenerationConfig
 
 ALPHA = 1e-3
 Z_ALPHA = 3.0902  # standard normal upper 1e-3 quantile

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from conftest import random_prompt
-from knapspec_dist.cache import KVCache
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles.batching import BatchPricing
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.batch import Batch, Row
-from knapspec_dist.speculation.generation import GenerationConfig
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.speculation.scheduler import Scheduler, row_capacity
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.engine.sequence import Batch, Row
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.engine.scheduler import Scheduler, row_capacity
+from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
@@ -62,7 +62,7 @@ def test_batched_rows_get_the_tokens_they_get_alone(engine_model, name):
 
 def test_batched_sampling_runs_per_row(engine_model):
     model = engine_model(NAME)
-    from knapspec_dist.sampling import SamplingConfig
+    from knapspec_dist.engine.sampling import SamplingConfig
 
     config = GenerationConfig(max_new_tokens=12, stop_at_eos=False,
                               sampling=SamplingConfig(temperature=0.9, seed=5))
@@ -137,8 +137,8 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
 def test_least_paying_weight_is_the_exact_threshold(engine_model):
     """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
     estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
-    from knapspec_dist.speculation import tpt
-    from knapspec_dist.speculation.knapspec import smoothed_alpha
+    from knapspec_dist.spec import tpt
+    from knapspec_dist.spec.knapspec import smoothed_alpha
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
@@ -166,7 +166,7 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
     to 1.25 n is skipped if, priced at the batch size of the moment, neither the subnets that
     DP returned nor those it did not evaluate could pay, until the decoding since (priced by
     the profile) is 100 times what the DP cost (RECHECK_SHARE)."""
-    from knapspec_dist.speculation.knapspec import Frontier
+    from knapspec_dist.spec.knapspec import Frontier
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
@@ -200,7 +200,7 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
 def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engine_model):
     """Once a DP has cost s seconds, the next runs only if drafting at the best rate any
     subnet could reach, until the longest remaining row is done, could save more than s."""
-    from knapspec_dist.speculation.batch import Row
+    from knapspec_dist.engine.sequence import Row
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knapspec_dist.loading import load_model
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.strategy import GenerationConfig
-from knapspec_dist.speculation.ties import (BUG, TIE, check_divergence, classify,
+from knapspec_dist.model.weights import load_model
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.spec.ties import (BUG, TIE, check_divergence, classify,
                                             first_difference, one_shot_logits, spacing, tolerance)
-from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
+from knapspec_dist.spec.factory import StrategyOptions, build_strategy
 
 from conftest import random_prompt
 

@@ -50,9 +50,9 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _strategies(model):
     """name -> strategy; self-speculative ones made SPMD-safe (plans broadcast from rank 0)."""
     from knapspec_dist.parallel import spmd_strategy
-    from knapspec_dist.speculation.autoregressive import Autoregressive
-    from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-    from knapspec_dist.speculation.factory import StrategyOptions, build_strategy
+    from knapspec_dist.spec.autoregressive import Autoregressive
+    from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+    from knapspec_dist.spec.factory import StrategyOptions, build_strategy
 
     knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8,
                                               tau_conf=0.0),
@@ -65,9 +65,9 @@ def _strategies(model):
 
 def _run_model(model) -> dict:
     """Logits of a prefill + cached decode steps, and greedy tokens of every strategy."""
-    from knapspec_dist.cache import KVCache
+    from knapspec_dist.model.cache import KVCache
     from knapspec_dist.parallel import kv_heads
-    from knapspec_dist.speculation.strategy import GenerationConfig
+    from knapspec_dist.engine.strategy import GenerationConfig
 
     out: dict = {}
     cache = KVCache(model.cfg, 1, 32, dtype=model.dtype, device="cpu", kv_heads=kv_heads(model))
@@ -155,7 +155,7 @@ def test_tp2_logits_match_transformers(tp_runs, name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_tokens_equal_tp1(tp_runs, name):
-    from knapspec_dist.loading import load_model
+    from knapspec_dist.model.weights import load_model
 
     paths, results = tp_runs
     single = _run_model(load_model(paths[name]))
@@ -203,7 +203,7 @@ def write_big_checkpoint(root: Path) -> tuple[Path, int]:
     """A random Llama of ~370 MB (fp32), written directly with safetensors (fast)."""
     from safetensors.torch import save_file
 
-    from knapspec_dist.loading import random_llama_weights
+    from knapspec_dist.model.weights import random_llama_weights
 
     b, hd = BIG, BIG["hidden"] // BIG["heads"]
     h, i, v = b["hidden"], b["intermediate"], b["vocab"]
@@ -296,7 +296,7 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     from types import SimpleNamespace
 
     from knapspec_dist.parallel.tp import SyncedSelector
-    from knapspec_dist.speculation.selfspec import Plan
+    from knapspec_dist.spec.selfspec import Plan
 
     class Inner:
         def __init__(self, plan, next_selection, last_select_s):

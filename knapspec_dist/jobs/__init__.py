@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..errors import UserError
-from .options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_args
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_args
 
 __all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "JobTerminated", "add_job_args",
            "config_from_args", "main", "register", "run_job", "report"]
 
-from ..commandline import emit
+from knapspec_dist.cli.common import emit
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def __getattr__(name: str):
     # The runner pulls in pyarrow; `knapspec --help` and `register` should not pay for it.
     if name in ("JobResult", "JobTerminated", "run_job"):
-        from . import runner
+        from knapspec_dist.jobs import runner
 
         return getattr(runner, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
 
 
 def _run(args: argparse.Namespace, mode: str) -> int:
-    from .runner import JobTerminated, run_job
+    from knapspec_dist.jobs.runner import JobTerminated, run_job
 
     try:
         result = run_job(config_from_args(args, mode))
@@ -110,7 +110,7 @@ def register(sub) -> None:
 
 
 def _cli_job(args: argparse.Namespace) -> int:
-    from .runner import run_job
+    from knapspec_dist.jobs.runner import run_job
 
     if not args.verbose:  # progress lines are the point of a batch job
         logging.getLogger("knapspec_dist.jobs").setLevel(logging.INFO)

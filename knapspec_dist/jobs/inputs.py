@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..errors import UserError
+from knapspec_dist.errors import UserError
 
 log = logging.getLogger(__name__)
 

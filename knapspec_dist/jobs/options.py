@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, field
 
-from ..errors import UserError
+from knapspec_dist.errors import UserError
 
 DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 
@@ -89,8 +89,8 @@ class JobConfig:
         return self.text_column if self.text_column is not None else self.prompt_column
 
     def generation_config(self):
-        from ..sampling import SamplingConfig
-        from ..speculation.strategy import GenerationConfig
+        from knapspec_dist.engine.sampling import SamplingConfig
+        from knapspec_dist.engine.strategy import GenerationConfig
 
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=SamplingConfig(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed))
@@ -126,7 +126,7 @@ class JobConfig:
 
 def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     """The options of ``jobs/summarize.py`` (``mode='summarize'``) or ``jobs/generate.py``."""
-    from ..commandline import add_model_args, add_sampling_args, add_strategy_args
+    from knapspec_dist.cli.common import add_model_args, add_sampling_args, add_strategy_args
 
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
@@ -203,7 +203,7 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
 
 
 def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobConfig:
-    from ..commandline import strategy_options
+    from knapspec_dist.cli.common import strategy_options
 
     text, prompt = args.text_column, args.prompt_column
     if text is None and prompt is None:

@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..errors import UserError
-from .inputs import filesystem_and_path
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.inputs import filesystem_and_path
 
 log = logging.getLogger(__name__)
 

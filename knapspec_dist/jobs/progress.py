@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .scheduler import Outcome
+from knapspec_dist.jobs.dispatch import Outcome
 
 log = logging.getLogger("knapspec_dist.jobs.runner")  # the job's progress lines, as before
 

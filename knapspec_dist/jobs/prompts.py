@@ -43,7 +43,7 @@ class PromptBuilder:
         self.truncate = truncate
         self.column = column
         if mode == "text" and not getattr(tokenizer, "chat_template", None):
-            from ..errors import UserError
+            from knapspec_dist.errors import UserError
 
             raise UserError("--text-column needs a model whose tokenizer has a chat template; "
                             "use --prompt-column with ready-made prompts instead")

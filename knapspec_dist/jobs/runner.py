@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import UserError
-from .inputs import read_input
-from .options import JobConfig
-from .output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir,
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.inputs import read_input
+from knapspec_dist.jobs.options import JobConfig
+from knapspec_dist.jobs.output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir,
                      PartWriter, output_schema, result_row)
-from .progress import Progress
-from .prompts import PromptBuilder, choose_baseline
-from .scheduler import EngineBackend, Outcome, Scheduler, Task
-from .summary import dumps, summarize, write_plot
+from knapspec_dist.jobs.progress import Progress
+from knapspec_dist.jobs.prompts import PromptBuilder, choose_baseline
+from knapspec_dist.jobs.dispatch import EngineBackend, Outcome, Scheduler, Task
+from knapspec_dist.jobs.summary import dumps, summarize, write_plot
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def default_engine_factory(config: JobConfig, strategy: str, replicas: int,
                            longest: int | None = None):
     """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
     context of the job (prompt + new tokens), which its latency profile must cover."""
-    from ..runtime.engine import Engine
+    from knapspec_dist.runtime.engine import Engine
 
     options = dict(config.strategy_options) if strategy == config.strategy else {}
     return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
@@ -78,11 +78,11 @@ def load_text_tools(config: JobConfig):
     Also checks that the model can be sharded ``config.tp`` ways and the strategy options
     (gamma, skip list, --profile: complete and of this model's shape), so that a bad option
     fails before thousands of documents are tokenized and before any row is written."""
-    from ..config import load_config
-    from ..embedded import resolve_model_path
-    from ..loading import checkpoint_files, load_tokenizer
-    from ..parallel import check_shardable
-    from ..speculation.factory import StrategyOptions, check_options
+    from knapspec_dist.model.config import load_config
+    from knapspec_dist.model.embedded import resolve_model_path
+    from knapspec_dist.model.weights import checkpoint_files, load_tokenizer
+    from knapspec_dist.parallel import check_shardable
+    from knapspec_dist.spec.factory import StrategyOptions, check_options
 
     path = resolve_model_path(config.model)
     if not path.is_dir():

@@ -43,12 +43,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from ..cache import kv_heads  # noqa: F401 - exported by knapspec_dist.parallel
-from ..clock import Clock
-from ..config import ModelConfig, load_config
-from ..errors import UserError
-from ..loading import checkpoint_files, hf_name, load_model
-from ..model import Transformer
+from knapspec_dist.model.cache import kv_heads  # noqa: F401 - exported by knapspec_dist.parallel
+from knapspec_dist.clock import Clock
+from knapspec_dist.model.config import ModelConfig, load_config
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.weights import checkpoint_files, hf_name, load_model
+from knapspec_dist.model.decoder import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ class SyncedSelector:
         return self.inner.record(steps, verified, accepted)
 
     def plan(self, model, batch):
-        from ..speculation.selfspec import Plan
+        from knapspec_dist.spec.selfspec import Plan
 
         plan = self.inner.plan(model, batch)
         names = list(self.SCHEDULE)

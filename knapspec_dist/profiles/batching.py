@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .profile import LatencyProfile, LinearFit
+from knapspec_dist.profiles.profile import LatencyProfile, LinearFit
 
 log = logging.getLogger(__name__)
 

@@ -55,10 +55,10 @@ from typing import Any
 
 import torch
 
-from ..clock import Clock
-from .device import device_info, dtype_name
-from .profile import MODES, LatencyProfile, fit_profile
-from .replay import ReplayTimer
+from knapspec_dist.clock import Clock
+from knapspec_dist.profiles.device import device_info, dtype_name
+from knapspec_dist.profiles.profile import MODES, LatencyProfile, fit_profile
+from knapspec_dist.profiles.replay import ReplayTimer
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     if batch < 1 or max_q < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"need batch, max_q, repeats >= 1 and warmup >= 0 "
                          f"(got {batch}, {max_q}, {repeats}, {warmup})")
-    from ..cache import KVCache, kv_heads
+    from knapspec_dist.model.cache import KVCache, kv_heads
 
     device, dtype, cfg = model.device, model.dtype, model.cfg
     tp = _world(group) if group is not None else 1

@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError
-from .profile import MODEL_KEYS, LatencyProfile
+from knapspec_dist.errors import UserError
+from knapspec_dist.profiles.profile import MODEL_KEYS, LatencyProfile
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def cache_profiles_dir() -> Path:
     env = os.environ.get("KNAPSPEC_PROFILE_CACHE")
     if env:
         return Path(env)
-    from ..embedded import cache_dir
+    from knapspec_dist.model.embedded import cache_dir
 
     return cache_dir() / "profiles"
 
@@ -186,8 +186,8 @@ def decode_mode(device: dict) -> str:
 
 def resolve(spec, model, tp: int = 1, batch: int = 1, need: int | None = None) -> Choice:
     """The profile for ``model`` in this process: given, stored, or measured now and kept."""
-    from . import profiler
-    from .device import device_info, dtype_name
+    from knapspec_dist.profiles import profiler
+    from knapspec_dist.profiles.device import device_info, dtype_name
 
     device = device_info(model.device)
     mode = decode_mode(device)

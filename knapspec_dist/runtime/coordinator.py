@@ -87,11 +87,11 @@ class Coordinator:
                             choice.path, self.profile.tp, self.tp)
             profile_json = [self.profile.to_json()]
             if choice.origin == "loaded" and not options.profile:  # batch sizes beside it
-                from ..profiles.store import batch_siblings
+                from knapspec_dist.profiles.store import batch_siblings
 
                 profile_json += [p.to_json() for p in batch_siblings(self.profile)]
-            from ..profiles.batching import BatchPricing
-            from ..profiles.profile import LatencyProfile
+            from knapspec_dist.profiles.batching import BatchPricing
+            from knapspec_dist.profiles.profile import LatencyProfile
 
             self._pricing = BatchPricing([LatencyProfile.from_json(p) for p in profile_json])
         me = ray.get_runtime_context().current_actor
@@ -105,8 +105,8 @@ class Coordinator:
 
     def _find(self, options, infos: list[dict], need: int | None):
         """profiles/store.py's lookup for this replica's devices (None: measure one)."""
-        from ..config import load_config
-        from ..profiles.store import decode_mode, lookup
+        from knapspec_dist.model.config import load_config
+        from knapspec_dist.profiles.store import decode_mode, lookup
 
         devices = [i["device"] for i in infos]
         names = sorted({d.get("name") for d in devices})
@@ -118,9 +118,9 @@ class Coordinator:
                       1, self.tp, decode_mode(devices[0]), need)
 
     async def _measure(self, infos: list[dict], measure: dict):
-        from ..config import load_config
-        from ..profiles.profile import LatencyProfile
-        from ..profiles.store import Choice, contexts_for, decode_mode, keep
+        from knapspec_dist.model.config import load_config
+        from knapspec_dist.profiles.profile import LatencyProfile
+        from knapspec_dist.profiles.store import Choice, contexts_for, decode_mode, keep
 
         window = load_config(self.path).max_position_embeddings
         contexts = measure.get("contexts") or contexts_for(measure.get("need"), DEFAULT_CONTEXTS,
@@ -141,8 +141,8 @@ class Coordinator:
                max_gamma: int, objective: str, min_gain: float = 1.0, batch: int = 1):
         """TPT choice over the shards' candidate table, priced with this replica's profile
         at the round's batch size."""
-        from ..profiles.batching import BatchPricing
-        from ..speculation import tpt
+        from knapspec_dist.profiles.batching import BatchPricing
+        from knapspec_dist.spec import tpt
 
         if getattr(self, "_pricing", None) is None:
             self._pricing = BatchPricing(self.profile)
@@ -156,7 +156,7 @@ class Coordinator:
     async def generate(self, prompt_ids: list[int], config):
         """One prompt, decoded in this replica's continuous batch; rank 0's result, with text,
         replica and its share of the Ray time."""
-        from ..errors import UserError
+        from knapspec_dist.errors import UserError
 
         ids = list(prompt_ids)
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab]
@@ -182,7 +182,7 @@ class Coordinator:
         """Feed the shards' schedulers: each call admits queued rows into free slots (rows of
         one generation config at a time) and returns when a row finishes or after
         ``ROUNDS_PER_CALL`` rounds, so a freed slot is refilled within one Ray round trip."""
-        from ..errors import UserError
+        from knapspec_dist.errors import UserError
 
         config, busy = None, False
         while self._queue or self._active:
@@ -267,7 +267,7 @@ class Coordinator:
         if not self._tokenizer_tried:
             self._tokenizer_tried = True
             try:
-                from ..loading import load_tokenizer
+                from knapspec_dist.model.weights import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self.path)
             except Exception as e:  # a checkpoint without tokenizer: results keep token ids

@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from ..errors import UserError
-from ..speculation.strategy import GenerationConfig, GenerationResult
+from knapspec_dist.errors import UserError
+from knapspec_dist.engine.strategy import GenerationConfig, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,10 @@ class Engine:
         (default: the model's window). ``max_num_seqs``: rows each replica decodes at once
         (continuous batching; default: what the memory left after the weights holds,
         execution/memory.py)."""
-        from ..config import load_config
-        from ..embedded import resolve_model_path
-        from ..loading import checkpoint_files, load_tokenizer, resolve_dtype
-        from ..parallel import check_shardable
+        from knapspec_dist.model.config import load_config
+        from knapspec_dist.model.embedded import resolve_model_path
+        from knapspec_dist.model.weights import checkpoint_files, load_tokenizer, resolve_dtype
+        from knapspec_dist.parallel import check_shardable
 
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
@@ -95,7 +95,7 @@ class Engine:
         self.startup_timeout_s = startup_timeout_s
         self.measure = {"contexts": profile_contexts, "repeats": profile_repeats,
                         "need": profile_need}
-        from ..speculation.scheduler import row_capacity
+        from knapspec_dist.engine.scheduler import row_capacity
 
         self.batching = {"max_num_seqs": max_num_seqs,
                          "capacity": row_capacity(profile_need, 0) if profile_need else None}
@@ -142,8 +142,8 @@ class Engine:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .coordinator import Coordinator
-        from .shard import Shard
+        from knapspec_dist.runtime.coordinator import Coordinator
+        from knapspec_dist.runtime.shard import Shard
 
         reps = [_Replica(i, shards=[]) for i in indices]
         cuda = self.device == "cuda"
@@ -223,7 +223,7 @@ class Engine:
 
     def _strategy_options(self, strategy: str, options: dict):
         """StrategyOptions from keyword options, checked here before any actor starts."""
-        from ..speculation.factory import StrategyOptions, check_options
+        from knapspec_dist.spec.factory import StrategyOptions, check_options
 
         known = {f.name for f in fields(StrategyOptions)} - {"name"}
         unknown = sorted(set(options) - known)
@@ -334,7 +334,7 @@ class Engine:
         with the all-reduce when tp > 1); see profiles/profiler.py for the method."""
         import ray
 
-        from ..profiles.profile import LatencyProfile
+        from knapspec_dist.profiles.profile import LatencyProfile
 
         self._check_replica(replica)
         rep = self._replicas[replica]
@@ -360,7 +360,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UserError(f"{self.path}: no tokenizer; pass prompts as token ids")
-            from ..local import encode
+            from knapspec_dist.llm import encode
 
             return encode(self.tokenizer, prompt, chat)
         return list(prompt)
@@ -378,14 +378,14 @@ class Engine:
         refs = [self.submit(i % self.num_replicas, p, config) for i, p in enumerate(ids)]
         results = ray.get(refs)
         wall = time.perf_counter() - start
-        from .accounting import job_summary
+        from knapspec_dist.runtime.accounting import job_summary
 
         self.last_job = job_summary(results, wall, self.num_replicas)
         return results
 
 
 def _config(config: GenerationConfig | None, sampling: dict) -> GenerationConfig:
-    from ..sampling import SamplingConfig
+    from knapspec_dist.engine.sampling import SamplingConfig
 
     config = config or GenerationConfig()
     top = {k: sampling.pop(k) for k in ("max_new_tokens", "stop_at_eos") if k in sampling}

@@ -35,17 +35,17 @@ class Shard:
         """Rank 0: this node's address and a free port for the process group."""
         import ray
 
-        from ..parallel import free_port
+        from knapspec_dist.parallel import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, path: str, address: str, port: int, dtype: str,
               fail: bool = False) -> dict:
         """Join the group and load this rank's shard; returns what the coordinator needs."""
-        from ..loading import resolve_dtype
-        from ..parallel import init_distributed, load_sharded, parameter_bytes
-        from ..profiles.device import device_info
-        from .accounting import Meter
+        from knapspec_dist.model.weights import resolve_dtype
+        from knapspec_dist.parallel import init_distributed, load_sharded, parameter_bytes
+        from knapspec_dist.profiles.device import device_info
+        from knapspec_dist.runtime.accounting import Meter
 
         if fail:  # test hook: this rank dies while starting, as a crashed process would
             log.error("replica %d rank %d: failing on purpose (test hook)", self.replica,
@@ -69,7 +69,7 @@ class Shard:
         ``kwargs``: profiler.measure's batch, max_q, warmup, fill, mode."""
         import torch.distributed as dist
 
-        from ..profiles import profiler
+        from knapspec_dist.profiles import profiler
 
         group = dist.group.WORLD if self.world > 1 else None
         profile = profiler.measure(self.model, contexts, repeats=repeats, group=group,
@@ -80,7 +80,7 @@ class Shard:
         """[[bytes, seconds], ...] of one all-reduce on this replica's group (collective)."""
         import torch.distributed as dist
 
-        from ..profiles import profiler
+        from knapspec_dist.profiles import profiler
 
         if self.world == 1:
             return [[float(b), 0.0] for b in sizes]
@@ -94,15 +94,15 @@ class Shard:
         ``capacity``: cache positions per row (default: the model's window);
         ``max_num_seqs``: rows decoding at once (default: what this rank's free memory holds,
         execution/memory.py). Returns this rank's max_num_seqs."""
-        from ..execution.memory import max_num_seqs_for
-        from ..speculation.scheduler import row_capacity
+        from knapspec_dist.engine.memory import max_num_seqs_for
+        from knapspec_dist.engine.scheduler import row_capacity
 
         self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
         self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
         self.scheduler = None
-        from ..parallel import spmd_strategy
-        from ..profiles.profile import LatencyProfile
-        from ..speculation.factory import build_strategy
+        from knapspec_dist.parallel import spmd_strategy
+        from knapspec_dist.profiles.profile import LatencyProfile
+        from knapspec_dist.spec.factory import build_strategy
 
         if profile is not None:  # JSON of the profile, and of those at other batch sizes
             options = replace(options, profile=[LatencyProfile.from_json(p) for p in profile])
@@ -147,9 +147,9 @@ class Shard:
         call's wall seconds, whether rows remain). A row's time split is its share of each
         call it took part in (the call's split divided among its rows), so the rows of a job
         add up to the replica's time."""
-        from ..errors import UserError
-        from ..speculation.scheduler import Scheduler, result
-        from .accounting import split
+        from knapspec_dist.errors import UserError
+        from knapspec_dist.engine.scheduler import Scheduler, result
+        from knapspec_dist.runtime.accounting import split
 
         if self.strategy is None:
             raise RuntimeError("shard not configured")

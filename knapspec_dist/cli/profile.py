@@ -1,0 +1,125 @@
+"""``knapspec profile``: measure a latency profile and write it as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from knapspec_dist.cli.common import add_model_args, emit
+from knapspec_dist.errors import UserError
+from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.profiles.profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
+
+def parse_contexts(text: str) -> list[int]:
+    """``"256,1024,4k"`` -> [256, 1024, 4096]; anything else is a UserError."""
+    out = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        mult = 1
+        if part[-1] in "kK":
+            part, mult = part[:-1], 1024
+        try:
+            n = int(part) * mult
+        except ValueError:
+            raise UserError(f"--contexts: {part!r} is not an integer context length "
+                            f"(expected e.g. 256,1024,4096)") from None
+        if n < 1:
+            raise UserError(f"--contexts: context lengths must be >= 1, got {n}")
+        out.append(n)
+    if not out:
+        raise UserError("--contexts: give at least one context length, e.g. 256,1024,4096")
+    return sorted(set(out))
+
+
+def output_path(out: str, profile: LatencyProfile) -> Path:
+    """``--out``: a directory (existing, or written with a trailing slash) gets ``<key>.json``."""
+    path = Path(out).expanduser()
+    if path.is_dir() or str(out).endswith(("/", os.sep)):
+        return path / f"{profile.key()}.json"
+    return path
+
+
+def register(sub) -> None:
+    """Add ``knapspec profile`` to the CLI's subparsers."""
+    p = sub.add_parser("profile", help="measure a latency profile (sublayers, head, verify) to JSON",
+                       description="Measure per-sublayer decode latency against context length, "
+                                   "the head, and the verify cost of q tokens; fit and write JSON.")
+    add_model_args(p)
+    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
+                   help="comma-separated context lengths (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-q", type=int, default=DEFAULT_MAX_Q, help="verify q = 1..max-q tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point; the median is kept")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of every shape first")
+    p.add_argument("--fill", default="random", choices=["random", "prefill"],
+                   help="KV cache contents: random K/V (default) or a real prefill of random tokens")
+    p.add_argument("--out", required=True, help="output JSON file, or a directory (file named by key)")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from knapspec_dist.model.embedded import resolve_model_path
+    from knapspec_dist.model.weights import load_model, resolve_dtype
+    from knapspec_dist.model.weights import resolve_device
+
+    contexts = checked_contexts(args)
+    device = resolve_device(args.device)
+    path = resolve_model_path(args.model)
+    model = load_model(path, dtype=resolve_dtype(args.dtype), device=device)
+    check_window(contexts, model.cfg.max_position_embeddings)
+    started = time.perf_counter()
+    profile = measure(model, contexts, args.batch, args.max_q, args.repeats, warmup=args.warmup,
+                      fill=args.fill)
+    return write(profile, args.out, time.perf_counter() - started)
+
+
+def checked_contexts(args: argparse.Namespace) -> list[int]:
+    """The command's numeric arguments, checked; the sorted context lengths."""
+    contexts = parse_contexts(args.contexts)
+    for name in ("batch", "max_q", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {args.warmup}")
+    return contexts
+
+
+def check_window(contexts: list[int], limit: int) -> None:
+    if contexts[-1] > limit:
+        raise UserError(f"--contexts: {contexts[-1]} exceeds the model's context length {limit}")
+
+
+def write(profile: LatencyProfile, out_arg: str, seconds: float) -> int:
+    """Save where ``--out`` says and print the fitted coefficients."""
+    out = output_path(out_arg, profile)
+    try:
+        profile.save(out)
+    except OSError as e:
+        raise UserError(f"cannot write profile to {str(out)!r}: {e.strerror or e}") from None
+    emit(summary(profile, out, seconds))
+    return 0
+
+
+def summary(profile: LatencyProfile, path: Path | str, seconds: float) -> str:
+    """Human-readable fitted coefficients (what the CLI prints after writing the file)."""
+    a = profile.attention
+    ns = sorted({int(n) for n, _ in profile.samples["attention"]})
+    lines = [f"wrote {path} ({seconds:.0f}s, device {profile.device.get('name')}, {profile.dtype}, "
+             f"batch {profile.batch}, tp {profile.tp})",
+             f"  t_attn(n) = {a.slope * 1e6:.4f} us * n + {a.intercept * 1e3:.4f} ms",
+             f"  t_mlp     = {profile.mlp * 1e3:.4f} ms",
+             f"  t_head    = {profile.head * 1e3:.4f} ms"]
+    load = profile.device.get("load_average")
+    if load:
+        lines.append(f"  load average while measuring: {load[0]} -> {load[1]} "
+                     f"(on {profile.device.get('logical_cpus', '?')} logical CPUs)")
+    qs = sorted(profile.verify)
+    for n in ns:
+        vals = ", ".join(f"{q}:{profile.verify_time(q, n) * 1e3:.1f}" for q in qs)
+        lines.append(f"  t_verify(q, n={n}) ms  {vals}")
+    if profile.tp > 1:
+        lines.append(f"  all-reduce per sublayer = {profile.allreduce * 1e6:.1f} us")
+    return "\n".join(lines)

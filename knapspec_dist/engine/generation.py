@@ -1,0 +1,100 @@
+"""What a generation is asked for and what it returns: config, per-row stats and results,
+prompt checks and the stop rule, shared by every strategy and the scheduler."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.engine.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_at_eos: bool = True
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # full-model forwards after prefill (decode or verify rounds)
+    drafted: int = 0
+    accepted: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    select_s: float = 0.0  # subnet selection (KnapSpec DP, TPT search)
+    selections: int = 0
+    fallbacks: int = 0  # speculative plans dropped for plain decoding by KnapSpec's guard
+    attention_skipped: float = 0.0  # mean attention sublayers skipped per drafted token
+    mlp_skipped: float = 0.0
+    # Time split of a request served by the Ray engine (runtime/accounting.py); they sum to
+    # the coordinator-observed time of the request. Zero when run in-process.
+    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
+    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
+    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, coordinator search calls)
+    other_s: float = 0.0  # Python of the decode loop outside the above
+    comm_calls: int = 0
+    # Batching (speculation/scheduler.py): when the row was admitted and finished (epoch
+    # seconds, comparable across a job's replicas) and the mean number of rows decoding with
+    # it per round. Its wall_s spans admission to finish, shared with the rows beside it.
+    admitted_at: float = 0.0
+    finished_at: float = 0.0
+    mean_batch: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "acceptance_rate": self.acceptance_rate,
+                "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "eos" | "length"
+    text: str = ""
+    replica: int | None = None  # the engine replica that generated it (None: in-process)
+
+
+def check_prompt(model: Transformer, prompt: list[int], config: GenerationConfig) -> int:
+    """Validate one prompt; return how many new tokens fit in the context window."""
+    window = model.cfg.max_position_embeddings
+    if not prompt:
+        raise UserError("prompt is empty")
+    if len(prompt) >= window:
+        raise UserError(f"prompt has {len(prompt)} tokens; the model's context window is {window}")
+    if config.max_new_tokens < 1:
+        raise UserError(f"max new tokens must be >= 1, got {config.max_new_tokens}")
+    room = window - len(prompt)
+    if config.max_new_tokens > room:
+        log.warning("prompt of %d tokens leaves room for %d new tokens, not %d",
+                    len(prompt), room, config.max_new_tokens)
+    return min(config.max_new_tokens, room)
+
+
+def finish(tokens: list[int], limit: int, model: Transformer, config: GenerationConfig
+           ) -> tuple[list[int], str | None]:
+    """Cut generated tokens at the first EOS or at the limit; the reason, or None to go on."""
+    if config.stop_at_eos:
+        for i, t in enumerate(tokens):
+            if t in model.cfg.eos_token_ids:
+                return tokens[:i + 1], "eos"
+    if len(tokens) >= limit:
+        return tokens[:limit], "length"
+    return tokens, None

@@ -1,0 +1,214 @@
+"""The model runner: one reusable KV cache per strategy, and CUDA graphs for the forwards that
+decoding repeats.
+
+A decode step at small batch is a few hundred small kernels; launched one by one from Python
+they cost 2-3.5x the step's memory-bound time on an H200 (../shared/gpu). Captured once as a
+CUDA graph and replayed, the launches go. What is captured, per (rows, T, skip set):
+
+- decode (T = 1) and verify (T = 2..``max_graph_tokens``) of the full model, keeping the
+  hidden states the KnapSpec selector reads (they are intermediates the forward makes anyway);
+- a draft step per plan (its skip set), captured on the plan's first draft, then replayed for
+  every draft token until the plan changes (``draft_graphs = "plan"``, the default). The
+  alternative, ``"pieces"``: one graph per sublayer plus a prologue (embedding, rotary, block
+  mask) and an epilogue (norm, lm_head) per (rows, T), replayed in order for the executed
+  sublayers: any skip set without a capture, 2L + 2 replays per draft token instead of one.
+  ``knapspec gpu-check`` times both (its draft table) and the capture cost of the first.
+
+Graphs read their inputs from static buffers (tokens, ``starts`` on the device) and bake in
+the cache's addresses, so the runner owns the cache and reuses it across requests: a request
+asks for ``capacity`` and gets the cache it already has when that is large enough. A graph's first
+use runs the forward eagerly once (warm-up: it writes the same K/V the replay then rewrites),
+captures, then replays.
+
+On a CPU there are no graphs and the runner calls the model (``graphs=False``); tests run the
+same static-shape path on a CPU through ``EagerGraph``, which re-runs the recorded forward on
+replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.decoder import Capture, Transformer
+
+log = logging.getLogger(__name__)
+
+MIN_CAPACITY = 256
+CAPACITY_STEP = 256  # capacities round up to this (two flex key blocks), not to powers of two
+
+
+class EagerGraph:
+    """A graph stand-in: records the forward and re-runs it on replay (CPU tests)."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> None:
+        out = self.fn()
+        _copy_into(self.output, out)
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    else:
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+class CudaGraph:
+    """One captured forward: warm-up on a side stream, capture into a shared pool, replay."""
+
+    def __init__(self, fn: Callable[[], object], pool):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up: compiles kernels, allocates workspaces; same writes as the replay
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class ModelRunner:
+    """Forwards of one model over its reusable cache: eager, or replayed CUDA graphs."""
+
+    def __init__(self, model: Transformer, graphs: bool | None = None, *,
+                 graph_factory: Callable | None = None, max_graph_tokens: int = 17,
+                 max_graphs: int = 256):
+        self.model = model
+        self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        self.max_graph_tokens, self.max_graphs = max_graph_tokens, max_graphs
+        self.cache: KVCache | None = None
+        self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._pool = None
+        if graph_factory is not None:
+            self._factory = graph_factory
+        elif self.graphs and model.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+            self._factory = lambda fn: CudaGraph(fn, self._pool)
+        else:
+            self._factory = EagerGraph
+        self.captures = 0  # graphs captured so far (stats, gpu-check)
+        self.draft_graphs = "plan"  # or "pieces": see the module docstring
+        self._piece_sets: dict[tuple, tuple] = {}
+
+    def new_cache(self, batch: int, capacity: int, kv_heads: int) -> KVCache:
+        """A cache of at least ``capacity`` positions and ``batch`` rows, every row empty; the
+        same one as last time when it fits (graphs captured on it stay valid)."""
+        c = self.cache
+        if c is None or c.batch < batch or c.capacity < capacity or c.k[0].shape[1] != kv_heads:
+            size = -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
+            self.cache = c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
+                                     device=self.model.device, kv_heads=kv_heads)
+            self._graphs.clear()
+            self._piece_sets.clear()
+        for row in range(c.batch):
+            c.commit(row, 0)
+        return c
+
+    def __call__(self, tokens: torch.Tensor, starts: Sequence[int], cache: KVCache,
+                 rows: slice | None = None, skip: frozenset[int] = frozenset(),
+                 last_only: bool = False, capture: Capture | None = None) -> torch.Tensor:
+        """``Transformer.forward``, replayed from a graph where one applies."""
+        t = tokens.shape[1]
+        if (not self.graphs or cache is not self.cache or last_only or t > self.max_graph_tokens
+                or min(starts) == 0):  # prefills stay eager: one per request, long, varied
+            return self.model(tokens, starts, cache, rows, skip, last_only, capture)
+        rows = rows if rows is not None else slice(0, tokens.shape[0])
+        if skip and self.draft_graphs == "pieces" and capture is None:
+            return self._pieces(tokens, starts, cache, rows, skip)
+        key = (rows.start, rows.stop, t, skip, self.model.backend)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, tokens, starts, cache, rows, skip)
+        else:
+            self._graphs.move_to_end(key)
+        static_tokens, static_starts, graph, states = entry
+        static_tokens.copy_(tokens)
+        static_starts.copy_(torch.as_tensor(list(starts), device=static_starts.device))
+        graph.replay()
+        logits, hidden = graph.output
+        if capture is not None:
+            capture.extend(states)
+        return logits
+
+    def _capture(self, key, tokens, starts, cache, rows, skip):
+        dev = self.model.device
+        static_tokens = tokens.clone()
+        static_starts = torch.as_tensor(list(starts), device=dev, dtype=torch.long)
+        states = Capture()
+
+        def forward():
+            states.clear()
+            logits = self.model(static_tokens, static_starts, cache, rows, skip, capture=states)
+            return logits, list(states)
+
+        graph = self._factory(forward)
+        self.captures += 1
+        entry = (static_tokens, static_starts, graph, graph.output[1])
+        self._graphs[key] = entry
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        log.debug("captured a graph for rows %s..%s, %d tokens, %d skipped sublayers",
+                  key[0], key[1], key[2], len(skip))
+        return entry
+
+    def _pieces(self, tokens, starts, cache: KVCache, rows: slice, skip: frozenset[int]):
+        """A draft step replayed from per-sublayer graphs: the prologue, the executed
+        sublayers in order, the epilogue; all share one static hidden-state buffer."""
+        key = (rows.start, rows.stop, tokens.shape[1], self.model.backend)
+        entry = self._piece_sets.get(key)
+        if entry is None:
+            entry = self._capture_pieces(tokens, starts, cache, rows)
+            self._piece_sets[key] = entry
+        static_tokens, static_starts, prologue, items, epilogue = entry
+        static_tokens.copy_(tokens)
+        static_starts.copy_(torch.as_tensor(list(starts), device=static_starts.device))
+        prologue.replay()
+        for i, piece in enumerate(items):
+            if i not in skip:
+                piece.replay()
+        epilogue.replay()
+        return epilogue.output
+
+    def _capture_pieces(self, tokens, starts, cache: KVCache, rows: slice):
+        model, dev = self.model, self.model.device
+        static_tokens = tokens.clone()
+        static_starts = torch.as_tensor(list(starts), device=dev, dtype=torch.long)
+        shared: dict = {}
+
+        def prologue():
+            shared["step"] = model.step(static_starts, static_tokens.shape[1], cache, rows)
+            h = model.embed(static_tokens)
+            if "h" not in shared:
+                shared["h"] = h
+            else:
+                shared["h"].copy_(h)
+            return shared["h"]
+
+        def piece(i: int):
+            layer = model.layers[i // 2]
+
+            def run():
+                h = shared["h"]
+                out = layer.attention(h, shared["step"], cache, i // 2) if i % 2 == 0 \
+                    else layer.mlp(h)
+                h.copy_(out)
+                return h
+            return run
+
+        first = self._factory(prologue)
+        items = [self._factory(piece(i)) for i in range(model.cfg.num_items)]
+        last = self._factory(lambda: model.logits(shared["h"]))
+        self.captures += len(items) + 2
+        return static_tokens, static_starts, first, items, last

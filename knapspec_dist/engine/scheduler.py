@@ -1,0 +1,211 @@
+"""Continuous batching: up to ``max_num_seqs`` rows decode together, and a row that finishes
+makes room for the next at once.
+
+Each ``step``: admit waiting rows into free slots and prefill them, one at a time at the slot
+after the decoding rows, up to ``prefill_chunk`` prompt tokens per step while other rows are
+decoding (a long prompt is cut into chunks across steps, so it never stalls the others for its
+whole prefill; short ones are admitted several per step) and without limit while none is;
+then one round of the strategy over every decoding row; then retire the rows that finished.
+Every strategy runs through this loop, batch 1 included.
+
+Throughput (``Throughput``): tokens emitted over the wall time from the first admission to the
+last finish, and the same over the time spent in decoding rounds only (prefill excluded).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+
+from knapspec_dist.model.cache import kv_heads
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.engine.sampling import choose
+from knapspec_dist.engine.sequence import Batch, Row
+from knapspec_dist.clock import Clock
+from knapspec_dist.engine.generation import GenerationConfig, GenerationResult, check_prompt, finish
+
+log = logging.getLogger(__name__)
+
+MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
+PREFILL_CHUNK = 2048  # prompt tokens per step while rows decode (vLLM: max_num_batched_tokens)
+
+
+@dataclass
+class Throughput:
+    tokens: int = 0  # generated tokens of finished rows
+    wall_s: float = 0.0  # first admission to last finish
+    prefill_s: float = 0.0  # time in prefill forwards
+    decode_s: float = 0.0  # time in decoding rounds
+    rounds: int = 0
+    row_rounds: int = 0  # decoding rows summed over rounds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.row_rounds / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "mean_batch": self.mean_batch}
+
+
+def row_capacity(prompt_len: int, limit: int) -> int:
+    """Cache positions one row needs: prompt, new tokens, and room for a draft past the end."""
+    return prompt_len + limit + MAX_GAMMA + 2
+
+
+class Scheduler:
+    def __init__(self, strategy, model: Transformer, config: GenerationConfig, max_num_seqs: int,
+                 capacity: int, prefill_chunk: int = PREFILL_CHUNK):
+        """``capacity``: cache positions per row (see ``row_capacity``); rows needing more
+        are refused one by one."""
+        if max_num_seqs < 1:
+            raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.strategy, self.model, self.config = strategy, model, config
+        self.max_num_seqs, self.prefill_chunk = max_num_seqs, max(1, prefill_chunk)
+        self.forward = strategy.runner(model)
+        self.batch = Batch(self.forward.new_cache(max_num_seqs, capacity, kv_heads(model)))
+        self.capacity = self.batch.cache.capacity
+        self.waiting: deque[Row] = deque()
+        self.gen = config.sampling.generator(model.device)
+        self.timer = Clock(model.device)
+        self.throughput = Throughput()
+        self._first: float | None = None
+        strategy.start(model)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.batch.rows or self.batch.prefilling)
+
+    @property
+    def free_slots(self) -> int:
+        b = self.batch
+        return self.max_num_seqs - b.size - (b.prefilling is not None) - len(self.waiting)
+
+    def add(self, rid: int, prompt: list[int]) -> None:
+        """Queue a row; a prompt that cannot be generated raises ``UserError`` (for that row)."""
+        limit = check_prompt(self.model, prompt, self.config)
+        need = row_capacity(len(prompt), limit)
+        if need > self.capacity:
+            raise UserError(f"prompt of {len(prompt)} tokens with {limit} new tokens needs "
+                            f"{need} cache positions; this engine holds {self.capacity} per row")
+        self.waiting.append(Row(rid, list(prompt), limit))
+
+    def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
+        """Generate every prompt (all checked before any runs); results in input order."""
+        for rid, prompt in enumerate(prompts):
+            self.add(rid, prompt)
+        done: dict[int, GenerationResult] = {}
+        while self.busy:
+            for row in self.step():
+                done[row.rid] = result(row)
+        return [done[i] for i in range(len(prompts))]
+
+    def step(self) -> list[Row]:
+        """Admit, prefill a chunk, run one round; the rows that finished."""
+        b, timer = self.batch, self.timer
+        finished: list[Row] = []
+        budget = self.prefill_chunk  # prompt tokens this step, while rows are decoding
+        while True:
+            if b.prefilling is None and self.waiting and b.size < self.max_num_seqs:
+                row = b.prefilling = self.waiting.popleft()
+                row.admitted_s = timer.now()
+                row.stats.admitted_at = time.time()
+                if self._first is None:
+                    self._first = row.admitted_s
+            if b.prefilling is None or (b.rows and budget <= 0):
+                break
+            left = len(b.prefilling.prompt) - b.prefilling.prefilled
+            n = left if not b.rows else min(left, budget)
+            budget -= n
+            row = self._prefill_chunk(n)
+            if row is not None and row.reason is not None:  # done at its first token
+                finished.append(row)
+        if b.rows:
+            start = timer.mark()
+            emitted = sum(len(r.out) for r in b.rows)
+            size = b.size
+            self.strategy.round(self.model, b, self.config, self.forward, self.gen, timer)
+            end = timer.mark()
+            timer.sync()  # a round ends with its read-back: nothing is left to wait for
+            elapsed = timer.seconds(start, end)
+            b.progress += (sum(len(r.out) for r in b.rows) - emitted) / size
+            tp = self.throughput
+            tp.rounds += 1
+            tp.row_rounds += size
+            tp.decode_s += elapsed
+            for r in b.rows:
+                r.stats.steps += 1
+                r.stats.mean_batch += size
+            done = [r for r in b.rows if r.reason is not None]
+            if done:
+                b.retire(done)
+                finished.extend(done)
+        now = timer.now()
+        for row in finished:
+            row.finished_s = now
+            row.stats.finished_at = time.time()
+            self.throughput.tokens += len(row.out)
+            self.throughput.wall_s = now - self._first
+            self.strategy.retired(row.rid)
+        return finished
+
+    def _prefill_chunk(self, n: int) -> Row | None:
+        """``n`` more prompt tokens of the prefilling row; when its prompt is in, its first
+        token is chosen and it joins the decoding rows (or is returned finished, having left
+        its slot)."""
+        b, row, timer = self.batch, self.batch.prefilling, self.timer
+        start = timer.now()
+        slot = b.size
+        logits = prefill(self.model, b.cache, slot, row.prompt[row.prefilled:row.prefilled + n],
+                         row.prefilled)
+        row.prefilled += n
+        joined = None
+        if row.prefilled == len(row.prompt):
+            first = choose(logits[None], self.config.sampling, self.gen).tolist()
+            row.out, row.reason = finish(first, row.limit, self.model, self.config)
+            if row.reason is None:
+                b.join()
+                self.strategy.admitted(row.rid)
+            else:
+                b.prefilling = None
+                b.cache.commit(slot, 0)
+            joined = row
+        elapsed = timer.now() - start
+        row.stats.prefill_s += elapsed
+        self.throughput.prefill_s += elapsed
+        return joined
+
+
+def result(row: Row) -> GenerationResult:
+    s = row.stats
+    s.prompt_tokens, s.new_tokens = len(row.prompt), len(row.out)
+    s.wall_s = row.finished_s - row.admitted_s
+    s.mean_batch = s.mean_batch / s.steps if s.steps else 0.0
+    if s.drafted:  # summed per judged draft by the round: now the mean per draft
+        s.attention_skipped /= s.drafted
+        s.mlp_skipped /= s.drafted
+    return GenerationResult(row.out, s, row.reason)
+
+
+def prefill(model: Transformer, cache, row: int, tokens: list[int], start: int = 0,
+            capture=None) -> torch.Tensor:
+    """Run ``tokens`` into cache row ``row`` from position ``start`` (padding-free) and commit
+    them; the last position's logits [V]. ``capture`` (model.Capture) gets the hidden states."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens], device=model.device), [start], cache,
+                       slice(row, row + 1), last_only=True, capture=capture)
+    cache.commit(row, start + len(tokens))
+    return logits[0, -1]

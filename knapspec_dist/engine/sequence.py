@@ -1,0 +1,78 @@
+"""The rows a replica is decoding together, and where each one lives in the KV cache.
+
+Decoding rows occupy cache rows ``0 .. B-1`` in order, so a round is one forward over the
+slice ``0:B`` (no gather, no padding). A row being prefilled sits at slot B until its prompt is
+in, then joins. A finished row leaves by moving the last decoding row into its slot (K/V up
+to that row's length, once per finished row: cheap next to decoding it); a row being
+prefilled then moves down too. Lengths live on the host (``cache.lengths``): the decode loop
+knows them from the one read-back per round, and builds every forward's positions from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.engine.generation import GenerationStats
+
+
+@dataclass
+class Row:
+    """One sequence being generated."""
+
+    rid: int  # the caller's id
+    prompt: list[int]
+    limit: int  # new tokens allowed
+    out: list[int] = field(default_factory=list)  # emitted; the last is not yet in the cache
+    reason: str | None = None  # "eos" | "length" once finished
+    prefilled: int = 0  # prompt tokens already in the cache
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    admitted_s: float = 0.0
+    finished_s: float = 0.0
+
+
+@dataclass
+class Batch:
+    cache: KVCache
+    rows: list[Row] = field(default_factory=list)  # decoding, in cache-row order
+    prefilling: Row | None = None  # at slot len(rows)
+    progress: float = 0.0  # tokens emitted per decoding row, summed over rounds
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.cache.lengths[:len(self.rows)]
+
+    def slot(self, rid: int) -> int | None:
+        for i, row in enumerate(self.rows):
+            if row.rid == rid:
+                return i
+        return None
+
+    def join(self) -> None:
+        """The prefilled row starts decoding (it already sits at slot len(rows))."""
+        self.rows.append(self.prefilling)
+        self.prefilling = None
+
+    def retire(self, finished: list[Row]) -> None:
+        """Drop finished rows, keeping the others packed at slots 0..B-1."""
+        for row in finished:
+            i = self.rows.index(row)
+            last = len(self.rows) - 1
+            if i != last:
+                self._move(last, i)
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+            if self.prefilling is not None:
+                self._move(last + 1, last)
+            self.cache.commit(last + (self.prefilling is not None), 0)
+
+    def _move(self, src: int, dst: int) -> None:
+        c = self.cache
+        n = c.lengths[src]
+        for t in c.k + c.v:
+            t[dst, :, :n] = t[src, :, :n]
+        c.commit(dst, n)

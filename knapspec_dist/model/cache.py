@@ -1,0 +1,55 @@
+"""Preallocated KV cache with O(1) rollback.
+
+One K and one V tensor per layer, ``[B, kv_heads, capacity, head_dim]``, allocated once. A
+sequence's valid length is a number (``lengths[b]``), so rejecting a draft only moves that
+number back: nothing is copied or freed, and the decode path never concatenates. The draft
+writes K/V only for the attention sublayers it executes; the verifying forward then overwrites
+every layer at the drafted positions, so stale draft entries beyond the length are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from knapspec_dist.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, *,
+                 dtype: torch.dtype, device: torch.device | str, kv_heads: int | None = None):
+        kv = kv_heads if kv_heads is not None else cfg.num_kv_heads
+        shape = (batch, kv, capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.capacity = capacity
+        self.lengths = [0] * batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, T, KV, hd] at ``step.positions``; return the keys/values to attend to
+        (the first ``step.kv_len`` of each row: the longest row's length, or the capacity)."""
+        kc, vc = self.k[layer][step.rows], self.v[layer][step.rows]
+        if step.start is not None:
+            t = k.shape[1]
+            kc[:, :, step.start:step.start + t] = k.transpose(1, 2)
+            vc[:, :, step.start:step.start + t] = v.transpose(1, 2)
+        else:  # index writes from device positions: no host sync, capturable
+            b = torch.arange(k.shape[0], device=k.device)[:, None]
+            kc[b, :, step.positions] = k
+            vc[b, :, step.positions] = v
+        return kc[:, :, :step.kv_len], vc[:, :, :step.kv_len]
+
+    def commit(self, row: int, length: int) -> None:
+        """Set a row's valid length: append after a forward, or roll back a rejected draft."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} outside cache capacity {self.capacity}")
+        self.lengths[row] = length
+
+
+def kv_heads(model) -> int:
+    """KV heads this process holds (local under tensor parallelism): what a KVCache for
+    ``model`` needs."""
+    return model.layers[0].attention.num_kv_heads

@@ -1,0 +1,34 @@
+"""Plain autoregressive decoding, batched: the reference every other strategy must reproduce."""
+
+from __future__ import annotations
+
+import torch
+
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.engine.sampling import choose
+from knapspec_dist.engine.sequence import Batch
+from knapspec_dist.clock import Clock
+from knapspec_dist.engine.generation import GenerationConfig, finish
+from knapspec_dist.engine.strategy import Strategy
+
+
+class Autoregressive(Strategy):
+    name = "ar"
+
+    @torch.inference_mode()
+    def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
+              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
+        start = timer.mark()
+        rows, cache = batch.rows, batch.cache
+        lengths = batch.lengths
+        tokens = torch.tensor([[r.out[-1]] for r in rows], device=model.device)
+        logits = forward(tokens, lengths, cache, slice(0, len(rows)))
+        nxt = choose(logits[:, 0], config.sampling, gen).tolist()  # the round's one read-back
+        end = timer.mark()
+        timer.sync()  # after the read-back: free
+        elapsed = timer.seconds(start, end)
+        for b, row in enumerate(rows):
+            cache.commit(b, lengths[b] + 1)
+            row.out, row.reason = finish(row.out + [nxt[b]], row.limit, model, config)
+            row.stats.verify_s += elapsed

@@ -1,0 +1,185 @@
+"""Self-speculative decoding: the model drafts with a subset of its sublayers, then verifies.
+
+One round: draft up to gamma tokens with the sublayers in ``plan.skip`` skipped (the draft
+writes K/V only for the attention sublayers it runs), stopping early after a token whose
+draft top-1 probability falls below ``tau_conf``; verify the pending token and all drafts in
+one full forward (which overwrites every layer's K/V at those positions); keep the longest agreeing
+prefix plus one target token, and roll the cache back by moving its length. A ``Selector``
+chooses the plan: fixed (``static``), or re-chosen from the full model's hidden states
+(``knapspec``, ``clasp``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.engine.sampling import accept_greedy, accept_sampling, probabilities
+from knapspec_dist.engine.sequence import Batch
+from knapspec_dist.clock import Clock
+from knapspec_dist.engine.generation import GenerationConfig, finish
+from knapspec_dist.engine.scheduler import MAX_GAMMA
+from knapspec_dist.engine.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class Plan:
+    skip: frozenset[int]  # sublayer items the draft skips (2l attention, 2l+1 MLP)
+    gamma: int  # draft length; 0 means a plain autoregressive step
+
+
+class Selector(ABC):
+    """Chooses the draft plan of each round, one plan for every row of the batch."""
+
+    def start(self, model: Transformer) -> None:
+        """A batch run begins."""
+
+    def wants_reference(self) -> bool:
+        return False
+
+    def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
+        """Full-model hidden states [B, T, d] of the last verify; row b kept its first
+        ``valid[b]`` positions. ``rids`` name the rows in batch order."""
+
+    def retire(self, rid: int) -> None:
+        """Row ``rid`` finished."""
+
+    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
+        """One round under the current plan: ``steps`` draft forwards; row b had
+        ``verified[b]`` drafts judged and kept ``accepted[b]``."""
+
+    @abstractmethod
+    def plan(self, model: Transformer, batch: Batch) -> Plan:
+        """The plan for the next round of ``batch``."""
+
+    selections: int = 0
+    fallbacks: int = 0
+
+
+class StaticSelector(Selector):
+    """A user-given skip set and draft length, for every round."""
+
+    def __init__(self, skip: frozenset[int], gamma: int):
+        self.fixed = Plan(frozenset(skip), gamma)
+
+    def plan(self, model: Transformer, batch: Batch) -> Plan:
+        return self.fixed
+
+
+def validate_plan(plan: Plan, num_items: int) -> None:
+    bad = [i for i in plan.skip if not 0 <= i < num_items]
+    if bad:
+        raise ValueError(f"skip items {sorted(bad)} outside 0..{num_items - 1}")
+    if not 0 <= plan.gamma <= MAX_GAMMA:
+        raise ValueError(f"gamma {plan.gamma} outside 0..{MAX_GAMMA}")
+
+
+class SelfSpeculative(Strategy):
+    """Draft with a subnet of the model, verify with the whole model; every row at once."""
+
+    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static",
+                 early_exit: bool | None = None):
+        self.selector, self.tau_conf, self.name = selector, tau_conf, name
+        self.early_exit = early_exit  # None: stop drafting on the host only on a CPU
+
+    def start(self, model: Transformer) -> None:
+        self.selector.start(model)
+
+    def retired(self, rid: int) -> None:
+        self.selector.retire(rid)
+
+    @torch.inference_mode()
+    def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
+              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
+        """Draft up to gamma tokens for every row with the plan's subnet, verify all rows'
+        pending token and drafts in one forward, accept per row, roll back per row."""
+        sampling, sel, dev = config.sampling, self.selector, model.device
+        rows, cache = batch.rows, batch.cache
+        size = len(rows)
+        t0 = timer.mark()  # CUDA events on a GPU: timing never waits for the device
+        selections, fallbacks = sel.selections, sel.fallbacks
+        plan = sel.plan(model, batch)
+        t1 = timer.mark()
+        lengths = batch.lengths
+        room = [r.limit - len(r.out) - 1 for r in rows]  # drafts a row can still use
+        gamma = min(plan.gamma, max(room))
+        early_exit = self.early_exit if self.early_exit is not None else dev.type == "cpu"
+        pending = torch.tensor([[r.out[-1]] for r in rows], device=dev)
+        drafts, probs, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma,
+                                         sampling, gen, early_exit, room)
+        t2 = timer.mark()
+        capture = Capture() if sel.wants_reference() else None
+        logits = forward(torch.cat([pending, drafts], dim=1), lengths, cache, slice(0, size),
+                         capture=capture)
+        if sampling.greedy:
+            n, nxt = accept_greedy(drafts, logits, cap)
+        else:
+            n, nxt = accept_sampling(drafts, probs, logits, sampling, gen, cap)
+        # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
+        back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
+        accepted, verified = [x[0] for x in back], [x[2] for x in back]
+        for b, row in enumerate(rows):
+            k = accepted[b]
+            cache.commit(b, lengths[b] + k + 1)
+            row.out, row.reason = finish(row.out + back[b][3:3 + k] + [back[b][1]], row.limit,
+                                         model, config)
+        if capture is not None:
+            sel.observe(capture, [k + 1 for k in accepted], [r.rid for r in rows])
+        sel.record(drafts.shape[1], verified, accepted)
+        t3 = timer.mark()
+        timer.sync()  # after the read-back the queue is empty: this costs nothing
+        attn = sum(1 for i in plan.skip if i % 2 == 0)
+        select_s, draft_s, verify_s = (timer.seconds(t0, t1), timer.seconds(t1, t2),
+                                       timer.seconds(t2, t3))
+        for b, row in enumerate(rows):
+            s = row.stats
+            s.select_s += select_s
+            s.draft_s += draft_s
+            s.verify_s += verify_s
+            s.drafted += verified[b]
+            s.accepted += accepted[b]
+            s.selections += sel.selections - selections
+            s.fallbacks += sel.fallbacks - fallbacks
+            s.attention_skipped += verified[b] * attn  # the scheduler divides by drafted
+            s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
+
+    def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], pending: torch.Tensor,
+               lengths: list[int], gamma: int, sampling, gen, early_exit: bool, room: list[int]):
+        """Up to ``gamma`` draft tokens per row [B, g] and their distributions [B, g, V], on the
+        device, and how many of each row's drafts to verify [B]: up to and including its
+        first whose top-1 probability is below ``tau_conf`` (an unsure draft is still worth a
+        verify slot), and no more than the row has room for. Every row drafts in the same
+        forwards; with ``early_exit`` (CPUs, where reading a number back costs nothing)
+        drafting stops once every row has an unsure draft, and on a GPU all ``gamma`` are
+        drafted and each row's cut is made on the device, so the round never waits on the
+        host (the verify carries the extra drafts, never accepted)."""
+        model = forward.model
+        dev, size = model.device, pending.shape[0]
+        rows = slice(0, size)
+        tok = pending
+        drafts, probs, confs = [], [], []
+        for i in range(gamma):
+            logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip)[:, -1]
+            q = probabilities(logits, sampling)
+            d = logits.argmax(dim=-1) if sampling.greedy else \
+                torch.multinomial(q, 1, generator=gen).squeeze(-1)
+            drafts.append(d)
+            probs.append(q)
+            confs.append(q.amax(dim=-1))
+            tok = d[:, None]
+            if early_exit and bool((torch.stack(confs) < self.tau_conf).any(dim=0).all()):
+                break
+        room_t = torch.tensor(room, device=dev).clamp_min(0)
+        if not drafts:
+            return (torch.empty(size, 0, dtype=torch.long, device=dev),
+                    torch.empty(size, 0, model.cfg.vocab_size, device=dev),
+                    torch.zeros(size, dtype=torch.long, device=dev))
+        low = torch.stack(confs, dim=1) < self.tau_conf  # [B, g]
+        g = low.shape[1]
+        unsure = torch.where(low.any(dim=1), low.long().argmax(dim=1) + 1, g)
+        return (torch.stack(drafts, dim=1).long(), torch.stack(probs, dim=1),
+                torch.minimum(unsure, room_t))

