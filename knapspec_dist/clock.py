@@ -11,7 +11,7 @@ synchronized first. :class:`Clock` has both ways of timing:
   serializing the launches they measure (the profiler's per-sublayer hooks).
 
 Used by the strategies' timers (speculation/strategy.py), the timed collectives
-(parallel/tp.py) and the latency profiler (profiles/profiler.py).
+(parallel/comm.py) and the latency profiler (profiles/profiler.py).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from knapspec_dist.engine.scheduler import generate
 
 log = logging.getLogger("bench_ar_vs_hf")
 
@@ -54,10 +55,10 @@ class FirstTokenClock:
 
 def run_ours(model, prompt: list[int], new_tokens: int) -> dict:
     from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.engine.generation import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
-    r = Autoregressive().generate(model, [prompt], config)[0]
+    r = generate(Autoregressive(), model, [prompt], config)[0]
     s = r.stats
     return {"ids": r.token_ids, "wall_s": s.wall_s, "decode_s": s.wall_s - s.prefill_s}
 
@@ -89,7 +90,7 @@ def profile_ours(model, prompt: list[int], steps: int, rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     from knapspec_dist.model.cache import KVCache
-    from knapspec_dist.engine.scheduler import prefill
+    from knapspec_dist.engine.model_runner import prefill
 
     with torch.inference_mode():
         cache = KVCache(model.cfg, 1, len(prompt) + steps + 1, dtype=model.dtype,

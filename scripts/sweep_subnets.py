@@ -28,9 +28,11 @@ from knapspec_dist.spec import tpt
 from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.spec.hidden_states import Reference
 from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.engine.scheduler import MAX_GAMMA, prefill
+from knapspec_dist.engine.model_runner import prefill
+from knapspec_dist.engine.sequence import MAX_GAMMA
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import generate
 
 log = logging.getLogger("sweep")
 
@@ -38,7 +40,7 @@ log = logging.getLogger("sweep")
 def decode(model, prompt, skip, gamma, config, tau_conf):
     """Stats of one generation with a static plan; ``rate`` excludes the prefill."""
     strategy = SelfSpeculative(StaticSelector(skip, gamma), tau_conf)
-    return strategy.generate(model, [prompt], config)[0].stats
+    return generate(strategy, model, [prompt], config)[0].stats
 
 
 def rate(stats) -> float:

@@ -11,7 +11,8 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.engine import model_runner as runner
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import generate
 
 NAME = "llama-gqa"  # 4 layers, GQA
 SENTINEL = 7.25
@@ -148,8 +149,8 @@ def test_generation_never_reallocates_and_rolls_back(engine_model, recording):
     prompt = random_prompt(20, model.cfg.vocab_size, seed=6)
     config = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
     spec = SelfSpeculative(StaticSelector(frozenset({2, 5, 6}), 6), tau_conf=0.0)
-    r = spec.generate(model, [prompt], config)[0]
-    a = Autoregressive().generate(model, [prompt], config)[0]
+    r = generate(spec, model, [prompt], config)[0]
+    a = generate(Autoregressive(), model, [prompt], config)[0]
     assert r.token_ids == a.token_ids
     spec_cache, ar_cache = recording
     for c in (spec_cache, ar_cache):
@@ -171,7 +172,7 @@ def test_generation_never_reallocates_and_rolls_back(engine_model, recording):
 def test_batched_ar_never_reallocates(engine_model, recording):
     model = engine_model(NAME)
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=n) for n in (4, 30)]
-    Autoregressive().generate(model, prompts, GenerationConfig(max_new_tokens=20,
+    generate(Autoregressive(), model, prompts, GenerationConfig(max_new_tokens=20,
                                                                stop_at_eos=False))
     (cache,) = recording
     assert not cache.moved and pointers(cache) == cache.ptrs

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from knapspec_dist.cli.main import main
+from knapspec_dist.engine.scheduler import generate
 from models import make_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -110,9 +111,9 @@ def test_invalid_generation_options(capsys, cli_model, option, needle):
 def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
     """`--json` on the embedded model: one JSON object with token_ids (generated only), text
     and stats; the static tokens equal plain `ar` decoding of the same chat prompt."""
-    from knapspec_dist.llm import encode
+    from knapspec_dist.model.tokenizer import encode
     from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.engine.generation import GenerationConfig
 
     prompt = "Name three colours of the rainbow."
     rc = main(["generate", "--model", "smollm2", "--prompt", prompt, "--chat", "--strategy",
@@ -133,7 +134,7 @@ def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
                 "verify_s", "prompt_tokens", "new_tokens"):
         assert key in stats, key
     assert stats["new_tokens"] == len(ids) and stats["drafted"] > 0
-    want = Autoregressive().generate(smollm2.model, [encode(smollm2.tokenizer, prompt, chat=True)],
+    want = generate(Autoregressive(), smollm2.model, [encode(smollm2.tokenizer, prompt, chat=True)],
                                      GenerationConfig(max_new_tokens=12))[0]
     assert ids == want.token_ids
     assert stats["prompt_tokens"] == want.stats.prompt_tokens
@@ -142,9 +143,9 @@ def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
 def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_path):
     """Repeated --prompt / --prompt-file go through one continuous batch (--max-num-seqs 2):
     one JSON line per prompt, in order, each the tokens plain ar gives that prompt alone."""
-    from knapspec_dist.llm import encode
+    from knapspec_dist.model.tokenizer import encode
     from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.engine.generation import GenerationConfig
 
     texts = ["Name three colours of the rainbow.", "What is the capital of France?",
              "Write one sentence about the sea."]
@@ -157,7 +158,7 @@ def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_
     lines = [json.loads(line) for line in out.strip().splitlines()]
     assert len(lines) == 3
     for text, line in zip(texts, lines):
-        want = Autoregressive().generate(smollm2.model, [encode(smollm2.tokenizer, text, chat=True)],
+        want = generate(Autoregressive(), smollm2.model, [encode(smollm2.tokenizer, text, chat=True)],
                                          GenerationConfig(max_new_tokens=8))[0]
         assert line["token_ids"] == want.token_ids
     assert max(line["stats"]["mean_batch"] for line in lines) > 1

@@ -10,12 +10,14 @@ import torch
 
 from conftest import random_prompt
 from knapspec_dist.model.cache import KVCache
-from knapspec_dist.model.attention import FLEX_BLOCK, length_block_mask
+from knapspec_dist.model.attention import FLEX_BLOCK
+from knapspec_dist.model.step import length_block_mask
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.sampling import SamplingConfig
+from knapspec_dist.engine.scheduler import generate
 
 NAME = "llama-gqa"
 GREEDY = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
@@ -50,25 +52,22 @@ def test_graph_replay_gives_the_tokens_of_eager_decoding(engine_model, strategy)
     model = engine_model(NAME)
     seqs = prompts(model.cfg.vocab_size)
 
-    def make(graphs: bool):
+    def make():
         if strategy == "ar":
-            s = Autoregressive()
-        else:
-            s = SelfSpeculative(StaticSelector(frozenset({2, 5, 7}), 3), tau_conf=0.3)
-        s.graphs = graphs
-        return s
+            return Autoregressive()
+        return SelfSpeculative(StaticSelector(frozenset({2, 5, 7}), 3), tau_conf=0.3)
 
-    eager = make(False).generate(model, seqs, GREEDY)
-    graphed = make(True)
+    eager = generate(make(), model, seqs, GREEDY, runner=ModelRunner(model, graphs=False))
+    graphed = make()
+    runner = ModelRunner(model, graphs=True)
     if strategy == "static-pieces":
-        graphed.runner(model).draft_graphs = "pieces"
-    replayed = graphed.generate(model, seqs, GREEDY)
+        runner.draft_graphs = "pieces"
+    replayed = generate(graphed, model, seqs, GREEDY, runner=runner)
     assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
-    runner = graphed.runner(model)
     assert runner.captures > 0  # the graph path really ran
     # A second request reuses the cache and its graphs.
     before = runner.captures
-    again = graphed.generate(model, seqs, GREEDY)
+    again = generate(graphed, model, seqs, GREEDY, runner=runner)
     assert [r.token_ids for r in again] == [r.token_ids for r in eager]
     if strategy != "ar":
         assert runner.captures == before
@@ -98,10 +97,10 @@ def test_drafting_without_host_reads_gives_the_same_tokens(engine_model, samplin
     runs = {}
     for early in (True, False):
         s = SelfSpeculative(StaticSelector(frozenset({2, 5}), 4), tau_conf=0.6, early_exit=early)
-        runs[early] = [r.token_ids for r in s.generate(model, seqs, config)]
+        runs[early] = [r.token_ids for r in generate(s, model, seqs, config)]
     if sampling.greedy:
         assert runs[True] == runs[False]
-        assert runs[True] == [r.token_ids for r in Autoregressive().generate(model, seqs, config)]
+        assert runs[True] == [r.token_ids for r in generate(Autoregressive(), model, seqs, config)]
     else:  # same seed, but the device path draws more draft tokens: only the lengths agree
         assert [len(t) for t in runs[True]] == [len(t) for t in runs[False]]
 

@@ -13,8 +13,9 @@ import torch
 from conftest import CONFIG_NAMES, random_prompt
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.strategy import GenerationConfig
-from knapspec_dist.spec.factory import format_skip
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.spec.options import format_skip
+from knapspec_dist.engine.scheduler import generate
 
 NO_EOS = dict(stop_at_eos=False)
 
@@ -32,12 +33,12 @@ def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
 
 
 def ar(model, prompts, n, **kw):
-    return Autoregressive().generate(model, prompts, GenerationConfig(max_new_tokens=n, **kw))
+    return generate(Autoregressive(), model, prompts, GenerationConfig(max_new_tokens=n, **kw))
 
 
 def static(model, prompt, skip, gamma, tau, n, **kw):
     strategy = SelfSpeculative(StaticSelector(frozenset(skip), gamma), tau_conf=tau)
-    return strategy.generate(model, [prompt], GenerationConfig(max_new_tokens=n, **kw))[0]
+    return generate(strategy, model, [prompt], GenerationConfig(max_new_tokens=n, **kw))[0]
 
 
 def with_eos(model, token: int):
@@ -217,7 +218,7 @@ def smol_plans() -> list[tuple[set[int], int, float]]:
 
 @pytest.fixture(scope="module")
 def smol_prompts(smollm2, corpus_prompt):
-    from knapspec_dist.llm import encode
+    from knapspec_dist.model.tokenizer import encode
 
     tok = smollm2.tokenizer
     return [encode(tok, "Write a short poem about the sea and the wind.", chat=True),

@@ -25,11 +25,13 @@ from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.spec.ties import TIE, check_divergence
-from knapspec_dist.spec.factory import StrategyOptions, build_strategy
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.spec.options import StrategyOptions
 
 from conftest import random_prompt
+from knapspec_dist.engine.scheduler import generate
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,8 @@ def target(request, checkpoints) -> Target:
         return Target("cpu", path, "a1,m2", "static:a1,m2@4", prompts, 24, 64)
     from knapspec_dist.tools.corpus import document_of_tokens
     from knapspec_dist.model.embedded import ensure_smollm2
-    from knapspec_dist.model.weights import load_tokenizer
-    from knapspec_dist.llm import encode
+    from knapspec_dist.model.tokenizer import load_tokenizer
+    from knapspec_dist.model.tokenizer import encode
 
     path = Path(ensure_smollm2())
     tok = load_tokenizer(path)
@@ -93,18 +95,18 @@ def build(name: str, target: Target, model):
                           model)
 
 
-def generate(name: str, target: Target, model, sampling: SamplingConfig | None = None):
+def generate_named(name: str, target: Target, model, sampling: SamplingConfig | None = None):
     config = GenerationConfig(max_new_tokens=target.new_tokens, stop_at_eos=False,
                               sampling=sampling or SamplingConfig())
-    return build(name, target, model).generate(model, target.prompts, config)
+    return generate(build(name, target, model), model, target.prompts, config)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_fp32_every_strategy_equals_ar(target, models, name):
     model = models("fp32")
-    expected = Autoregressive().generate(model, target.prompts, GenerationConfig(
+    expected = generate(Autoregressive(), model, target.prompts, GenerationConfig(
         max_new_tokens=target.new_tokens, stop_at_eos=False))
-    results = generate(name, target, model)
+    results = generate_named(name, target, model)
     for prompt, got, want in zip(target.prompts, results, expected):
         assert got.token_ids == want.token_ids, check_divergence(
             model, prompt, want.token_ids, got.token_ids).describe()
@@ -115,9 +117,9 @@ def test_fp32_every_strategy_equals_ar(target, models, name):
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_bf16_divergences_from_ar_are_near_ties(target, models, name):
     model = models("bf16")
-    expected = Autoregressive().generate(model, target.prompts, GenerationConfig(
+    expected = generate(Autoregressive(), model, target.prompts, GenerationConfig(
         max_new_tokens=target.new_tokens, stop_at_eos=False))
-    results = generate(name, target, model)
+    results = generate_named(name, target, model)
     for prompt, got, want in zip(target.prompts, results, expected):
         assert len(got.token_ids) == target.new_tokens
         div = check_divergence(model, prompt, want.token_ids, got.token_ids)
@@ -132,8 +134,8 @@ def test_bf16_divergences_from_ar_are_near_ties(target, models, name):
 def test_sampling_runs_for_every_strategy(target, models, name):
     model = models("fp32")
     sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=11)
-    first = generate(name, target, model, sampling)
-    again = generate(name, target, model, sampling)
+    first = generate_named(name, target, model, sampling)
+    again = generate_named(name, target, model, sampling)
     vocab = model.cfg.vocab_size
     for r, s in zip(first, again):
         assert len(r.token_ids) == target.new_tokens
@@ -192,12 +194,9 @@ def test_batched_rows_match_batch_one_ar(target, models, name, batch):
     vocab = model.cfg.vocab_size
     prompts = [random_prompt(16 + (37 * i) % 200, vocab, seed=500 + i) for i in range(batch + 3)]
     config = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
-    alone = Autoregressive()
-    alone.max_num_seqs = 1
-    expected = alone.generate(model, prompts, config)
+    expected = generate(Autoregressive(), model, prompts, config, max_num_seqs=1)
     strategy = build(name, target, model)
-    strategy.max_num_seqs = batch
-    results = strategy.generate(model, prompts, config)
+    results = generate(strategy, model, prompts, config, max_num_seqs=batch)
     assert max(r.stats.mean_batch for r in results) > batch / 2
     for prompt, got, want in zip(prompts, results, expected):
         div = check_divergence(model, prompt, want.token_ids, got.token_ids)

@@ -24,7 +24,7 @@ from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, resu
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
 from knapspec_dist.jobs.dispatch import Scheduler, Task
 from knapspec_dist.jobs.summary import summarize
-from knapspec_dist.engine.strategy import GenerationResult, GenerationStats
+from knapspec_dist.engine.generation import GenerationResult, GenerationStats
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -290,7 +290,7 @@ def test_truncate_cuts_the_end_of_the_document_to_fit():
 
 def test_truncate_with_the_real_tokenizer_fits_exactly():
     from knapspec_dist.model.embedded import ensure_smollm2
-    from knapspec_dist.model.weights import load_tokenizer
+    from knapspec_dist.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ensure_smollm2())
     b = PromptBuilder(tok, "text", "Summarize:", 300, 50, True, "document")

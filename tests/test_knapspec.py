@@ -9,11 +9,12 @@ from knapspec_dist.profiles.profile import fit_profile
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
-from knapspec_dist.spec.hidden_states import (HiddenStateEvaluator, Reference,
-                                                     prefix_attention, reference_prefix_attention)
+from knapspec_dist.model.attention import prefix_attention, reference_prefix_attention
+from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
 from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
 from knapspec_dist.spec.selfspec import Plan, SelfSpeculative
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import generate
 
 
 def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
@@ -52,9 +53,9 @@ def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (3, 40, 200)]
     config_gen = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
-    expected = Autoregressive().generate(model, prompts, config_gen)
+    expected = generate(Autoregressive(), model, prompts, config_gen)
     selector = KnapSpecSelector(profile, config)
-    results = SelfSpeculative(selector, tau_conf=0.0, name="knapspec").generate(model, prompts,
+    results = generate(SelfSpeculative(selector, tau_conf=0.0, name="knapspec"), model, prompts,
                                                                                  config_gen)
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
@@ -72,9 +73,9 @@ def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
                                 verify_growth=0.0, verify_scale=100.0)
     prompts = [corpus_prompt[:300], corpus_prompt]
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
-    expected = Autoregressive().generate(model, prompts, config)
+    expected = generate(Autoregressive(), model, prompts, config)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=8, overhead_budget=1e9))
-    results = SelfSpeculative(selector, name="knapspec").generate(model, prompts, config)
+    results = generate(SelfSpeculative(selector, name="knapspec"), model, prompts, config)
     for got, want in zip(results, expected):
         assert got.token_ids == want.token_ids
         assert got.stats.selections >= 1
@@ -93,7 +94,7 @@ def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_promp
                                 verify_growth=0.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=40, overhead_budget=1e9,
                                                         min_gain=1.0))
-    result = SelfSpeculative(selector, name="knapspec").generate(
+    result = generate(SelfSpeculative(selector, name="knapspec"),
         model, [prompt], GenerationConfig(max_new_tokens=170, stop_at_eos=False))[0]
     first, last = selector.history[0], selector.history[-1]
     assert first.context == first_n and last.context > first_n + 120

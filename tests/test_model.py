@@ -14,6 +14,7 @@ import torch
 from conftest import CONFIG_NAMES, random_prompt
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, rope_frequencies
+from knapspec_dist.model.step import make_step
 
 TOL = 1e-4
 # Long enough that positions run past original_max_position_embeddings=256 of the llama3
@@ -109,7 +110,7 @@ def manual_composition(model, tokens: list[int], skip: set[int]) -> torch.Tensor
     """Call the sublayers one by one, leaving out those in ``skip`` (identity)."""
     cache = new_cache(model, capacity=len(tokens) + 1)
     with torch.inference_mode():
-        step = model.step(cache.lengths[0:1], len(tokens), cache, slice(0, 1))
+        step = make_step(model, cache.lengths[0:1], len(tokens), cache, slice(0, 1))
         h = model.embed(torch.tensor([tokens]))
         for item in range(model.cfg.num_items):
             if item in skip:

@@ -124,7 +124,7 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
 def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs):
     """A stored batch-8 profile beside the batch-1 one: knapspec's selector gets both and
     prices a round of 4 rows between them."""
-    from knapspec_dist.spec.factory import StrategyOptions
+    from knapspec_dist.spec.options import StrategyOptions
     from knapspec_dist.spec.knapspec import build_selector
 
     repo, _ = dirs

@@ -16,6 +16,7 @@ import os
 import pytest
 
 from conftest import random_prompt
+from knapspec_dist.engine.scheduler import generate
 
 ray = pytest.importorskip("ray")
 
@@ -47,12 +48,13 @@ def leftovers() -> list[str]:
 
 
 def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
-    from knapspec_dist.engine.strategy import GenerationConfig
-    from knapspec_dist.spec.factory import StrategyOptions, build_strategy
+    from knapspec_dist.engine.generation import GenerationConfig
+    from knapspec_dist.spec.factory import build_strategy
+    from knapspec_dist.spec.options import StrategyOptions
 
     s = build_strategy(StrategyOptions(name=strategy, **options), model)
     config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)
-    return [s.generate(model, [p], config)[0].token_ids for p in prompts]
+    return [generate(s, model, [p], config)[0].token_ids for p in prompts]
 
 
 def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
@@ -71,7 +73,7 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
                 engine.reconfigure(name, **options)
             if name == "ar":  # a bad row fails on every rank alike; the replica lives on
                 from knapspec_dist.errors import UserError
-                from knapspec_dist.engine.strategy import GenerationConfig
+                from knapspec_dist.engine.generation import GenerationConfig
 
                 too_long = [5] * model.cfg.max_position_embeddings
                 with pytest.raises(UserError, match="context window"):
@@ -101,9 +103,9 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
 
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
     from knapspec_dist.errors import UserError
-    from knapspec_dist.llm import encode
+    from knapspec_dist.model.tokenizer import encode
     from knapspec_dist.runtime import Engine
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.engine.generation import GenerationConfig
 
     texts = ["The capital of France is", "One, two, three,", "Water boils at",
              "The quick brown fox", "In the beginning"]

@@ -26,7 +26,8 @@ from knapspec_dist.engine.sampling import SamplingConfig, accept_sampling, proba
 from knapspec_dist.spec import selfspec
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import generate
 
 ALPHA = 1e-3
 Z_ALPHA = 3.0902  # standard normal upper 1e-3 quantile
@@ -236,7 +237,7 @@ def static_samples(model, cfg: SamplingConfig, n: int, skip=frozenset({2, 5}), g
         c = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False,
                              sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p,
                                                      seed=10_000 + i))
-        r = strategy.generate(model, [PROMPT], c)[0]
+        r = generate(strategy, model, [PROMPT], c)[0]
         assert len(r.token_ids) == NEW
         out.append(tuple(r.token_ids))
         drafted += r.stats.drafted
@@ -260,7 +261,7 @@ def test_static_sampling_matches_ar_sampling(name, tiny):
     cfg = SCENARIOS[name]
     joint = exact_distribution(tiny, cfg)
     seeded = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed=5)
-    ar = Autoregressive().generate(tiny, [PROMPT] * N_AR, GenerationConfig(
+    ar = generate(Autoregressive(), tiny, [PROMPT] * N_AR, GenerationConfig(
         max_new_tokens=NEW, stop_at_eos=False, sampling=seeded))
     ar_samples = [tuple(r.token_ids) for r in ar]
     assert_matches_exact(ar_samples, joint, f"ar {name}")

@@ -17,7 +17,8 @@ from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.engine.scheduler import Scheduler, row_capacity
+from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
 

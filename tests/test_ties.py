@@ -7,12 +7,14 @@ import torch
 
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.spec.ties import (BUG, TIE, check_divergence, classify,
                                             first_difference, one_shot_logits, spacing, tolerance)
-from knapspec_dist.spec.factory import StrategyOptions, build_strategy
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.spec.options import StrategyOptions
 
 from conftest import random_prompt
+from knapspec_dist.engine.scheduler import generate
 
 BF16 = torch.bfloat16
 
@@ -93,7 +95,7 @@ def test_one_shot_logits_equal_a_prefill_of_the_whole_sequence(engine_model):
     ar's next token at every step."""
     model = engine_model("llama-gqa")
     prompt = random_prompt(20, model.cfg.vocab_size, seed=1)
-    ar = Autoregressive().generate(model, [prompt], GenerationConfig(
+    ar = generate(Autoregressive(), model, [prompt], GenerationConfig(
         max_new_tokens=6, stop_at_eos=False))[0].token_ids
     for i, t in enumerate(ar):
         assert int(one_shot_logits(model, prompt + ar[:i]).argmax()) == t
@@ -107,8 +109,8 @@ def test_bf16_static_vs_ar_divergences_are_ties_and_corruption_is_a_bug(bf16_mod
     ties = 0
     for seed in range(8):
         prompt = random_prompt(40 + 30 * seed, model.cfg.vocab_size, seed=seed)
-        ref = Autoregressive().generate(model, [prompt], config)[0].token_ids
-        res = static.generate(model, [prompt], config)[0]
+        ref = generate(Autoregressive(), model, [prompt], config)[0].token_ids
+        res = generate(static, model, [prompt], config)[0]
         assert res.stats.drafted > 0, "speculation never ran"
         assert check_divergence(model, prompt, ref, ref) is None
         div = check_divergence(model, prompt, ref, res.token_ids)
@@ -134,8 +136,8 @@ def test_fp32_static_equals_ar(engine_model):
     static = build_strategy(StrategyOptions(name="static", skip="a1,m2", gamma=4, tau_conf=0.0),
                             model)
     prompt = random_prompt(50, model.cfg.vocab_size, seed=4)
-    ref = Autoregressive().generate(model, [prompt], config)[0].token_ids
-    assert check_divergence(model, prompt, ref, static.generate(model, [prompt], config)[0]
+    ref = generate(Autoregressive(), model, [prompt], config)[0].token_ids
+    assert check_divergence(model, prompt, ref, generate(static, model, [prompt], config)[0]
                             .token_ids) is None
     flipped = ref[:3] + [(ref[3] + 1) % model.cfg.vocab_size] + ref[4:]
     assert check_divergence(model, prompt, ref, flipped).verdict == BUG

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import random_prompt
+from knapspec_dist.engine.scheduler import generate
 from models import hf_model, make_checkpoint
 
 WORLD = 2
@@ -49,10 +50,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _strategies(model):
     """name -> strategy; self-speculative ones made SPMD-safe (plans broadcast from rank 0)."""
-    from knapspec_dist.parallel import spmd_strategy
+    from knapspec_dist.spec.spmd import spmd_strategy
     from knapspec_dist.spec.autoregressive import Autoregressive
     from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-    from knapspec_dist.spec.factory import StrategyOptions, build_strategy
+    from knapspec_dist.spec.factory import build_strategy
+    from knapspec_dist.spec.options import StrategyOptions
 
     knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8,
                                               tau_conf=0.0),
@@ -66,8 +68,8 @@ def _strategies(model):
 def _run_model(model) -> dict:
     """Logits of a prefill + cached decode steps, and greedy tokens of every strategy."""
     from knapspec_dist.model.cache import KVCache
-    from knapspec_dist.parallel import kv_heads
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.model.cache import kv_heads
+    from knapspec_dist.engine.generation import GenerationConfig
 
     out: dict = {}
     cache = KVCache(model.cfg, 1, 32, dtype=model.dtype, device="cpu", kv_heads=kv_heads(model))
@@ -84,9 +86,9 @@ def _run_model(model) -> dict:
     prompts = _prompts(model.cfg.vocab_size)
     for name, strategy in _strategies(model).items():
         if name == "ar":  # batched: two rows with different positions in one forward
-            results = strategy.generate(model, prompts, config)
+            results = generate(strategy, model, prompts, config)
         else:
-            results = [strategy.generate(model, [p], config)[0] for p in prompts]
+            results = [generate(strategy, model, [p], config)[0] for p in prompts]
         out[name] = [r.token_ids for r in results]
         out[name + "_stats"] = [r.stats.to_dict() for r in results]
         selector = getattr(strategy, "selector", None)
@@ -295,7 +297,7 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     rank would run a DP's collectives alone: rank 0's values are broadcast with its plan."""
     from types import SimpleNamespace
 
-    from knapspec_dist.parallel.tp import SyncedSelector
+    from knapspec_dist.spec.spmd import SyncedSelector
     from knapspec_dist.spec.selfspec import Plan
 
     class Inner:

@@ -11,16 +11,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from knapspec_dist.cli.common import emit
+from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.errors import UserError
 from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tokenizer
 from knapspec_dist.tools.bench.report import command_line, machine, plot, summarize, write_markdown
 from knapspec_dist.tools.bench.specs import StrategySpec, build, parse_strategies
+from knapspec_dist.engine.scheduler import generate
 
 log = logging.getLogger(__name__)
 
 
 def run(model, strategies: dict, prompts: dict[int, list[Prompt]], config,
-        save=lambda runs: None) -> tuple[list[dict], list[str]]:
+        save=lambda runs: None, runner: ModelRunner | None = None) -> tuple[list[dict], list[str]]:
     """Every strategy on every prompt; returns the runs and the mismatch messages.
 
     Each run that differs from ``ar`` gets its first difference classified (one full-model
@@ -36,7 +38,7 @@ def run(model, strategies: dict, prompts: dict[int, list[Prompt]], config,
             order = labels[j % len(labels):] + labels[:j % len(labels)]
             results = {}
             for label in order:
-                r = strategies[label].generate(model, [prompt.ids], config)[0]
+                r = generate(strategies[label], model, [prompt.ids], config, runner=runner)[0]
                 results[label] = r
                 s = r.stats
                 log.info("context %d, %s, %s: %d tokens, %.2f tok/s (decode %.2f s), "
@@ -81,7 +83,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from knapspec_dist.model.embedded import resolve_model_path
     from knapspec_dist.model.weights import load_model, resolve_dtype
     from knapspec_dist.model.weights import resolve_device
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.engine.generation import GenerationConfig
 
     contexts = _ints(args.contexts, "--contexts")
     if args.new_tokens < 1 or args.prompts < 1:
@@ -107,6 +109,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     specs = [StrategySpec(s.label, replace(s.options, profile=profile, interval=args.interval,
                                            tau_conf=args.tau_conf)) for s in specs]
     strategies = {s.label: build(s, model) for s in specs}
+    runner = ModelRunner(model)  # one cache and set of graphs for every strategy
     prompts = build_prompts(tokenizer, contexts, args.prompts, model.cfg.max_position_embeddings,
                             args.new_tokens, args.prompt_style)
     config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=args.stop_at_eos)
@@ -124,7 +127,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         warm = GenerationConfig(max_new_tokens=min(4, args.new_tokens), stop_at_eos=False)
         first = prompts[contexts[0]][0].ids
         for label, strategy in strategies.items():
-            strategy.generate(model, [first[:64]], warm)
+            generate(strategy, model, [first[:64]], warm, runner=runner)
         log.info("warmed up")
 
     def save(runs: list[dict], mismatches: list[str] | None = None) -> None:
@@ -135,7 +138,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tmp.write_text(json.dumps(doc, indent=1))
         tmp.replace(out / "results.json")
 
-    runs, mismatches = run(model, strategies, prompts, config, save)
+    runs, mismatches = run(model, strategies, prompts, config, save, runner)
     save(runs, mismatches)
     rows = summarize(runs)
     write_markdown(out / "results.md", header, rows, runs)

@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
-    from knapspec_dist.spec.factory import NAMES
+    from knapspec_dist.spec.options import NAMES
 
     p.add_argument("--strategy", default="knapspec", choices=NAMES)
     p.add_argument("--skip", default="", help="static: skipped sublayers, e.g. a3,a5,m7 (0-based)")
@@ -66,7 +66,7 @@ def uses_engine(args: argparse.Namespace) -> bool:
 
 def strategy_options(args: argparse.Namespace):
     """The :class:`~knapspec_dist.spec.factory.StrategyOptions` of the parsed args."""
-    from knapspec_dist.spec.factory import StrategyOptions
+    from knapspec_dist.spec.options import StrategyOptions
 
     return StrategyOptions(name=args.strategy, skip=args.skip, gamma=args.gamma,
                            tau_conf=args.tau_conf, profile=args.profile, interval=args.interval,
@@ -76,7 +76,7 @@ def strategy_options(args: argparse.Namespace):
 
 def generation_config(args: argparse.Namespace):
     from knapspec_dist.engine.sampling import SamplingConfig
-    from knapspec_dist.engine.strategy import GenerationConfig
+    from knapspec_dist.engine.generation import GenerationConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))

@@ -16,6 +16,8 @@ from knapspec_dist.cli.common import (add_engine_args, add_model_args, add_sampl
                           add_strategy_args, emit, generation_config, strategy_options,
                           uses_engine)
 from knapspec_dist.errors import UserError
+from knapspec_dist.llm import generate_texts, load
+from knapspec_dist.model.tokenizer import encode
 
 log = logging.getLogger("knapspec_dist")
 
@@ -23,8 +25,6 @@ log = logging.getLogger("knapspec_dist")
 def cmd_generate(args: argparse.Namespace) -> int:
     """Every ``--prompt`` / ``--prompt-file`` (repeatable), continuously batched
     (``--max-num-seqs`` rows at once), in process or on the Ray engine."""
-    from knapspec_dist.llm import encode, generate_texts, load
-
     texts = list(args.prompt or [])
     for path in args.prompt_file or []:
         try:

@@ -35,6 +35,7 @@ import torch
 
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.model.step import make_step
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class ModelRunner:
         shared: dict = {}
 
         def prologue():
-            shared["step"] = model.step(static_starts, static_tokens.shape[1], cache, rows)
+            shared["step"] = make_step(model, static_starts, static_tokens.shape[1], cache, rows)
             h = model.embed(static_tokens)
             if "h" not in shared:
                 shared["h"] = h
@@ -212,3 +213,14 @@ class ModelRunner:
         last = self._factory(lambda: model.logits(shared["h"]))
         self.captures += len(items) + 2
         return static_tokens, static_starts, first, items, last
+
+
+def prefill(model: Transformer, cache, row: int, tokens: list[int], start: int = 0,
+            capture=None) -> torch.Tensor:
+    """Run ``tokens`` into cache row ``row`` from position ``start`` (padding-free) and commit
+    them; the last position's logits [V]. ``capture`` (model.Capture) gets the hidden states."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens], device=model.device), [start], cache,
+                       slice(row, row + 1), last_only=True, capture=capture)
+    cache.commit(row, start + len(tokens))
+    return logits[0, -1]

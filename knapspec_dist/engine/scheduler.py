@@ -19,19 +19,20 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-import torch
-
-from knapspec_dist.model.cache import kv_heads
-from knapspec_dist.errors import UserError
-from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.engine.sampling import choose
-from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.clock import Clock
-from knapspec_dist.engine.generation import GenerationConfig, GenerationResult, check_prompt, finish
+from knapspec_dist.engine.generation import (GenerationConfig, GenerationResult, check_prompt,
+                                             finish)
+from knapspec_dist.engine.memory import max_num_seqs_for
+from knapspec_dist.engine.model_runner import ModelRunner, prefill
+from knapspec_dist.engine.sampling import choose
+from knapspec_dist.engine.sequence import Batch, Row, row_capacity
+from knapspec_dist.engine.strategy import Strategy
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.cache import kv_heads
+from knapspec_dist.model.decoder import Transformer
 
 log = logging.getLogger(__name__)
 
-MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
 PREFILL_CHUNK = 2048  # prompt tokens per step while rows decode (vLLM: max_num_batched_tokens)
 
 
@@ -61,22 +62,20 @@ class Throughput:
                 "decode_tokens_per_s": self.decode_tokens_per_s, "mean_batch": self.mean_batch}
 
 
-def row_capacity(prompt_len: int, limit: int) -> int:
-    """Cache positions one row needs: prompt, new tokens, and room for a draft past the end."""
-    return prompt_len + limit + MAX_GAMMA + 2
-
 
 class Scheduler:
-    def __init__(self, strategy, model: Transformer, config: GenerationConfig, max_num_seqs: int,
-                 capacity: int, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, strategy: Strategy, model: Transformer, config: GenerationConfig,
+                 max_num_seqs: int, capacity: int, prefill_chunk: int = PREFILL_CHUNK, *,
+                 runner: ModelRunner | None = None):
         """``capacity``: cache positions per row (see ``row_capacity``); rows needing more
-        are refused one by one."""
+        are refused one by one. ``runner``: the model's runner, with its cache and graphs,
+        when one is kept across schedulers (graphs stay captured); else a new one."""
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.strategy, self.model, self.config = strategy, model, config
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, max(1, prefill_chunk)
-        self.forward = strategy.runner(model)
-        self.batch = Batch(self.forward.new_cache(max_num_seqs, capacity, kv_heads(model)))
+        self.runner = runner if runner is not None else ModelRunner(model)
+        self.batch = Batch(self.runner.new_cache(max_num_seqs, capacity, kv_heads(model)))
         self.capacity = self.batch.cache.capacity
         self.waiting: deque[Row] = deque()
         self.gen = config.sampling.generator(model.device)
@@ -88,11 +87,6 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.batch.rows or self.batch.prefilling)
-
-    @property
-    def free_slots(self) -> int:
-        b = self.batch
-        return self.max_num_seqs - b.size - (b.prefilling is not None) - len(self.waiting)
 
     def add(self, rid: int, prompt: list[int]) -> None:
         """Queue a row; a prompt that cannot be generated raises ``UserError`` (for that row)."""
@@ -137,7 +131,7 @@ class Scheduler:
             start = timer.mark()
             emitted = sum(len(r.out) for r in b.rows)
             size = b.size
-            self.strategy.round(self.model, b, self.config, self.forward, self.gen, timer)
+            self.strategy.round(self.model, b, self.config, self.runner, self.gen, timer)
             end = timer.mark()
             timer.sync()  # a round ends with its read-back: nothing is left to wait for
             elapsed = timer.seconds(start, end)
@@ -200,12 +194,12 @@ def result(row: Row) -> GenerationResult:
     return GenerationResult(row.out, s, row.reason)
 
 
-def prefill(model: Transformer, cache, row: int, tokens: list[int], start: int = 0,
-            capture=None) -> torch.Tensor:
-    """Run ``tokens`` into cache row ``row`` from position ``start`` (padding-free) and commit
-    them; the last position's logits [V]. ``capture`` (model.Capture) gets the hidden states."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([tokens], device=model.device), [start], cache,
-                       slice(row, row + 1), last_only=True, capture=capture)
-    cache.commit(row, start + len(tokens))
-    return logits[0, -1]
+def generate(strategy: Strategy, model: Transformer, prompts: list[list[int]],
+             config: GenerationConfig, *, max_num_seqs: int | None = None,
+             runner: ModelRunner | None = None) -> list[GenerationResult]:
+    """Generate for every prompt with ``strategy``, ``max_num_seqs`` rows at a time (None:
+    all of them, as far as memory holds them: engine/memory.py); results in input order."""
+    capacity = max((row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts),
+                   default=1)
+    rows = max_num_seqs or min(max(1, len(prompts)), max_num_seqs_for(model, capacity))
+    return Scheduler(strategy, model, config, rows, capacity, runner=runner).run(prompts)

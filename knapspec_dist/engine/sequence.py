@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.engine.generation import GenerationStats
 
+MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
+
+
+def row_capacity(prompt_len: int, limit: int) -> int:
+    """Cache positions one row needs: prompt, new tokens, and room for a draft past the end."""
+    return prompt_len + limit + MAX_GAMMA + 2
+
 
 @dataclass
 class Row:
@@ -45,12 +52,6 @@ class Batch:
     @property
     def lengths(self) -> list[int]:
         return self.cache.lengths[:len(self.rows)]
-
-    def slot(self, rid: int) -> int | None:
-        for i, row in enumerate(self.rows):
-            if row.rid == rid:
-                return i
-        return None
 
     def join(self) -> None:
         """The prefilled row starts decoding (it already sits at slot len(rows))."""

@@ -90,7 +90,7 @@ class JobConfig:
 
     def generation_config(self):
         from knapspec_dist.engine.sampling import SamplingConfig
-        from knapspec_dist.engine.strategy import GenerationConfig
+        from knapspec_dist.engine.generation import GenerationConfig
 
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=SamplingConfig(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed))

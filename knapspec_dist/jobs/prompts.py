@@ -17,6 +17,9 @@ import logging
 import math
 from dataclasses import dataclass
 
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.tokenizer import encode, has_chat_template
+
 log = logging.getLogger(__name__)
 
 
@@ -42,9 +45,7 @@ class PromptBuilder:
         self.max_new_tokens = max_new_tokens
         self.truncate = truncate
         self.column = column
-        if mode == "text" and not getattr(tokenizer, "chat_template", None):
-            from knapspec_dist.errors import UserError
-
+        if mode == "text" and not has_chat_template(tokenizer):
             raise UserError("--text-column needs a model whose tokenizer has a chat template; "
                             "use --prompt-column with ready-made prompts instead")
 
@@ -58,13 +59,8 @@ class PromptBuilder:
 
     def encode(self, text: str) -> list[int]:
         if self.mode == "prompt":
-            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": self._message(text)}], add_generation_prompt=True,
-            tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+            return encode(self.tokenizer, text)
+        return encode(self.tokenizer, self._message(text), chat=True)
 
     def build(self, index: int, row_id, text) -> Prompt:
         if text is None:

@@ -80,9 +80,10 @@ def load_text_tools(config: JobConfig):
     fails before thousands of documents are tokenized and before any row is written."""
     from knapspec_dist.model.config import load_config
     from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.weights import checkpoint_files, load_tokenizer
+    from knapspec_dist.model.tokenizer import load_tokenizer
+    from knapspec_dist.model.weights import checkpoint_files
     from knapspec_dist.parallel import check_shardable
-    from knapspec_dist.spec.factory import StrategyOptions, check_options
+    from knapspec_dist.spec.options import StrategyOptions, check_options
 
     path = resolve_model_path(config.model)
     if not path.is_dir():

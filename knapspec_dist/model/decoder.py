@@ -5,7 +5,7 @@ skipping one is the identity. Sequences in a batch keep their own positions (no 
 forward feeds T new tokens per sequence at positions ``start[b] .. start[b]+T-1`` and writes
 their K/V into the preallocated cache (see cache.py); attention over the cache, per device, is
 execution/attention.py. Tensor parallelism is applied from outside
-(parallel/tp.py): a sublayer calls ``self.reduce`` on its partial output, and the embedding and
+(parallel/layers.py): a sublayer calls ``self.reduce`` on its partial output, and the embedding and
 lm_head modules are swapped for vocab-parallel ones.
 """
 
@@ -19,7 +19,8 @@ from torch import nn
 
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.attention import Step, attend, default_backend, length_block_mask
+from knapspec_dist.model.attention import attend
+from knapspec_dist.model.step import Step, make_step
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -148,43 +149,6 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def step(self, starts: Sequence[int] | torch.Tensor, t: int, cache: KVCache,
-             rows: slice) -> Step:
-        """Everything the layers share for ``t`` new tokens per row at ``starts[b] ..``.
-
-        Host ``starts`` (eager forwards) give the largest key count, a common start and a fresh
-        prefill for free; a device tensor (CUDA-graph capture) gives none of them, and attention
-        then reads all ``cache.capacity`` keys with the lengths on the device. Nothing here
-        reads a device tensor back.
-        """
-        backend = self.backend or default_backend(self.device)
-        if isinstance(starts, torch.Tensor):
-            if starts.dim() != 1:
-                raise ValueError(f"starts must be one position per row, got shape {tuple(starts.shape)}")
-            starts_dev, kv_len, start, causal = starts, cache.capacity, None, False
-        else:
-            starts = list(starts)
-            kv_len = max(starts) + t
-            if kv_len > cache.capacity:
-                raise ValueError(f"KV cache capacity {cache.capacity} exceeded (need {kv_len})")
-            start = starts[0] if all(s == starts[0] for s in starts) else None
-            # A fresh prefill says is_causal instead of passing a mask: only then does the CPU
-            # kernel skip the masked-out blocks (-39% prefill time at 4k).
-            causal = start == 0 and t > 1
-            starts_dev = torch.tensor(starts, device=self.device)
-            if backend == "flex" and not causal:
-                kv_len = cache.capacity  # static shapes: one compiled kernel per (B, T)
-        positions = starts_dev[:, None] + torch.arange(t, device=self.device)[None]
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        cos = (emb.cos() * self.rope_scale).to(self.dtype)
-        sin = (emb.sin() * self.rope_scale).to(self.dtype)
-        block_mask = None
-        if backend == "flex" and not causal:
-            block_mask = length_block_mask(starts_dev, t, kv_len)
-        return Step(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
-                    block_mask)
-
     def forward_items(self, h: torch.Tensor, step: Step, cache: KVCache,
                       skip: frozenset[int] = frozenset(),
                       capture: Capture | None = None) -> torch.Tensor:
@@ -214,7 +178,7 @@ class Transformer(nn.Module):
                 capture: Capture | None = None) -> torch.Tensor:
         """Logits (fp32) for ``tokens`` [B, T] at positions ``starts[b] ..``, writing their K/V."""
         rows = rows if rows is not None else slice(0, tokens.shape[0])
-        step = self.step(starts, tokens.shape[1], cache, rows)
+        step = make_step(self, starts, tokens.shape[1], cache, rows)
         h = self.forward_items(self.embed(tokens), step, cache, skip, capture)
         if last_only:
             h = h[:, -1:]

@@ -46,6 +46,12 @@ def hf_name(name: str) -> str:
     return name
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """Our short name of a torch dtype (fp32, bf16, fp16), as profiles and reports spell it."""
+    names = {v: k for k, v in DTYPES.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
@@ -135,13 +141,6 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     return model
 
 
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{model_dir}: cannot load tokenizer ({e})") from None
 
 
 def random_llama_weights(*, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,

@@ -1,8 +1,10 @@
-"""Tensor parallelism from outside the model: sharded loading, TP collectives, SPMD helpers."""
+"""Tensor parallelism from outside the model: process group, collectives, sharded layers and
+sliced loading. It knows nothing of speculation (spec/spmd.py runs strategies SPMD)."""
 
-from knapspec_dist.parallel.tp import (Comm, Layout, SyncedSelector, check_shardable, destroy_distributed, free_port,
-                 init_distributed, kv_heads, layout, load_sharded, parameter_bytes, spmd_strategy)
+from knapspec_dist.parallel.comm import Comm
+from knapspec_dist.parallel.group import destroy_distributed, free_port, init_distributed
+from knapspec_dist.parallel.layers import Layout, check_shardable, layout
+from knapspec_dist.parallel.loading import load_sharded, parameter_bytes
 
-__all__ = ["Comm", "Layout", "SyncedSelector", "check_shardable", "destroy_distributed",
-           "free_port", "init_distributed", "kv_heads", "layout", "load_sharded",
-           "parameter_bytes", "spmd_strategy"]
+__all__ = ["Comm", "Layout", "check_shardable", "destroy_distributed", "free_port",
+           "init_distributed", "layout", "load_sharded", "parameter_bytes"]

@@ -11,13 +11,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name a profile records for a torch dtype: fp32, bf16, fp16 (the CLI's --dtype)."""
-    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
 
 def device_info(device: torch.device | str) -> dict[str, Any]:
     """Who measured: NVML name and memory on NVIDIA GPUs; CPU model and thread count otherwise.

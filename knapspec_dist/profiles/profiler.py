@@ -56,7 +56,8 @@ from typing import Any
 import torch
 
 from knapspec_dist.clock import Clock
-from knapspec_dist.profiles.device import device_info, dtype_name
+from knapspec_dist.model.weights import dtype_name
+from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import MODES, LatencyProfile, fit_profile
 from knapspec_dist.profiles.replay import ReplayTimer
 

@@ -187,7 +187,8 @@ def decode_mode(device: dict) -> str:
 def resolve(spec, model, tp: int = 1, batch: int = 1, need: int | None = None) -> Choice:
     """The profile for ``model`` in this process: given, stored, or measured now and kept."""
     from knapspec_dist.profiles import profiler
-    from knapspec_dist.profiles.device import device_info, dtype_name
+    from knapspec_dist.model.weights import dtype_name
+    from knapspec_dist.profiles.device import device_info
 
     device = device_info(model.device)
     mode = decode_mode(device)

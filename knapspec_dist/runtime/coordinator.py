@@ -267,7 +267,7 @@ class Coordinator:
         if not self._tokenizer_tried:
             self._tokenizer_tried = True
             try:
-                from knapspec_dist.model.weights import load_tokenizer
+                from knapspec_dist.model.tokenizer import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self.path)
             except Exception as e:  # a checkpoint without tokenizer: results keep token ids

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from knapspec_dist.errors import UserError
-from knapspec_dist.engine.strategy import GenerationConfig, GenerationResult
+from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ class Engine:
         execution/memory.py)."""
         from knapspec_dist.model.config import load_config
         from knapspec_dist.model.embedded import resolve_model_path
-        from knapspec_dist.model.weights import checkpoint_files, load_tokenizer, resolve_dtype
+        from knapspec_dist.model.tokenizer import load_tokenizer
+        from knapspec_dist.model.weights import checkpoint_files, resolve_dtype
         from knapspec_dist.parallel import check_shardable
 
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
@@ -95,7 +96,7 @@ class Engine:
         self.startup_timeout_s = startup_timeout_s
         self.measure = {"contexts": profile_contexts, "repeats": profile_repeats,
                         "need": profile_need}
-        from knapspec_dist.engine.scheduler import row_capacity
+        from knapspec_dist.engine.sequence import row_capacity
 
         self.batching = {"max_num_seqs": max_num_seqs,
                          "capacity": row_capacity(profile_need, 0) if profile_need else None}
@@ -223,7 +224,7 @@ class Engine:
 
     def _strategy_options(self, strategy: str, options: dict):
         """StrategyOptions from keyword options, checked here before any actor starts."""
-        from knapspec_dist.spec.factory import StrategyOptions, check_options
+        from knapspec_dist.spec.options import StrategyOptions, check_options
 
         known = {f.name for f in fields(StrategyOptions)} - {"name"}
         unknown = sorted(set(options) - known)
@@ -360,7 +361,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UserError(f"{self.path}: no tokenizer; pass prompts as token ids")
-            from knapspec_dist.llm import encode
+            from knapspec_dist.model.tokenizer import encode
 
             return encode(self.tokenizer, prompt, chat)
         return list(prompt)

@@ -4,7 +4,7 @@ Each rank loads only its slice of the weights, joins the replica's torch.distrib
 (gloo on CPU, NCCL on CUDA) and runs the strategy SPMD: every rank receives the same request
 (one Ray call per prompt, never per token or sublayer) and executes identical forwards; the
 collectives inside the model keep the ranks in lock step, and rank 0 broadcasts each round's
-draft plan (``parallel.tp.SyncedSelector``). The class is plain Python; ``ray.remote`` is
+draft plan (``spec.spmd.SyncedSelector``). The class is plain Python; ``ray.remote`` is
 applied by the engine.
 """
 
@@ -45,6 +45,7 @@ class Shard:
         from knapspec_dist.model.weights import resolve_dtype
         from knapspec_dist.parallel import init_distributed, load_sharded, parameter_bytes
         from knapspec_dist.profiles.device import device_info
+        from knapspec_dist.engine.model_runner import ModelRunner
         from knapspec_dist.runtime.accounting import Meter
 
         if fail:  # test hook: this rank dies while starting, as a crashed process would
@@ -56,6 +57,7 @@ class Shard:
             init_distributed(self.rank, self.world, address, port, device=self.device)
         self.model = load_sharded(path, self.rank, self.world, dtype=resolve_dtype(dtype),
                                   device=self.device, timed=self.device == "cpu")
+        self.runner = ModelRunner(self.model)  # its cache and graphs outlive each scheduler
         self.meter = Meter()
         self.meter.install(self.model)
         log.info("replica %d rank %d/%d loaded %.0f MiB of weights in %.1fs", self.replica,
@@ -95,12 +97,12 @@ class Shard:
         ``max_num_seqs``: rows decoding at once (default: what this rank's free memory holds,
         execution/memory.py). Returns this rank's max_num_seqs."""
         from knapspec_dist.engine.memory import max_num_seqs_for
-        from knapspec_dist.engine.scheduler import row_capacity
+        from knapspec_dist.engine.sequence import row_capacity
 
         self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
         self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
         self.scheduler = None
-        from knapspec_dist.parallel import spmd_strategy
+        from knapspec_dist.spec.spmd import spmd_strategy
         from knapspec_dist.profiles.profile import LatencyProfile
         from knapspec_dist.spec.factory import build_strategy
 
@@ -155,7 +157,8 @@ class Shard:
             raise RuntimeError("shard not configured")
         if self.scheduler is None or (self.scheduler.config != config and not self.scheduler.busy):
             self.scheduler = Scheduler(self.strategy, self.model, config,
-                                       min(max_num_seqs, self.max_num_seqs), self.capacity)
+                                       min(max_num_seqs, self.max_num_seqs), self.capacity,
+                                       runner=self.runner)
             self.shares: dict[int, list[float]] = {}
         sched = self.scheduler
         refused = []

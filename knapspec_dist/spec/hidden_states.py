@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from knapspec_dist.model.attention import prefix_attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Attention, Transformer
+from knapspec_dist.model.step import make_step
 
 
 @dataclass
@@ -38,7 +40,7 @@ class HiddenStateEvaluator:
         offset = 0
         for r in references:
             m = r.states.shape[1]
-            step = model.step([r.start], m, cache, slice(r.slot, r.slot + 1))
+            step = make_step(model, [r.start], m, cache, slice(r.slot, r.slot + 1))
             causal = torch.ones(m, m, dtype=torch.bool, device=r.states.device).tril()
             self.blocks.append((r.slot, r.start, step, causal, slice(offset, offset + m)))
             offset += m
@@ -96,29 +98,3 @@ class HiddenStateEvaluator:
             out = (w_prefix * out_p + w_own @ v.to(w_own.dtype)) / (
                 w_prefix + w_own.sum(dim=-1, keepdim=True))
         return out.reshape(n, attn.num_heads, m, hd).transpose(1, 2).reshape(n, m, -1)
-
-
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention [1, KV, R, hd] over keys [1, KV, P, hd]: (output, log-sum-exp [1, KV, R]).
-
-    On a CPU this is torch's fused flash kernel: with R = N budgets x m positions x group rows
-    against an 8k prefix, plain ops stream a [KV, R, P] score matrix through memory five times
-    per stage (SmolLM2 at 8k on two cores: 5.5 s per selection with plain ops, 1.3 s fused, same
-    values to 3e-7). bf16 would be faster still (1.0 s) but changed 2 of 60 candidates.
-    """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, scale=scale)[:2]
-        return out, lse
-    return reference_prefix_attention(q, k, v, scale)
-
-
-def reference_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain tensor ops (GPUs, and the check of the fused path in the tests)."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - top).exp()
-    total = weights.sum(dim=-1, keepdim=True)
-    return (weights @ v) / total, (top + total.log()).squeeze(-1)

@@ -22,7 +22,7 @@ from knapspec_dist.engine.sampling import accept_greedy, accept_sampling, probab
 from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, finish
-from knapspec_dist.engine.scheduler import MAX_GAMMA
+from knapspec_dist.engine.sequence import MAX_GAMMA
 from knapspec_dist.engine.strategy import Strategy
 
 

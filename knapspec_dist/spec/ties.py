@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from knapspec_dist.model.cache import KVCache, kv_heads
-from knapspec_dist.engine.scheduler import prefill
+from knapspec_dist.model.weights import dtype_name
+from knapspec_dist.engine.model_runner import prefill
 
 TIE, BUG = "tie", "BUG"
 ULPS = 4  # tolerance in units of the dtype's spacing at the top logit (see the module doc)
@@ -87,11 +88,6 @@ class Divergence:
                 f"{self.candidate_logit:.4g} (top {self.top_logit:.4g}), gap {self.gap:.4g} "
                 f"{'<=' if self.is_tie else '>'} tolerance {self.tolerance:.4g} ({self.dtype}): "
                 f"{'near-tie' if self.is_tie else 'BUG'}")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-        dtype, str(dtype).removeprefix("torch."))
 
 
 def spacing(x: float, dtype: torch.dtype) -> float:

@@ -76,7 +76,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
     import torch
 
     from knapspec_dist.tools.corpus import document_of_tokens
-    from knapspec_dist.model.weights import load_tokenizer
+    from knapspec_dist.model.tokenizer import load_tokenizer
     from knapspec_dist.profiles.profiler import decode_allreduce_sizes
     from knapspec_dist.runtime.engine import Engine
 

@@ -33,7 +33,7 @@ class ByteTokenizer:
 
 def resolve_tokenizer(name: str | None, model_path: Path, vocab_size: int):
     from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.weights import load_tokenizer
+    from knapspec_dist.model.tokenizer import load_tokenizer
 
     if name == "bytes":
         return ByteTokenizer(vocab_size)
@@ -64,7 +64,7 @@ def _wrap(tokenizer, text: str, style: str) -> list[int]:
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.ids(text)
     if style == "summarize" and getattr(tokenizer, "chat_template", None):
-        from knapspec_dist.llm import encode
+        from knapspec_dist.model.tokenizer import encode
 
         return encode(tokenizer, SUMMARIZE + text, chat=True)
     return tokenizer(text, add_special_tokens=True)["input_ids"]

@@ -21,7 +21,7 @@ class StrategySpec:
 
 def parse_strategy(text: str):
     """One spec (``knapspec:coupled+once``, ``static:a3,m5@4``, ``clasp@4``) -> StrategySpec."""
-    from knapspec_dist.spec.factory import NAMES, StrategyOptions
+    from knapspec_dist.spec.options import NAMES, StrategyOptions
 
     spec = text.strip()
     gamma = None

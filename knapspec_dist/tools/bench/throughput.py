@@ -65,7 +65,8 @@ def measure(model, build_strategy, labels: list[str], work: dict, batches: list[
     its own first selection); each row checked against batch-1 ar. One entry per
     configuration: the median run's rates, every run's in ``repeats``."""
     from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.scheduler import Scheduler, row_capacity
+    from knapspec_dist.engine.scheduler import Scheduler
+    from knapspec_dist.engine.sequence import row_capacity
 
     entries = []
     for n, rows in work.items():

@@ -13,7 +13,8 @@ import torch
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.engine.scheduler import Scheduler, row_capacity
+from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.spec.selfspec import SelfSpeculative
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.correct import bf16_subject, compare, prompts

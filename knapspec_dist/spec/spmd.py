@@ -1,0 +1,91 @@
+"""SPMD strategies: every rank of a TP group runs the same strategy, with rank 0's plans.
+
+Hidden states and logits are identical on every rank (see parallel/layers.py), so token
+choices and acceptance agree by construction; the selector's plan, and the wall-clock
+quantities its schedule depends on, are broadcast from rank 0 so that a divergent selection
+can never desynchronize the collectives of the decode loop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.parallel.comm import Comm
+from knapspec_dist.spec.selfspec import Plan
+
+log = logging.getLogger(__name__)
+
+
+def spmd_strategy(strategy, model: Transformer):
+    """Make a strategy safe to run SPMD on every rank of a TP group: a self-speculative
+    strategy's selector gets its plans broadcast from rank 0 (one tiny broadcast per round)."""
+    tp = getattr(model, "tp", None)
+    selector = getattr(strategy, "selector", None)
+    if tp is None or tp.layout.world == 1 or selector is None or isinstance(selector, SyncedSelector):
+        return strategy
+    strategy.selector = SyncedSelector(selector, tp.comm)
+    return strategy
+
+
+class SyncedSelector:
+    """Wraps a Selector: every rank runs it (its DP issues the same collectives everywhere),
+    then rank 0's plan -- and the per-rank wall-clock quantities its schedule depends on
+    (KnapSpec's ``next_selection``, set from its measured selection time, and
+    ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
+    ranks draft with the same subnet and gamma and run the DP at the same steps."""
+
+    SCHEDULE = {"next_selection": 1, "last_select_s": 1_000_000}  # name: integer scale
+
+    def __init__(self, inner, comm: Comm):
+        self.inner, self.comm = inner, comm
+        self.divergences = 0
+
+    def __getattr__(self, name):  # selections, fallbacks, history, ...
+        return getattr(self.inner, name)
+
+    def start(self, model):
+        return self.inner.start(model)
+
+    def wants_reference(self):
+        return self.inner.wants_reference()
+
+    def observe(self, hidden, valid, rids):
+        return self.inner.observe(hidden, valid, rids)
+
+    def retire(self, rid):
+        return self.inner.retire(rid)
+
+    def record(self, steps, verified, accepted):
+        return self.inner.record(steps, verified, accepted)
+
+    def plan(self, model, batch):
+        plan = self.inner.plan(model, batch)
+        names = list(self.SCHEDULE)
+        code = torch.zeros(model.cfg.num_items + 1 + len(names), dtype=torch.int64)
+        code[0] = plan.gamma
+        for k, name in enumerate(names):  # -1: the selector has none (yet)
+            value = getattr(self.inner, name, None)
+            code[1 + k] = -1 if value is None else int(value * self.SCHEDULE[name])
+        first = 1 + len(names)
+        if plan.skip:
+            code[first + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
+        if self.comm.cuda:
+            code = code.cuda()
+        self.comm.broadcast(code, src=0)
+        code = code.cpu()
+        agreed = Plan(frozenset(torch.nonzero(code[first:]).flatten().tolist()), int(code[0]))
+        for k, name in enumerate(names):
+            if hasattr(self.inner, name):
+                value, scale = int(code[1 + k]), self.SCHEDULE[name]
+                setattr(self.inner, name, None if value == -1 else
+                        value if scale == 1 else value / scale)
+        if agreed != plan:
+            self.divergences += 1
+            log.warning("rank %d: selector plan %s differs from rank 0's %s; using rank 0's",
+                        self.comm.rank, plan, agreed)
+            if hasattr(self.inner, "plan_now"):
+                self.inner.plan_now = agreed
+        return agreed
