@@ -1,44 +1,95 @@
-"""The import graph of ``knapspec_dist`` is a tower of layers: no module imports, directly or
-through others, a module that imports it back (no cycle), counting every import statement,
-also those inside functions, and the command layer's shared pieces sit at its bottom."""
+"""The package is a tower of layers, read from its real import statements.
+
+Every import sits at the top of its module (none inside a function or class), so the import
+graph a reader or a tool sees is the real one; each layer imports only the layers below it;
+``ray`` is imported only by the Ray runtime and matplotlib only by plotting modules.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "knapspec_dist"
 
+#: Bottom to top. A module may import its own layer and the layers below it.
+LAYERS = [
+    ("knapspec_dist", "knapspec_dist.errors", "knapspec_dist.clock"),
+    ("knapspec_dist.model",),
+    ("knapspec_dist.parallel",),
+    ("knapspec_dist.engine",),
+    ("knapspec_dist.profiles",),
+    ("knapspec_dist.spec",),
+    ("knapspec_dist.llm",),
+    ("knapspec_dist.runtime",),
+    ("knapspec_dist.jobs",),
+    ("knapspec_dist.tools",),
+    ("knapspec_dist.cli",),
+]
 
-def modules() -> dict[str, tuple[Path, bool]]:
+
+def modules() -> dict[str, Path]:
     out = {}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
+def layer_of(module: str) -> int:
+    best, level = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            hit = module == name or (name != "knapspec_dist" and module.startswith(name + "."))
+            if hit and len(name) > best:
+                best, level = len(name), i
+    if level is None:
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+    return level
+
+
+def imported(node: ast.AST) -> list[str]:
+    """Absolute names an import statement brings in (``from a import b`` gives a and a.b)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            raise AssertionError(f"relative import of {node.module!r} at line {node.lineno}")
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def top_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Imports at module level, including those under a module-level ``if``/``try``."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                s for h in getattr(node, "handlers", []) for s in h.body]
+    return out
+
+
+def nested_imports(tree: ast.Module) -> list[ast.stmt]:
+    top = {id(n) for n in top_level_imports(tree)}
+    return [n for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top]
+
+
+def parsed() -> dict[str, ast.Module]:
+    return {name: ast.parse(path.read_text(), str(path)) for name, path in modules().items()}
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports (``from . import x`` counts x)."""
+    """module -> the package modules its module-level imports name."""
     mods = modules()
-    graph = {name: set() for name in mods}
-    for name, (path, is_package) in mods.items():
-        here = name.split(".") if is_package else name.split(".")[:-1]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = here[:len(here) - (node.level - 1)]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    module = node.module or ""
-                targets = [module] + [f"{module}.{a.name}" for a in node.names]
-            else:
-                continue
-            graph[name].update(t for t in targets if t in mods and t != name)
-    return graph
+    return {name: {t for node in top_level_imports(tree) for t in imported(node)
+                   if t in mods and t != name}
+            for name, tree in parsed().items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,23 +138,42 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_layer_rule_sees_a_planted_upward_import():
+    assert layer_of("knapspec_dist.model.decoder") < layer_of("knapspec_dist.spec.knapspec")
+    assert layer_of("knapspec_dist.llm") < layer_of("knapspec_dist.runtime.engine")
+    tree = ast.parse("import os\nfrom knapspec_dist.spec import tpt\n\ndef f():\n    import re\n")
+    assert [imported(n) for n in top_level_imports(tree)] == [
+        ["knapspec_dist.spec", "knapspec_dist.spec.tpt"], ["os"]]
+    assert [imported(n) for n in nested_imports(tree)] == [["re"]]
+
+
+def test_every_import_is_at_the_top_of_its_module():
+    found = [f"{name}:{n.lineno} {', '.join(imported(n)[:1])}"
+             for name, tree in parsed().items() for n in nested_imports(tree)]
+    assert not found, "imports inside functions or classes:\n" + "\n".join(found)
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = import_graph()
+    assert graph["knapspec_dist.cli.main"]  # the walk sees imports
+    upward = [f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+              for m, targets in graph.items() for t in sorted(targets)
+              if layer_of(t) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
 def test_the_import_graph_has_no_cycle():
-    graph = import_graph()
-    assert "knapspec_dist.cli.main" in graph and graph["knapspec_dist.cli.main"]  # the walk sees imports
-    assert cycles(graph) == [], "import cycles in knapspec_dist"
+    assert cycles(import_graph()) == [], "import cycles in knapspec_dist"
 
 
-def test_the_shared_command_line_pieces_import_nothing_above_them():
-    graph = import_graph()
-    commands = {"knapspec_dist.cli.main", "knapspec_dist.jobs", "knapspec_dist.jobs.options",
-                "knapspec_dist.cli.bench", "knapspec_dist.cli.profile",
-                "knapspec_dist.cli.engine_commands"}
-    for name in commands:  # nothing imports the top-level CLI back
-        assert "knapspec_dist.cli.main" not in graph[name] or name == "knapspec_dist.cli.main"
-    seen, todo = set(), ["knapspec_dist.cli.common"]
-    while todo:  # everything commandline reaches, transitively
-        for child in graph[todo.pop()] - seen:
-            seen.add(child)
-            todo.append(child)
-    assert not seen & (commands | {"knapspec_dist.llm", "knapspec_dist.runtime.engine"})
-    assert not any("jobs" in m or "bench" in m for m in seen)
+@pytest.mark.parametrize("library, allowed", [
+    ("ray", lambda m: m.startswith("knapspec_dist.runtime")),
+    ("matplotlib", lambda m: m.rsplit(".", 1)[-1].startswith("plot")),
+])
+def test_heavy_libraries_sit_behind_their_layer(library, allowed):
+    users = {name for name, tree in parsed().items()
+             for n in ast.walk(tree) for t in imported(n)
+             if t == library or t.startswith(library + ".")}
+    assert users, f"nothing imports {library}: the check would be vacuous"
+    misplaced = sorted(u for u in users if not allowed(u))
+    assert not misplaced, f"{library} imported by " + ", ".join(misplaced)

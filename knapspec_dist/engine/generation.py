@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
+from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.engine.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class GenerationStats:
     ray_s: float = 0.0  # Ray round trips (dispatch to the shards, coordinator search calls)
     other_s: float = 0.0  # Python of the decode loop outside the above
     comm_calls: int = 0
-    # Batching (speculation/scheduler.py): when the row was admitted and finished (epoch
+    # Batching (engine/scheduler.py): when the row was admitted and finished (epoch
     # seconds, comparable across a job's replicas) and the mean number of rows decoding with
     # it per round. Its wall_s spans admission to finish, shared with the rows beside it.
     admitted_at: float = 0.0

@@ -12,6 +12,7 @@ latency without throughput.
 
 from __future__ import annotations
 
+import psutil
 import torch
 
 GPU_CAP, CPU_CAP = 256, 16
@@ -29,8 +30,6 @@ def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import psutil
-
     return int(psutil.virtual_memory().available // 2)
 
 

@@ -99,6 +99,9 @@ class ModelRunner:
             self._factory = lambda fn: CudaGraph(fn, self._pool)
         else:
             self._factory = EagerGraph
+        # Stop drafting once every row has an unsure draft: one read-back per draft token,
+        # free on a CPU; on CUDA all gamma are drafted and cut on the device (no host wait).
+        self.early_exit = model.device.type != "cuda"
         self.captures = 0  # graphs captured so far (stats, gpu-check)
         self.draft_graphs = "plan"  # or "pieces": see the module docstring
         self._piece_sets: dict[tuple, tuple] = {}

@@ -20,8 +20,12 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from knapspec_dist.clock import Clock
-from knapspec_dist.engine.generation import (GenerationConfig, GenerationResult, check_prompt,
-                                             finish)
+from knapspec_dist.engine.generation import (
+    GenerationConfig,
+    GenerationResult,
+    check_prompt,
+    finish,
+)
 from knapspec_dist.engine.memory import max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
 from knapspec_dist.engine.sampling import choose

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from knapspec_dist.model.cache import KVCache
 from knapspec_dist.engine.generation import GenerationStats
+from knapspec_dist.model.cache import KVCache
 
 MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
 

@@ -26,8 +26,12 @@ Backends, one per device kind, pinned rather than left to a library default:
 from __future__ import annotations
 
 import functools
+
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 BACKENDS = ("sdpa", "flex")
 FLEX_BLOCK = 128  # flex_attention's default block size, for queries and keys
@@ -41,16 +45,11 @@ def default_backend(device: torch.device | str) -> str:
 def _compiled_flex():
     """One compiled kernel per (batch, T, capacity, heads): decoding meets more shapes than
     dynamo's default limit of 8 recompilations, past which it would fall back to unfused flex."""
-    import torch._dynamo.config as dynamo_config
-    from torch.nn.attention.flex_attention import flex_attention
-
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
     return torch.compile(flex_attention, fullgraph=True)
 
 
 def _sdpa_backends():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
 

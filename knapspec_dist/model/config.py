@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import transformers
+
 from knapspec_dist.errors import UserError
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -45,8 +47,6 @@ class ModelConfig:
 
     def hf_config(self):
         """The transformers config object, for its rope utilities."""
-        import transformers
-
         cls = transformers.LlamaConfig if self.arch == "llama" else transformers.Qwen3Config
         return cls(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                    intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,

@@ -4,7 +4,7 @@ Sublayer ``item`` 2l is the Attention of layer l, 2l+1 its MLP; each is ``h + f(
 skipping one is the identity. Sequences in a batch keep their own positions (no padding): a
 forward feeds T new tokens per sequence at positions ``start[b] .. start[b]+T-1`` and writes
 their K/V into the preallocated cache (see cache.py); attention over the cache, per device, is
-execution/attention.py. Tensor parallelism is applied from outside
+attention.py, and the per-forward metadata step.py. Tensor parallelism is applied from outside
 (parallel/layers.py): a sublayer calls ``self.reduce`` on its partial output, and the embedding and
 lm_head modules are swapped for vocab-parallel ones.
 """
@@ -16,10 +16,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from knapspec_dist.model.attention import attend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.attention import attend
 from knapspec_dist.model.step import Step, make_step
 
 
@@ -51,8 +52,6 @@ def _rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         dim = cfg.head_dim
         inv = 1.0 / (cfg.rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv, 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     return ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](cfg.hf_config(), torch.device("cpu"))
 
 

@@ -30,6 +30,7 @@ reference model of the repository.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -40,6 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -200,16 +205,11 @@ def ensure_smollm2() -> Path:
 
 @contextlib.contextmanager
 def _conversion_lock(path: Path) -> Iterator[None]:
-    """Advisory inter-process lock (POSIX ``flock``); a no-op where unavailable.
+    """Advisory inter-process lock (POSIX ``flock``).
 
     Correctness never depends on it (the atomic rename does that); it only stops two
     processes from both spending the conversion time.
     """
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        yield
-        return
     with open(path, "a+") as fh:
         t0 = time.monotonic()
         try:
@@ -225,10 +225,6 @@ def _conversion_lock(path: Path) -> Iterator[None]:
 
 
 def _convert(gguf: Path, final: Path) -> None:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     logger.info(
         "converting embedded model %s from %s to fp32 safetensors in %s "
         "(one-time, about 25 s)",

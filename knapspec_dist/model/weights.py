@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from knapspec_dist.model.config import load_config
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.config import load_config
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
 
 log = logging.getLogger(__name__)

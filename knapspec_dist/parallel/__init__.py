@@ -2,7 +2,11 @@
 sliced loading. It knows nothing of speculation (spec/spmd.py runs strategies SPMD)."""
 
 from knapspec_dist.parallel.comm import Comm
-from knapspec_dist.parallel.group import destroy_distributed, free_port, init_distributed
+from knapspec_dist.parallel.group import (
+           destroy_distributed,
+           free_port,
+           init_distributed,
+)
 from knapspec_dist.parallel.layers import Layout, check_shardable, layout
 from knapspec_dist.parallel.loading import load_sharded, parameter_bytes
 

@@ -10,10 +10,10 @@ The embedding and the lm_head are vocab-parallel: each rank holds ``ceil(V / tp)
 its slice and all-reduces, the lm_head computes its slice of the logits and all-gathers
 (padding columns are dropped). Tied embeddings stay tied: both modules share one sliced weight.
 
-Loading (parallel/loading.py) goes through ``model.weights.load_model(dir, slicer=..., prepare=...)``: ``prepare`` swaps
-the meta model's modules for their local shapes, the slicer reads only this rank's slice of
-each sharded tensor with safetensors ``get_slice`` (never the whole tensor); norms are
-replicated. ``model.cfg`` keeps the GLOBAL shape (profiles are keyed by it); the local head
+Loading (parallel/loading.py) goes through ``model.weights.load_model(dir, slicer=...,
+prepare=...)``: ``prepare`` (``shard_modules``) swaps the meta model's modules for their local
+shapes, the slicer reads only this rank's slice of each sharded tensor with safetensors
+``get_slice`` (never the whole tensor); norms are replicated. ``model.cfg`` keeps the GLOBAL shape (profiles are keyed by it); the local head
 counts live on each ``Attention`` and in ``model.tp``; caches take ``kv_heads=local_kv_heads``.
 
 SPMD determinism: every rank starts from the same embedding (an all-reduce of one non-zero

@@ -16,7 +16,6 @@ from knapspec_dist.model.weights import checkpoint_files, hf_name, load_model
 from knapspec_dist.parallel.comm import Comm
 from knapspec_dist.parallel.layers import Layout, layout, shard_modules
 
-
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split output features (rows)
 _ROW = ("o_proj", "down_proj")  # split input features (columns)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.engine.sampling import choose
-from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, finish
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.sampling import choose
+from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.engine.strategy import Strategy
+from knapspec_dist.model.decoder import Transformer
 
 
 class Autoregressive(Strategy):

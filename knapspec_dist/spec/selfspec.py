@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.model.decoder import Capture, Transformer
-from knapspec_dist.engine.sampling import accept_greedy, accept_sampling, probabilities
-from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, finish
-from knapspec_dist.engine.sequence import MAX_GAMMA
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.sampling import accept_greedy, accept_sampling, probabilities
+from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.engine.strategy import Strategy
+from knapspec_dist.model.decoder import Capture, Transformer
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,6 @@ class StaticSelector(Selector):
         return self.fixed
 
 
-def validate_plan(plan: Plan, num_items: int) -> None:
-    bad = [i for i in plan.skip if not 0 <= i < num_items]
-    if bad:
-        raise ValueError(f"skip items {sorted(bad)} outside 0..{num_items - 1}")
-    if not 0 <= plan.gamma <= MAX_GAMMA:
-        raise ValueError(f"gamma {plan.gamma} outside 0..{MAX_GAMMA}")
-
 
 class SelfSpeculative(Strategy):
     """Draft with a subnet of the model, verify with the whole model; every row at once."""
@@ -84,7 +76,7 @@ class SelfSpeculative(Strategy):
     def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static",
                  early_exit: bool | None = None):
         self.selector, self.tau_conf, self.name = selector, tau_conf, name
-        self.early_exit = early_exit  # None: stop drafting on the host only on a CPU
+        self.early_exit = early_exit  # None: as the runner says for its device
 
     def start(self, model: Transformer) -> None:
         self.selector.start(model)
@@ -107,7 +99,7 @@ class SelfSpeculative(Strategy):
         lengths = batch.lengths
         room = [r.limit - len(r.out) - 1 for r in rows]  # drafts a row can still use
         gamma = min(plan.gamma, max(room))
-        early_exit = self.early_exit if self.early_exit is not None else dev.type == "cpu"
+        early_exit = self.early_exit if self.early_exit is not None else forward.early_exit
         pending = torch.tensor([[r.out[-1]] for r in rows], device=dev)
         drafts, probs, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma,
                                          sampling, gen, early_exit, room)
@@ -156,7 +148,8 @@ class SelfSpeculative(Strategy):
         forwards; with ``early_exit`` (CPUs, where reading a number back costs nothing)
         drafting stops once every row has an unsure draft, and on a GPU all ``gamma`` are
         drafted and each row's cut is made on the device, so the round never waits on the
-        host (the verify carries the extra drafts, never accepted)."""
+        host (the verify carries the extra drafts, never accepted). Which of the two a device
+        gets is the runner's ``early_exit``."""
         model = forward.model
         dev, size = model.device, pending.shape[0]
         rows = slice(0, size)

@@ -48,9 +48,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.weights import dtype_name
-from knapspec_dist.engine.model_runner import prefill
 
 TIE, BUG = "tie", "BUG"
 ULPS = 4  # tolerance in units of the dtype's spacing at the top logit (see the module doc)
