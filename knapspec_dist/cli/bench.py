@@ -33,8 +33,6 @@ from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tok
 from knapspec_dist.tools.bench.report import command_line, machine, summarize, write_markdown
 from knapspec_dist.tools.bench.specs import StrategySpec, parse_strategies
 
-__all__ = ["bugs", "cmd_bench", "register"]
-
 log = logging.getLogger(__name__)
 
 
