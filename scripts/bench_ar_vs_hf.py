@@ -32,7 +32,19 @@ import sys
 import time
 
 import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+from knapspec_dist import llm
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.tokenizer import encode
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.tools.bench.report import machine
+from knapspec_dist.tools.corpus import document_of_tokens
 
 log = logging.getLogger("bench_ar_vs_hf")
 
@@ -54,10 +66,7 @@ class FirstTokenClock:
 
 
 def run_ours(model, prompt: list[int], new_tokens: int) -> dict:
-    from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.generation import GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+    config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
     r = generate(Autoregressive(), model, [prompt], config)[0]
     s = r.stats
     return {"ids": r.token_ids, "wall_s": s.wall_s, "decode_s": s.wall_s - s.prefill_s}
@@ -87,11 +96,6 @@ def _table(prof, rows: int) -> str:
 
 def profile_ours(model, prompt: list[int], steps: int, rows: int = 15) -> str:
     """torch.profiler over ``steps`` decode steps of ours (the prefill runs outside it)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from knapspec_dist.model.cache import KVCache
-    from knapspec_dist.engine.model_runner import prefill
-
     with torch.inference_mode():
         cache = KVCache(model.cfg, 1, len(prompt) + steps + 1, dtype=model.dtype,
                         device=model.device)
@@ -110,8 +114,6 @@ class ProfileAfterFirstToken(FirstTokenClock):
     """A streamer that profiles generate from its first new token to its end (decode only)."""
 
     def __init__(self):
-        from torch.profiler import ProfilerActivity, profile
-
         super().__init__()
         self.prof = profile(activities=[ProfilerActivity.CPU])
 
@@ -134,61 +136,44 @@ def profile_theirs(hf, gen_config, prompt: list[int], steps: int, rows: int = 15
     return _table(streamer.prof, rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="1024,4096", help="prompt lengths in tokens")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--book", default="prideprejudice", help="corpus book for the prompts")
-    p.add_argument("--json", metavar="OUT", help="write all runs and the summary as JSON")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="torch.profiler over this many decode steps at the largest context")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from knapspec_dist import llm as local
-    from knapspec_dist.tools.bench.report import machine
-    from knapspec_dist.tools.corpus import document_of_tokens
-
-    loaded = local.load("smollm2")
-    ours = loaded.model
+def load_sides():
+    """Both sides on the same SmolLM2 folder in fp32, and transformers' greedy config."""
+    loaded = llm.load("smollm2")
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
     gen_config = hf.generation_config.__class__.from_dict(hf.generation_config.to_dict())
     gen_config.do_sample, gen_config.eos_token_id = False, None  # greedy, no early stop
     gen_config.pad_token_id = loaded.tokenizer.pad_token_id or 0
     log.info("threads %d, transformers attention %s", torch.get_num_threads(),
              hf.config._attn_implementation)
+    return loaded, hf, gen_config
 
-    prompts = {}
-    for n in contexts:
-        doc = document_of_tokens(loaded.tokenizer, n, args.book)
-        prompts[n] = local.encode(loaded.tokenizer, doc)
-        log.info("context %d: prompt of %d tokens", n, len(prompts[n]))
 
-    warm = prompts[contexts[0]][:64]
+def interleaved_runs(ours, hf, gen_config, prompts: dict[int, list[int]], repeats: int,
+                     new_tokens: int) -> list[dict]:
+    """Ours, theirs, ours, theirs ... per context and repeat, after a short warm-up of each."""
+    warm = next(iter(prompts.values()))[:64]
     run_ours(ours, warm, 8)
     run_theirs(hf, gen_config, warm, 8)
     log.info("warmed up")
-
     runs = []
-    for rep in range(args.repeats):
-        for n in contexts:
+    for rep in range(repeats):
+        for n, prompt in prompts.items():
             for side in ("ours", "theirs"):
-                r = (run_ours(ours, prompts[n], args.new_tokens) if side == "ours"
-                     else run_theirs(hf, gen_config, prompts[n], args.new_tokens))
+                r = (run_ours(ours, prompt, new_tokens) if side == "ours"
+                     else run_theirs(hf, gen_config, prompt, new_tokens))
                 e2e, dec = rates(r)
                 log.info("repeat %d, context %d, %s: %d tokens, %.2f s, %.2f tok/s "
                          "(decode %.2f tok/s)", rep, n, side, len(r["ids"]), r["wall_s"], e2e, dec)
-                runs.append({"repeat": rep, "context": n, "prompt_tokens": len(prompts[n]),
+                runs.append({"repeat": rep, "context": n, "prompt_tokens": len(prompt),
                              "side": side, **r})
+    return runs
 
+
+def summarize(runs: list[dict], prompts: dict[int, list[int]]) -> tuple[list[dict], list[str]]:
+    """Per context: median rates of each side, their ratios, whether the ids agree."""
     summary, mismatches = [], []
-    for n in contexts:
-        row = {"context": n, "prompt_tokens": len(prompts[n])}
+    for n, prompt in prompts.items():
+        row = {"context": n, "prompt_tokens": len(prompt)}
         for side in ("ours", "theirs"):
             mine = [r for r in runs if r["context"] == n and r["side"] == side]
             row[f"{side}_tok_s"] = statistics.median(rates(r)[0] for r in mine)
@@ -204,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             row["first_difference"] = first
             mismatches.append(f"context {n}: token ids differ first at new token {first}")
         summary.append(row)
+    return summary, mismatches
 
-    cpu = machine("cpu")["cpu"]
-    print(f"\nSmolLM2-135M-Instruct fp32, greedy, {args.new_tokens} new tokens, median of "
-          f"{args.repeats}; {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+
+def print_table(summary: list[dict], new_tokens: int, repeats: int, cpu: str) -> None:
+    print(f"\nSmolLM2-135M-Instruct fp32, greedy, {new_tokens} new tokens, median of "
+          f"{repeats}; {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, {datetime.date.today().isoformat()}")
     print("| context | prompt tokens | ours tok/s | HF tok/s | ratio | ours decode tok/s "
           "| HF decode tok/s | decode ratio | ids equal |")
@@ -218,10 +205,35 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['theirs_decode_tok_s']:.2f} | {r['decode_ratio']:.2f}x | "
               f"{'yes' if r['ids_equal'] else 'NO'} |")
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="1024,4096", help="prompt lengths in tokens")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--book", default="prideprejudice", help="corpus book for the prompts")
+    p.add_argument("--json", metavar="OUT", help="write all runs and the summary as JSON")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="torch.profiler over this many decode steps at the largest context")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+
+    loaded, hf, gen_config = load_sides()
+    prompts = {}
+    for n in contexts:
+        doc = document_of_tokens(loaded.tokenizer, n, args.book)
+        prompts[n] = encode(loaded.tokenizer, doc)
+        log.info("context %d: prompt of %d tokens", n, len(prompts[n]))
+    runs = interleaved_runs(loaded.model, hf, gen_config, prompts, args.repeats, args.new_tokens)
+    summary, mismatches = summarize(runs, prompts)
+    cpu = machine("cpu")["cpu"]
+    print_table(summary, args.new_tokens, args.repeats, cpu)
+
     if args.profile_steps > 0:
         n, k = contexts[-1], args.profile_steps
         print(f"\n--- torch.profiler: ours, context {n}, {k} decode steps ---")
-        print(profile_ours(ours, prompts[n], k))
+        print(profile_ours(loaded.model, prompts[n], k))
         print(f"\n--- torch.profiler: transformers generate, context {n}, {k} decode steps ---")
         print(profile_theirs(hf, gen_config, prompts[n], k))
 

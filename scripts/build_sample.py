@@ -28,9 +28,14 @@ import logging
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from knapspec_dist.model.embedded import ensure_smollm2  # noqa: E402 - after the path is set
 from knapspec_dist.tools.corpus import Chapter, chapters, shared_corpus_dir  # noqa: E402
 
 logger = logging.getLogger("build_sample")
@@ -56,10 +61,6 @@ DEMO_CHAPTER = ("prideprejudice", 1, (900, 1500))
 
 def _token_counter():
     try:
-        from transformers import AutoTokenizer
-
-        from knapspec_dist.model.embedded import ensure_smollm2
-
         tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     except Exception as exc:  # noqa: BLE001 - optional: only used for checks
         logger.warning("SmolLM2 tokenizer unavailable (%s); skipping length checks", exc)
@@ -88,10 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     count = _token_counter()
     books: dict[str, list[Chapter]] = {}
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rows = []
     for book, number, (lo, hi) in SELECTION:
         ch = _get(books, corpus, book, number)

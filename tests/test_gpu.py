@@ -21,17 +21,20 @@ import pytest
 import torch
 
 from knapspec_dist.cli.main import main
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.sampling import SamplingConfig
+from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.embedded import ensure_smollm2
+from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles.profiler import measure
-from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.spec.ties import TIE, check_divergence
 from knapspec_dist.spec.factory import build_strategy
 from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.spec.ties import TIE, check_divergence
+from knapspec_dist.tools.corpus import document_of_tokens
 
 from conftest import random_prompt
-from knapspec_dist.engine.scheduler import generate
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 log = logging.getLogger(__name__)
@@ -60,11 +63,6 @@ def target(request, checkpoints) -> Target:
         path = checkpoints["llama-gqa"]  # 4 layers, vocab 256, random weights
         prompts = [random_prompt(n, 256, seed) for seed, n in enumerate((20, 60, 120))]
         return Target("cpu", path, "a1,m2", "static:a1,m2@4", prompts, 24, 64)
-    from knapspec_dist.tools.corpus import document_of_tokens
-    from knapspec_dist.model.embedded import ensure_smollm2
-    from knapspec_dist.model.tokenizer import load_tokenizer
-    from knapspec_dist.model.tokenizer import encode
-
     path = Path(ensure_smollm2())
     tok = load_tokenizer(path)
     prompts = [encode(tok, document_of_tokens(tok, n)) for n in (256, 1000)]

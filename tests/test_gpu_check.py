@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from knapspec_dist.cli.main import main
+from knapspec_dist.tools.gpucheck import measure as M
 from knapspec_dist.tools.gpucheck import shapes as S
 from knapspec_dist.tools.gpucheck.budget import Budget
 
@@ -114,8 +115,6 @@ def test_quick_run_on_cpu(tmp_path, capsys):
 
 
 def test_rows_that_do_not_fit_say_so():
-    from knapspec_dist.tools.gpucheck import measure as M
-
     cfg = S.tiny(2)
     resident = S.resident_bytes(cfg, 2)
     small = S.memory_need(cfg, 1, 256, 2, 4) - resident

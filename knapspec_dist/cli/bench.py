@@ -1,4 +1,8 @@
-"""``knapspec bench``: run every strategy on every prompt, check against ``ar``, write results."""
+"""``knapspec bench``: run every strategy on every prompt, check against ``ar``, write results.
+
+The measurement is tools/bench/compare.py; this module checks the arguments, loads the model
+and the one profile the selecting strategies share, and writes results.json / .md / plots.
+"""
 
 from __future__ import annotations
 
@@ -7,162 +11,32 @@ import datetime
 import functools
 import json
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from knapspec_dist.cli.common import emit
+import torch
+
+from knapspec_dist.cli.common import (add_model_args, emit, existing_model_path, load_model_args,
+                                      parse_ints)
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.errors import UserError
-from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tokenizer
-from knapspec_dist.tools.bench.report import command_line, machine, plot, summarize, write_markdown
-from knapspec_dist.tools.bench.specs import StrategySpec, build, parse_strategies
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.engine.strategy import Strategy
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.profiles.store import resolve_profile
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.spec.ties import Divergence
+from knapspec_dist.tools.bench.compare import bugs, compare_strategies
+from knapspec_dist.tools.bench.plots import plot_bench
+from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tokenizer
+from knapspec_dist.tools.bench.report import command_line, machine, summarize, write_markdown
+from knapspec_dist.tools.bench.specs import StrategySpec, parse_strategies
 
 log = logging.getLogger(__name__)
 
 
-def run(model, strategies: dict, prompts: dict[int, list[Prompt]], config,
-        save=lambda runs: None, runner: ModelRunner | None = None) -> tuple[list[dict], list[str]]:
-    """Every strategy on every prompt; returns the runs and the mismatch messages.
-
-    Each run that differs from ``ar`` gets its first difference classified (one full-model
-    forward, :func:`knapspec_dist.spec.ties.check_divergence`): ``divergence`` in the
-    run's record, and a message saying near-tie or BUG.
-    """
-    from knapspec_dist.spec.ties import check_divergence
-
-    labels = list(strategies)
-    runs, mismatches = [], []
-    for n, group in prompts.items():
-        for j, prompt in enumerate(group):
-            order = labels[j % len(labels):] + labels[:j % len(labels)]
-            results = {}
-            for label in order:
-                r = generate(strategies[label], model, [prompt.ids], config, runner=runner)[0]
-                results[label] = r
-                s = r.stats
-                log.info("context %d, %s, %s: %d tokens, %.2f tok/s (decode %.2f s), "
-                         "acceptance %.2f", n, prompt.id, label, s.new_tokens, s.tokens_per_s,
-                         s.wall_s - s.prefill_s, s.acceptance_rate)
-            reference = results["ar"].token_ids
-            for label in labels:
-                r = results[label]
-                div = check_divergence(model, prompt.ids, reference, r.token_ids)
-                if div is not None:
-                    mismatches.append(f"{label} differs from ar at context {n}, prompt "
-                                      f"{prompt.id}, {div.describe()}")
-                    (log.warning if div.is_tie else log.error)(mismatches[-1])
-                runs.append({"strategy": label, "context": n, "prompt": prompt.id,
-                             "prompt_tokens": len(prompt.ids), "matches_ar": div is None,
-                             "first_mismatch": None if div is None else div.position,
-                             "divergence": None if div is None else div.to_dict(),
-                             "finish_reason": r.finish_reason,
-                             "token_ids": r.token_ids, "stats": r.stats.to_dict()})
-        save(runs)
-    return runs, mismatches
-
-
-def bugs(runs: list[dict]) -> list[dict]:
-    """The runs whose difference from ``ar`` is not a proven near-tie."""
-    return [r for r in runs if r.get("divergence") and r["divergence"]["verdict"] != "tie"]
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{what}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{what}: expected positive integers, got {text!r}")
-    return values
-
-
-def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import torch
-
-    from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.weights import load_model, resolve_dtype
-    from knapspec_dist.model.weights import resolve_device
-    from knapspec_dist.engine.generation import GenerationConfig
-
-    contexts = _ints(args.contexts, "--contexts")
-    if args.new_tokens < 1 or args.prompts < 1:
-        raise UserError("--new-tokens and --prompts must be >= 1")
-    specs = parse_strategies(args.strategies)
-    if args.profile is not None and not Path(args.profile).is_file():
-        raise UserError(f"--profile {args.profile!r}: no such file")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    path = resolve_model_path(args.model)
-    if not path.exists():
-        raise UserError(f"model path {str(path)!r} does not exist")
-    model = load_model(path, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device))
-    tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
-    profile, profile_name = args.profile, args.profile
-    if any(s.options.name in ("knapspec", "clasp") for s in specs):
-        # One profile for every selecting strategy: found, loaded or measured once, not per spec.
-        from knapspec_dist.profiles.store import resolve_profile
-
-        profile = resolve_profile(args.profile, model)
-        profile_name = args.profile or profile.key()
-    specs = [StrategySpec(s.label, replace(s.options, profile=profile, interval=args.interval,
-                                           tau_conf=args.tau_conf)) for s in specs]
-    strategies = {s.label: build(s, model) for s in specs}
-    runner = ModelRunner(model)  # one cache and set of graphs for every strategy
-    prompts = build_prompts(tokenizer, contexts, args.prompts, model.cfg.max_position_embeddings,
-                            args.new_tokens, args.prompt_style)
-    config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=args.stop_at_eos)
-
-    header = {"command": command_line(args, parser), "machine": machine(args.device),
-              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
-              "device": args.device, "new_tokens": args.new_tokens, "prompts": args.prompts,
-              "contexts": contexts, "profile": profile_name,
-              "strategies": {s.label: {**vars(s.options), "profile": profile_name}
-                             for s in specs}}
-    log.info("bench: %s", header["command"])
-
-    if not args.no_warmup:
-        warm = GenerationConfig(max_new_tokens=min(4, args.new_tokens), stop_at_eos=False)
-        first = prompts[contexts[0]][0].ids
-        for label, strategy in strategies.items():
-            generate(strategy, model, [first[:64]], warm, runner=runner)
-        log.info("warmed up")
-
-    def save(runs: list[dict], mismatches: list[str] | None = None) -> None:
-        doc = {**header, "mismatches": mismatches or [], "bugs": len(bugs(runs)), "runs": runs}
-        if mismatches is not None:
-            doc["summary"] = summarize(runs)
-        tmp = out / "results.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out / "results.json")
-
-    runs, mismatches = run(model, strategies, prompts, config, save, runner)
-    save(runs, mismatches)
-    rows = summarize(runs)
-    write_markdown(out / "results.md", header, rows, runs)
-    plot(out, rows)
-    emit(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}, "
-          f"{out / 'skipped.png'}")
-    bad = bugs(runs)
-    if mismatches and not bad:
-        emit(f"{len(mismatches)} run(s) differ from ar, each at a proven near-tie "
-             f"(see {out / 'results.md'})")
-    if bad:
-        from knapspec_dist.spec.ties import Divergence
-
-        r = bad[0]
-        emit(f"error: {len(bad)} run(s) differ from ar beyond a near-tie; first: "
-             f"{r['strategy']} differs from ar at context {r['context']}, prompt {r['prompt']}, "
-             f"{Divergence(**r['divergence']).describe()}", error=True)
-        return 1
-    return 0
-
-
 def register(sub) -> None:
-    from knapspec_dist.cli.common import add_model_args
-
     p = sub.add_parser("bench", help="compare strategies on long-document prompts",
                        description=__doc__.split("\n\n")[0].strip("`"))
     add_model_args(p)
@@ -186,3 +60,113 @@ def register(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_bench, parser=p))
+
+
+@dataclass
+class Setup:
+    """What a bench run works on, ready to measure."""
+
+    path: Path
+    model: Transformer
+    specs: list[StrategySpec]
+    strategies: dict[str, Strategy]
+    profile_name: str | None
+    prompts: dict[int, list[Prompt]]
+
+
+def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    contexts = parse_ints(args.contexts, "--contexts")
+    if args.new_tokens < 1 or args.prompts < 1:
+        raise UserError("--new-tokens and --prompts must be >= 1")
+    specs = parse_strategies(args.strategies)
+    if args.profile is not None and not Path(args.profile).is_file():
+        raise UserError(f"--profile {args.profile!r}: no such file")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    setup = prepare(args, contexts, specs)
+    runner = ModelRunner(setup.model)  # one cache and set of graphs for every strategy
+    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=args.stop_at_eos)
+    header = results_header(args, parser, setup, contexts)
+    log.info("bench: %s", header["command"])
+    if not args.no_warmup:
+        warm_up(setup, runner, min(4, args.new_tokens), contexts[0])
+
+    def save(runs: list[dict], mismatches: list[str] | None = None) -> None:
+        write_results(out, header, runs, mismatches)
+
+    runs, mismatches = compare_strategies(setup.model, setup.strategies, setup.prompts, config,
+                                          save, runner)
+    save(runs, mismatches)
+    return report(out, header, runs, mismatches)
+
+
+def prepare(args: argparse.Namespace, contexts: list[int], specs: list[StrategySpec]) -> Setup:
+    """The model, its tokenizer's prompts, and the strategies of the specs with the one profile
+    every selecting strategy shares (found, loaded or measured once, not per spec)."""
+    path = existing_model_path(args.model)
+    model = load_model_args(path, args)
+    tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
+    profile, profile_name = args.profile, args.profile
+    if any(s.options.name in ("knapspec", "clasp") for s in specs):
+        profile = resolve_profile(args.profile, model)
+        profile_name = args.profile or profile.key()
+    specs = [StrategySpec(s.label, replace(s.options, profile=profile, interval=args.interval,
+                                           tau_conf=args.tau_conf)) for s in specs]
+    strategies = {s.label: build_strategy(s.options, model) for s in specs}
+    prompts = build_prompts(tokenizer, contexts, args.prompts, model.cfg.max_position_embeddings,
+                            args.new_tokens, args.prompt_style)
+    return Setup(path, model, specs, strategies, profile_name, prompts)
+
+
+def results_header(args: argparse.Namespace, parser: argparse.ArgumentParser, setup: Setup,
+                   contexts: list[int]) -> dict:
+    """What results.json says about the run besides its runs."""
+    return {"command": command_line(args, parser), "machine": machine(args.device),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "model": str(setup.path), "dtype": args.dtype,
+            "device": args.device, "new_tokens": args.new_tokens, "prompts": args.prompts,
+            "contexts": contexts, "profile": setup.profile_name,
+            "strategies": {s.label: {**vars(s.options), "profile": setup.profile_name}
+                           for s in setup.specs}}
+
+
+def warm_up(setup: Setup, runner: ModelRunner, new_tokens: int, context: int) -> None:
+    """A few tokens of every strategy on the first prompt's start (graphs, caches, first
+    selection), so the measured runs pay none of it."""
+    warm = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
+    first = setup.prompts[context][0].ids
+    for strategy in setup.strategies.values():
+        generate(strategy, setup.model, [first[:64]], warm, runner=runner)
+    log.info("warmed up")
+
+
+def write_results(out: Path, header: dict, runs: list[dict],
+                  mismatches: list[str] | None = None) -> None:
+    """results.json, atomically; the summary once the mismatches are known (the last save)."""
+    doc = {**header, "mismatches": mismatches or [], "bugs": len(bugs(runs)), "runs": runs}
+    if mismatches is not None:
+        doc["summary"] = summarize(runs)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out / "results.json")
+
+
+def report(out: Path, header: dict, runs: list[dict], mismatches: list[str]) -> int:
+    """results.md and the plots; the final lines; exit status 1 when a run differs from ar
+    beyond a near-tie."""
+    rows = summarize(runs)
+    write_markdown(out / "results.md", header, rows, runs)
+    plot_bench(out, rows)
+    emit(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}, "
+         f"{out / 'skipped.png'}")
+    bad = bugs(runs)
+    if mismatches and not bad:
+        emit(f"{len(mismatches)} run(s) differ from ar, each at a proven near-tie "
+             f"(see {out / 'results.md'})")
+    if bad:
+        r = bad[0]
+        emit(f"error: {len(bad)} run(s) differ from ar beyond a near-tie; first: "
+             f"{r['strategy']} differs from ar at context {r['context']}, prompt {r['prompt']}, "
+             f"{Divergence(**r['divergence']).describe()}", error=True)
+        return 1
+    return 0

@@ -1,15 +1,23 @@
-"""Shared command-line pieces: the one place commands print, the argument groups every
-command uses, and the option objects built from them.
+"""What the commands share: the one place they print, the argument groups, and the option
+objects built from parsed arguments.
 
-The bottom of the command layer: ``cli.py``, ``jobs/``, ``bench/``, ``profiles/command.py``
-and ``runtime/cli.py`` import from here, and this module imports nothing above the engine
-(only the strategy factory and the sampling / generation configs, lazily).
+The bottom of the command layer: every ``cli/`` command module (and, until it has its own,
+``jobs/options.py``) builds on it, and it imports nothing above the engine and the strategy
+options, so sharing it pulls in no command.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.model.embedded import resolve_model_path
+from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
+from knapspec_dist.spec.options import NAMES, StrategyOptions
 
 
 def emit(text: str, *, error: bool = False) -> None:
@@ -27,8 +35,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
-    from knapspec_dist.spec.options import NAMES
-
     p.add_argument("--strategy", default="knapspec", choices=NAMES)
     p.add_argument("--skip", default="", help="static: skipped sublayers, e.g. a3,a5,m7 (0-based)")
     p.add_argument("--gamma", type=int, default=4, help="static / clasp draft length")
@@ -60,23 +66,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def uses_engine(args: argparse.Namespace) -> bool:
     """Whether a command runs on the Ray engine (tp x replicas > 1, or a Ray address)."""
-    return getattr(args, "tp", 1) * getattr(args, "replicas", 1) > 1 or \
-        getattr(args, "address", None) is not None
+    return args.tp * args.replicas > 1 or args.address is not None
 
 
-def strategy_options(args: argparse.Namespace):
-    """The :class:`~knapspec_dist.spec.factory.StrategyOptions` of the parsed args."""
-    from knapspec_dist.spec.options import StrategyOptions
-
+def strategy_options(args: argparse.Namespace) -> StrategyOptions:
+    """The one translation of :func:`add_strategy_args`' arguments into options."""
     return StrategyOptions(name=args.strategy, skip=args.skip, gamma=args.gamma,
                            tau_conf=args.tau_conf, profile=args.profile, interval=args.interval,
                            coupled=args.coupled, objective=args.objective,
                            select_once=args.select_once)
 
 
-def generation_config(args: argparse.Namespace):
-    from knapspec_dist.engine.sampling import SamplingConfig
-    from knapspec_dist.engine.generation import GenerationConfig
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    """:func:`add_sampling_args`' arguments, through the one builder."""
+    return GenerationConfig.of(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """``"1,8"`` -> [1, 8] for the option ``what``; anything but positive integers is a
+    UserError."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{what}: expected positive integers, got {text!r}")
+    return values
+
+
+def existing_model_path(name: str) -> Path:
+    """The folder of ``--model`` (a path, or an embedded name), which must exist."""
+    path = resolve_model_path(name)
+    if not path.exists():
+        raise UserError(f"model path {str(path)!r} does not exist")
+    return path
+
+
+def load_model_args(path: Path, args: argparse.Namespace) -> Transformer:
+    """The model at ``path`` in :func:`add_model_args`' dtype, on its device."""
+    return load_model(path, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device))

@@ -6,8 +6,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import time
 from pathlib import Path
+
+import torch
+
+from knapspec_dist.cli.common import emit
+from knapspec_dist.errors import UserError
+from knapspec_dist.profiles.device import device_info
+from knapspec_dist.tools.gpucheck import batched, correct, measure, report, shapes
+from knapspec_dist.tools.gpucheck.budget import Budget
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +32,7 @@ QUICK = dict(contexts=(64, 256), batches=(1, 2), qs=(2, 4), ab_contexts=(64, 256
 
 
 def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats this check (defaults left out)."""
     parts = ["knapspec gpu-check", f"--device {args.device}"] + (["--quick"] if args.quick else [])
     for flag, value in (("--budget", args.budget), ("--bandwidth", args.bandwidth),
                         ("--memory-gib", args.memory_gib)):
@@ -34,39 +42,49 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
-    import torch
-
-    from knapspec_dist.cli.common import emit
-    from knapspec_dist.errors import UserError
-    from knapspec_dist.profiles.device import device_info
-    from knapspec_dist.tools.gpucheck import batched, correct, measure, report, shapes
-    from knapspec_dist.tools.gpucheck.budget import Budget
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here (use --device cpu --quick on a CPU)")
     device = torch.device(args.device)
     setup = QUICK if args.quick else FULL
     budget = Budget(args.budget if args.budget else setup["budget_s"])
-    limit = int(args.memory_gib * shapes.GIB) if args.memory_gib else None
-    plan = measure.Plan(setup["contexts"], setup["batches"], setup["qs"], setup["ab_contexts"],
-                        setup["iters"], args.bandwidth * 1e12, limit)
-    info = device_info(device)
-    doc = {"meta": {"command": command_line(args),
-                    "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                    "device": info, "device_name": info.get("name"), "torch": torch.__version__,
-                    "quick": args.quick, "budget_s": budget.total_s, "dtype": "bf16",
-                    "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0},
-           "decode": [], "verify": [], "draft": [], "backends": [], "captures": [],
-           "correctness": {"greedy": [], "sampling": [], "notes": []},
-           "bench": {"runs": [], "summary": [], "notes": []},
-           "batched": {"runs": [], "notes": []}, "notes": []}
+    doc = new_document(args, setup, device_info(device), budget)
     out = Path(args.out)
 
     def save() -> str:
         doc["meta"]["wall_s"] = budget.elapsed()
         return report.write(out, doc)[2]
 
-    log.info("gpu-check on %s, budget %.0f s", info.get("name"), budget.total_s)
+    log.info("gpu-check on %s, budget %.0f s", doc["meta"]["device_name"], budget.total_s)
+    run_sections(doc, args, setup, device, budget, save)
+    emit(save())
+    bugs = [r for r in doc["correctness"]["greedy"] + doc["bench"]["runs"]
+            + doc["batched"]["runs"] if r.get("verdict") == "BUG"]
+    if bugs:
+        emit(f"error: {len(bugs)} greedy run(s) diverge from ar beyond a near-tie", error=True)
+        return 1
+    return 0
+
+
+def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budget) -> dict:
+    """gpu-check.json before any section ran: what was asked, on what, and empty sections."""
+    return {"meta": {"command": command_line(args),
+                     "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                     "device": info, "device_name": info.get("name"), "torch": torch.__version__,
+                     "quick": args.quick, "budget_s": budget.total_s, "dtype": "bf16",
+                     "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0},
+            "decode": [], "verify": [], "draft": [], "backends": [], "captures": [],
+            "correctness": {"greedy": [], "sampling": [], "notes": []},
+            "bench": {"runs": [], "summary": [], "notes": []},
+            "batched": {"runs": [], "notes": []}, "notes": []}
+
+
+def run_sections(doc: dict, args: argparse.Namespace, setup: dict, device: torch.device,
+                 budget: Budget, save) -> None:
+    """Shapes, correctness, long documents and batching, in that order, each in its share of
+    the budget; the results are saved after each (a killed check keeps what it measured)."""
+    limit = int(args.memory_gib * shapes.GIB) if args.memory_gib else None
+    plan = measure.Plan(setup["contexts"], setup["batches"], setup["qs"], setup["ab_contexts"],
+                        setup["iters"], args.bandwidth * 1e12, limit)
     with torch.inference_mode():
         found = measure.run_shapes(shapes.shapes(args.quick), device, torch.bfloat16, plan,
                                    budget.section("shapes"))
@@ -82,14 +100,6 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
         save()
         doc["batched"] = batched.run_batched(device, args.quick, budget.section("batched"),
                                              **setup["batched"])
-    text = save()
-    emit(text)
-    bugs = [r for r in doc["correctness"]["greedy"] + doc["bench"]["runs"]
-            + doc["batched"]["runs"] if r.get("verdict") == "BUG"]
-    if bugs:
-        emit(f"error: {len(bugs)} greedy run(s) diverge from ar beyond a near-tie", error=True)
-        return 1
-    return 0
 
 
 def register(sub) -> None:

@@ -1,4 +1,9 @@
-"""``knapspec profile``: measure a latency profile and write it as JSON."""
+"""``knapspec profile``: measure a latency profile and write it as JSON.
+
+In process by default; ``--tp K`` (or ``--address``) starts one replica of K shard actors on
+the Ray engine and has them measure the sharded model, including the all-reduce each sublayer
+pays.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,13 @@ import os
 import time
 from pathlib import Path
 
-from knapspec_dist.cli.common import add_model_args, emit
+from knapspec_dist.cli.common import add_engine_args, add_model_args, emit, load_model_args
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
+from knapspec_dist.runtime.engine import Engine
+
 
 def parse_contexts(text: str) -> list[int]:
     """``"256,1024,4k"`` -> [256, 1024, 4096]; anything else is a UserError."""
@@ -57,22 +65,38 @@ def register(sub) -> None:
     p.add_argument("--fill", default="random", choices=["random", "prefill"],
                    help="KV cache contents: random K/V (default) or a real prefill of random tokens")
     p.add_argument("--out", required=True, help="output JSON file, or a directory (file named by key)")
+    add_engine_args(p)  # --tp / --address: measure on the Ray engine
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.weights import load_model, resolve_dtype
-    from knapspec_dist.model.weights import resolve_device
+    if args.replicas != 1:
+        raise UserError("profile measures one replica: drop --replicas")
+    if args.tp == 1 and args.address is None:
+        return profile_in_process(args)
+    return profile_on_engine(args)
 
+
+def profile_in_process(args: argparse.Namespace) -> int:
     contexts = checked_contexts(args)
-    device = resolve_device(args.device)
-    path = resolve_model_path(args.model)
-    model = load_model(path, dtype=resolve_dtype(args.dtype), device=device)
+    model = load_model_args(resolve_model_path(args.model), args)
     check_window(contexts, model.cfg.max_position_embeddings)
     started = time.perf_counter()
     profile = measure(model, contexts, args.batch, args.max_q, args.repeats, warmup=args.warmup,
                       fill=args.fill)
+    return write(profile, args.out, time.perf_counter() - started)
+
+
+def profile_on_engine(args: argparse.Namespace) -> int:
+    """One replica of ``--tp`` shard actors measures the sharded model."""
+    contexts = checked_contexts(args)
+    started = time.perf_counter()
+    with Engine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
+                address=args.address, cpus_per_rank=args.cpus_per_rank) as engine:
+        check_window(contexts, engine.config.max_position_embeddings)
+        profile = engine.measure_profile(contexts, batch=args.batch, max_q=args.max_q,
+                                         repeats=args.repeats, warmup=args.warmup,
+                                         fill=args.fill)
     return write(profile, args.out, time.perf_counter() - started)
 
 

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -185,8 +188,6 @@ def bundled_chapter_path() -> Path:
 
 def bundled_chapters() -> list[Chapter]:
     """The chapters of the bundled sample, in file order (headings not stored)."""
-    import pyarrow.parquet as pq
-
     table = pq.read_table(bundled_sample_path(), columns=["book", "chapter", "document"])
     rows = table.to_pylist()
     return [Chapter(book=r["book"], number=int(r["chapter"]), text=r["document"]) for r in rows]
@@ -224,6 +225,19 @@ def document_of_tokens(
         raise ValueError(f"n_tokens must be positive, got {n_tokens}")
     if start_chapter < 0:
         raise ValueError(f"start_chapter must be >= 0, got {start_chapter}")
+    pool, start_chapter, origin = _chapter_pool(book, start_chapter, n_tokens)
+    text = _collect(tokenizer, pool, start_chapter, n_tokens, origin)
+    ids, offsets = _encode(tokenizer, text)
+    if len(ids) <= n_tokens:  # pragma: no cover - the collected margin makes this rare
+        return text
+    if offsets is not None:
+        return text[: offsets[n_tokens - 1][1]]
+    return _decode(tokenizer, ids[:n_tokens])
+
+
+def _chapter_pool(book: str, start_chapter: int, n_tokens: int) -> tuple[list[Chapter], int, str]:
+    """The chapters a document is cut from, the index to start at, and their origin (for
+    messages): the shared corpus's book, else the bundled sample (with a warning)."""
     corpus = shared_corpus_dir()
     path = book_path(book, corpus) if corpus is not None else None
     if corpus is not None and path is None:
@@ -247,11 +261,17 @@ def document_of_tokens(
             "its " + book if pool is not sample else "all",
         )
         start_chapter %= len(pool)
+    return pool, start_chapter, origin
 
+
+def _collect(tokenizer: Any, pool: list[Chapter], start_chapter: int, n_tokens: int,
+             origin: str) -> str:
+    """Consecutive chapters of ``pool`` from ``start_chapter`` on (cyclically), joined, until
+    they hold ``n_tokens`` tokens plus a margin: chapter-wise counts are nearly additive, so
+    the caller can then cut exactly."""
     parts: list[str] = []
     counted = 0
     i = start_chapter
-    # Chapter-wise token counts are nearly additive; collect a margin, then cut exactly.
     while counted < n_tokens + 64:
         ch = pool[i % len(pool)]
         doc = Chapter(ch.book, ch.number, ch.text, ch.heading or f"Chapter {ch.number}")
@@ -263,21 +283,11 @@ def document_of_tokens(
             raise RuntimeError(f"could not collect {n_tokens} tokens from {origin}")
     if i - start_chapter > len(pool):
         logger.info("document of %d tokens repeats chapters of %s", n_tokens, origin)
-    text = _SEPARATOR.join(parts)
-    ids, offsets = _encode(tokenizer, text)
-    if len(ids) <= n_tokens:  # pragma: no cover - margin above makes this rare
-        return text
-    if offsets is not None:
-        return text[: offsets[n_tokens - 1][1]]
-    return _decode(tokenizer, ids[:n_tokens])
+    return _SEPARATOR.join(parts)
 
 
 def _backend(tokenizer: Any) -> Any | None:
     """The ``tokenizers.Tokenizer`` behind a fast tokenizer (or the object itself)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - tokenizers is a dependency
-        return None
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)

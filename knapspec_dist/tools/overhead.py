@@ -22,11 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
 
-from knapspec_dist.cli.common import emit
+import torch
+from safetensors.torch import save_file
+
+from knapspec_dist.model.embedded import cache_dir, resolve_model_path
+from knapspec_dist.model.tokenizer import load_tokenizer
+from knapspec_dist.model.weights import random_llama_weights
+from knapspec_dist.profiles.profiler import decode_allreduce_sizes
+from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.tools.corpus import document_of_tokens
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +45,6 @@ SHAPE = dict(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=8, kv_
 
 def smollm2_shaped_checkpoint() -> Path:
     """SmolLM2's shape with TP-2-divisible heads, random weights, SmolLM2's tokenizer."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from knapspec_dist.model.embedded import cache_dir, resolve_model_path
-    from knapspec_dist.model.weights import random_llama_weights
-
     root = Path(cache_dir()) / "bench-smollm2-shape"
     if (root / "model.safetensors").is_file():
         return root
@@ -72,17 +74,12 @@ def smollm2_shaped_checkpoint() -> Path:
 def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prompt_tokens: int,
         prompts: int, cores: int, address: str | None, profile_contexts: list[int],
         max_num_seqs: int | None = None) -> dict:
+    """Every TP degree, one replica each: the time split of each strategy's generation."""
+    # ray stays behind runtime/ but for these two uses (a Ray sized to the largest TP
+    # degree, the all-reduce microbenchmark on the shards), which runtime/ does not offer yet.
     import ray
-    import torch
-
-    from knapspec_dist.tools.corpus import document_of_tokens
-    from knapspec_dist.model.tokenizer import load_tokenizer
-    from knapspec_dist.profiles.profiler import decode_allreduce_sizes
-    from knapspec_dist.runtime.engine import Engine
 
     path = str(smollm2_shaped_checkpoint()) if model == "smollm2-shape" else model
-    from knapspec_dist.model.embedded import resolve_model_path
-
     tokenizer = load_tokenizer(resolve_model_path(path))
     texts = [document_of_tokens(tokenizer, prompt_tokens, start_chapter=k)
              for k in range(prompts)]
@@ -102,25 +99,32 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
             shards = engine._replicas[0].shards
             micro = ray.get([s.measure_allreduce.remote(sizes) for s in shards])[0]
             for strategy in strategies:
-                if strategy != engine.options.name:
-                    engine.reconfigure(strategy)
-                engine.generate(texts[:1], max_new_tokens=8)  # warm-up
-                results = engine.generate(texts, max_new_tokens=new_tokens, stop_at_eos=False)
-                job = dict(engine.last_job)
-                calls = job["comm_calls"]
+                job, rates = _strategy_split(engine, strategy, texts, new_tokens)
                 run_ = {"tp": tp, "threads_per_rank": threads, "strategy": strategy,
                         "startup_s": startup, **job,
                         "allreduce_micro_us": micro[0][1] * 1e6 if tp > 1 else 0.0,
-                        "allreduce_bytes": micro[0][0],
-                        "comm_per_call_us": job["comm_s"] / calls * 1e6 if calls else 0.0,
-                        "tokens_per_s": job["new_tokens"] / job["wall_s"],
-                        "mean_batch": sum(r.stats.mean_batch for r in results) / len(results),
-                        "selections": sum(r.stats.selections for r in results),
-                        "acceptance": [r.stats.acceptance_rate for r in results],
-                        "profile": engine.replica_info(0).get("profile_key")}
+                        "allreduce_bytes": micro[0][0], **rates}
                 out["runs"].append(run_)
                 log.info("tp=%d %s: %s", tp, strategy, _line(run_))
     return out
+
+
+def _strategy_split(engine: Engine, strategy: str, texts: list[str],
+                    new_tokens: int) -> tuple[dict, dict]:
+    """One strategy's generation on a warm engine: the job's time split, and its rates."""
+    if strategy != engine.options.name:
+        engine.reconfigure(strategy)
+    engine.generate(texts[:1], max_new_tokens=8)  # warm-up
+    results = engine.generate(texts, max_new_tokens=new_tokens, stop_at_eos=False)
+    job = dict(engine.last_job)
+    calls = job["comm_calls"]
+    return job, {
+            "comm_per_call_us": job["comm_s"] / calls * 1e6 if calls else 0.0,
+            "tokens_per_s": job["new_tokens"] / job["wall_s"],
+            "mean_batch": sum(r.stats.mean_batch for r in results) / len(results),
+            "selections": sum(r.stats.selections for r in results),
+            "acceptance": [r.stats.acceptance_rate for r in results],
+            "profile": engine.replica_info(0).get("profile_key")}
 
 
 def _line(r: dict) -> str:
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
               [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs)
     for r in out["runs"]:
-        emit(f"tp={r['tp']} {r['strategy']}: {_line(r)}")
+        print(f"tp={r['tp']} {r['strategy']}: {_line(r)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

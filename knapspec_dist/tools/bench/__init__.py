@@ -15,7 +15,7 @@ reference, even when not listed.
 
 Strategy specs (comma-separated in ``--strategies``):
 
-* a name from :data:`knapspec_dist.spec.factory.NAMES` (``static`` needs a skip list);
+* a name from :data:`knapspec_dist.spec.options.NAMES` (``static`` needs a skip list);
 * ``knapspec:FLAG[+FLAG...]`` (also ``clasp:``) with the ablation flags ``coupled``
   (attention and MLP of a layer skipped together), ``alpha`` (maximize acceptance instead of
   TPT) and ``once`` (select after prefill only);

@@ -7,11 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.embedded import resolve_model_path
+from knapspec_dist.model.tokenizer import encode, load_tokenizer
+from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 
 log = logging.getLogger(__name__)
 
 SUMMARIZE = "Summarize this text in a few sentences.\n\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids, for checkpoints without a tokenizer (the random test models)."""
@@ -32,9 +36,8 @@ class ByteTokenizer:
 
 
 def resolve_tokenizer(name: str | None, model_path: Path, vocab_size: int):
-    from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.tokenizer import load_tokenizer
-
+    """``--tokenizer``: 'bytes', a folder or embedded name, or (None) the model's own; UTF-8
+    bytes where the model has none."""
     if name == "bytes":
         return ByteTokenizer(vocab_size)
     if name is None:
@@ -64,16 +67,12 @@ def _wrap(tokenizer, text: str, style: str) -> list[int]:
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.ids(text)
     if style == "summarize" and getattr(tokenizer, "chat_template", None):
-        from knapspec_dist.model.tokenizer import encode
-
         return encode(tokenizer, SUMMARIZE + text, chat=True)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
 def build_prompts(tokenizer, contexts: list[int], count: int, window: int, new_tokens: int,
                   style: str) -> dict[int, list[Prompt]]:
-    from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
-
     longest = window - new_tokens - 1
     if longest < 2:
         raise UserError(f"--new-tokens {new_tokens} leaves no room for a prompt in the "

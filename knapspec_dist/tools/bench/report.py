@@ -1,4 +1,5 @@
-"""Results of a bench run: per-(context, strategy) summary, Markdown table, plots."""
+"""Results of a bench run: per-(context, strategy) summary, the Markdown tables, the
+machine and the command line that repeats it (the plots: plots.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import argparse
 import os
 import shlex
 from pathlib import Path
+
+import torch
+
+from knapspec_dist.profiles.device import cpu_model_name
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (context, strategy): rates summed over prompts, speedups against ar."""
@@ -97,10 +102,6 @@ def divergence_table(runs: list[dict]) -> list[str]:
 
 
 def machine(device: str) -> dict:
-    import torch
-
-    from knapspec_dist.profiles.device import cpu_model_name
-
     info = {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": device}
     if device == "cuda":
@@ -174,54 +175,3 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
         lines.append("")
     lines += divergence_table(runs)
     path.write_text("\n".join(lines))
-
-
-def plot(out: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(dict.fromkeys(r["strategy"] for r in rows))
-    contexts = sorted({r["context"] for r in rows})
-    series = {label: sorted((r for r in rows if r["strategy"] == label),
-                            key=lambda r: r["context"]) for label in labels}
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, key, title in ((axes[0], "decode_speedup", "decode only"),
-                           (axes[1], "speedup", "end to end (prefill included)")):
-        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-        for label in labels:
-            if label == "ar":
-                continue
-            pts = series[label]
-            ax.plot([r["context"] for r in pts], [r[key] for r in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(contexts, [str(c) for c in contexts])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("speedup vs ar")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, label in enumerate(x for x in labels if x != "ar"):
-        pts, c = series[label], colors[k % len(colors)]
-        xs = [r["context"] for r in pts]
-        ax.plot(xs, [r["attention_skipped"] for r in pts], marker="o", color=c,
-                label=f"{label}: attention")
-        ax.plot(xs, [r["mlp_skipped"] for r in pts], marker="s", linestyle="--", color=c,
-                label=f"{label}: MLP")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [str(c) for c in contexts])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("sublayers skipped per drafted token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "skipped.png", dpi=120)
-    plt.close(fig)

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, replace
 
 from knapspec_dist.errors import UserError
+from knapspec_dist.spec.options import NAMES, StrategyOptions
 
 log = logging.getLogger(__name__)
 
@@ -16,13 +17,11 @@ FLAGS = {"coupled": {"coupled": True}, "alpha": {"objective": "alpha"},
 @dataclass(frozen=True)
 class StrategySpec:
     label: str  # as shown in tables and plots, canonical form of the spec
-    options: object  # StrategyOptions
+    options: StrategyOptions
 
 
-def parse_strategy(text: str):
+def parse_strategy(text: str) -> StrategySpec:
     """One spec (``knapspec:coupled+once``, ``static:a3,m5@4``, ``clasp@4``) -> StrategySpec."""
-    from knapspec_dist.spec.options import NAMES, StrategyOptions
-
     spec = text.strip()
     gamma = None
     m = re.fullmatch(r"(.*)@(\d+)", spec)
@@ -78,15 +77,3 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         log.info("adding ar, the reference every strategy is checked against")
         specs.insert(0, parse_strategy("ar"))
     return specs
-
-
-def build(spec: StrategySpec, model):
-    from knapspec_dist.spec.factory import build_strategy
-
-    try:
-        return build_strategy(spec.options, model)
-    except ModuleNotFoundError as e:
-        if "knapspec_dist.spec" not in str(e.name):
-            raise
-        raise UserError(f"strategy {spec.label!r} is not available in this build ({e.name} "
-                        "missing)") from None

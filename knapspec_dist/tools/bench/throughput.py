@@ -1,4 +1,5 @@
-"""``knapspec throughput``: a job-like workload through one replica's continuous batching.
+"""``knapspec throughput``'s measurement: a job-like workload through one replica's
+continuous batching (the command: cli/throughput.py).
 
     knapspec throughput --model smollm2 --contexts 1024 --documents 8 --new-tokens 128 \\
         --strategies ar,knapspec --batch 1,8 --out bench/throughput
@@ -21,15 +22,17 @@ its own first selection (over a job, the selector keeps what it learned).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import functools
-import json
 import logging
-from pathlib import Path
+from collections.abc import Callable
 
-from knapspec_dist.cli.common import emit
-from knapspec_dist.errors import UserError
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.sequence import row_capacity
+from knapspec_dist.engine.strategy import Strategy
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.tools.bench.prompts import build_prompts
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,9 @@ def mixed_lengths(context: int, count: int) -> list[int]:
     return [lo + (context - lo) * i // (count - 1) for i in range(count)]
 
 
-def workload(tokenizer, contexts: list[int], count: int, window: int, new_tokens: int):
+def workload(tokenizer, contexts: list[int], count: int, window: int,
+             new_tokens: int) -> dict[int, list[tuple[str, list[int]]]]:
     """{context: [(id, prompt ids)]}: the bench's documents, cut to mixed lengths."""
-    from knapspec_dist.tools.bench.prompts import build_prompts
-
     out = {}
     for n in contexts:
         rows = []
@@ -57,17 +59,14 @@ def workload(tokenizer, contexts: list[int], count: int, window: int, new_tokens
     return out
 
 
-def measure(model, build_strategy, labels: list[str], work: dict, batches: list[int], config,
-            repeats: int = 1) -> list[dict]:
+def measure(model: Transformer, build_strategy: Callable[[str], Strategy], labels: list[str],
+            work: dict[int, list[tuple[str, list[int]]]], batches: list[int],
+            config: GenerationConfig, repeats: int = 1) -> list[dict]:
     """Every (context, strategy, batch) run ``repeats`` times, interleaved (the order rotates
     each repeat, so a slow spell of the machine is shared out), each with a freshly built
     strategy (a KnapSpec selector carries nothing from one run to the next, so every run pays
     its own first selection); each row checked against batch-1 ar. One entry per
     configuration: the median run's rates, every run's in ``repeats``."""
-    from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.engine.scheduler import Scheduler
-    from knapspec_dist.engine.sequence import row_capacity
-
     entries = []
     for n, rows in work.items():
         ids = [p for _, p in rows]
@@ -95,10 +94,10 @@ def measure(model, build_strategy, labels: list[str], work: dict, batches: list[
     return entries
 
 
-def _one_run(model, strategy, config, batch: int, capacity: int, rows, reference) -> dict:
-    from knapspec_dist.engine.scheduler import Scheduler
-    from knapspec_dist.spec.ties import check_divergence
-
+def _one_run(model: Transformer, strategy: Strategy, config: GenerationConfig, batch: int,
+             capacity: int, rows: list[tuple[str, list[int]]], reference: list) -> dict:
+    """One scheduler run of the rows at ``batch``: its throughput, and each row against
+    ``reference`` (batch-1 ar)."""
     sched = Scheduler(strategy, model, config, batch, capacity)
     results = sched.run([p for _, p in rows])
     divergences = []
@@ -118,6 +117,7 @@ def _one_run(model, strategy, config, batch: int, capacity: int, rows, reference
 
 
 def table(runs: list[dict]) -> list[str]:
+    """The Markdown table of the runs (also the command's report)."""
     lines = ["| context | strategy | max_num_seqs | runs | mean batch | tok/s | decode tok/s | "
              "vs batch-1 same strategy (tok/s, decode) | vs ar same batch (tok/s) | rows = ar |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -134,93 +134,3 @@ def table(runs: list[dict]) -> list[str]:
             f"{(r['tokens_per_s'] / ar['tokens_per_s']) if ar else float('nan'):.3f}x | "
             f"{r['identical_rows']}/{r['rows']} |")
     return lines
-
-
-def plot(path: Path, runs: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (label, n) in dict.fromkeys((r["strategy"], r["context"]) for r in runs):
-        pts = sorted((r for r in runs if r["strategy"] == label and r["context"] == n),
-                     key=lambda r: r["batch"])
-        ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o",
-                label=f"{label}, context {n}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("max_num_seqs")
-    ax.set_ylabel("tokens/s (prefill included)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import torch
-
-    from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.weights import load_model, resolve_dtype
-    from knapspec_dist.llm import resolve_device
-    from knapspec_dist.engine.generation import GenerationConfig
-    from knapspec_dist.cli.bench import _ints
-    from knapspec_dist.tools.bench.prompts import resolve_tokenizer
-    from knapspec_dist.tools.bench.report import command_line, machine
-    from knapspec_dist.tools.bench.specs import build, parse_strategies
-
-    contexts, batches = _ints(args.contexts, "--contexts"), _ints(args.batch, "--batch")
-    if args.documents < 1 or args.new_tokens < 1:
-        raise UserError("--documents and --new-tokens must be >= 1")
-    specs = parse_strategies(args.strategies)
-    path = resolve_model_path(args.model)
-    if not path.exists():
-        raise UserError(f"model path {str(path)!r} does not exist")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = load_model(path, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device))
-    tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
-    if args.repeats < 1:
-        raise UserError("--repeats must be >= 1")
-    by_label = {s.label: s for s in specs}
-    work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
-                    args.new_tokens)
-    config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=False)
-    runs = measure(model, lambda label: build(by_label[label], model), list(by_label), work,
-                   batches, config, args.repeats)
-    header = {"command": command_line(args, parser), "machine": machine(args.device),
-              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
-              "device": args.device, "new_tokens": args.new_tokens,
-              "documents": {n: [rid for rid, _ in rows] for n, rows in work.items()}}
-    (out / "throughput.json").write_text(json.dumps({**header, "runs": runs}, indent=1))
-    lines = table(runs)
-    (out / "throughput.md").write_text(
-        f"# knapspec throughput ({header['date']})\n\n`{header['command']}`\n\n"
-        f"{header['machine']}, torch {header['torch']}\n\n" + "\n".join(lines) + "\n")
-    plot(out / "throughput.png", runs)
-    emit("\n".join(lines))
-    bugs = [d for r in runs for d in r["divergences"] if d["verdict"] != "tie"]
-    if bugs:
-        emit(f"error: {len(bugs)} row(s) differ from ar beyond a near-tie", error=True)
-        return 1
-    return 0
-
-
-def register(sub) -> None:
-    from knapspec_dist.cli.common import add_model_args
-
-    p = sub.add_parser("throughput", help="continuous-batching throughput on a job-like workload",
-                       description=__doc__.split("\n\n")[0].strip("`"))
-    add_model_args(p)
-    p.add_argument("--tokenizer", default=None, help="as for bench")
-    p.add_argument("--contexts", default="1024", help="longest prompt per workload, comma-separated")
-    p.add_argument("--documents", type=int, default=8, help="documents per context")
-    p.add_argument("--batch", default="1,8", help="max_num_seqs values, comma-separated")
-    p.add_argument("--strategies", default="ar,knapspec", help="as for bench")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each configuration, interleaved; the median is reported")
-    p.add_argument("--out", required=True, help="output folder")
-    p.set_defaults(func=functools.partial(cmd_throughput, parser=p))

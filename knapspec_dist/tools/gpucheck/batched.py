@@ -10,11 +10,12 @@ import time
 
 import torch
 
-from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
+from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.spec.selfspec import SelfSpeculative
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.correct import bf16_subject, compare, prompts
@@ -27,10 +28,8 @@ def run_batched(device: torch.device, quick: bool, section: Section, *, context:
     out: dict = {"runs": [], "notes": []}
     subj = bf16_subject(device, quick, out["notes"])
     out["model"], model = subj.name, subj.model
-    from knapspec_dist.profiles.profiler import measure
-
     mode = "graph" if device.type == "cuda" else "eager"
-    config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+    config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
     profiles = []
     for b in (1, *batches):
         if (why := section.over()) is not None:

@@ -14,15 +14,18 @@ import time
 
 import torch
 
-from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
-from knapspec_dist.model.tokenizer import load_tokenizer
+from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm2
+from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model
-from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.spec.factory import build_strategy
 from knapspec_dist.spec.options import StrategyOptions, format_skip
+from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
+from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
@@ -44,8 +47,6 @@ class Subject:
 
     def strategies(self, names, profile_contexts) -> dict:
         if self.profile is None and any(n in ("knapspec", "clasp") for n in names):
-            from knapspec_dist.profiles.profiler import measure
-
             mode = "graph" if self.model.device.type == "cuda" else "eager"
             start = time.perf_counter()
             self.profile = measure(self.model, contexts=profile_contexts, batch=1, repeats=2,
@@ -58,8 +59,6 @@ class Subject:
 
 def smollm2_path():
     """The converted SmolLM2 folder, or None when its wheel (or gguf) is not installed."""
-    from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm2
-
     try:
         return ensure_smollm2()
     except (SmolLM2NotInstalledError, ImportError) as e:
@@ -91,9 +90,6 @@ def prompts(subj: Subject, count: int, length: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(0)
         vocab = subj.model.cfg.vocab_size
         return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(count)]
-    from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
-    from knapspec_dist.model.tokenizer import encode
-
     return [encode(subj.tokenizer, document_of_tokens(subj.tokenizer, length, book))
             for book in AUSTEN_BOOKS[:count]]
 
@@ -117,7 +113,7 @@ def run_correctness(device: torch.device, quick: bool, section: Section, *, new_
         out["model"] = subj.name
         strategies = subj.strategies(STRATEGIES, profile_contexts)
         runner = ModelRunner(subj.model)  # one cache and set of graphs for every strategy
-        config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+        config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
         for i, prompt in enumerate(prompts(subj, count, prompt_tokens)):
             if (why := section.over()) is not None:
                 out["notes"].append(f"{dtype} prompt {i}: {why}")
@@ -141,8 +137,8 @@ def run_correctness(device: torch.device, quick: bool, section: Section, *, new_
 def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int,
              runner: ModelRunner) -> list[dict]:
     """temperature 0.8 / top-p 0.95, seed 0, twice per strategy: it runs, and repeats."""
-    config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SamplingConfig(
-        temperature=0.8, top_p=0.95, seed=0))
+    config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False, temperature=0.8,
+                                 top_p=0.95, seed=0)
     rows = []
     for name, strategy in strategies.items():
         a = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
@@ -162,16 +158,14 @@ def run_bench(device: torch.device, quick: bool, section: Section, *, contexts, 
     out: dict = {"runs": [], "summary": [], "notes": []}
     subj = bf16_subject(device, quick, out["notes"])
     out["model"] = subj.name
-    from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
-
     tokenizer = subj.tokenizer or ByteTokenizer(subj.model.cfg.vocab_size)
     docs = build_prompts(tokenizer, list(contexts), count,
                          subj.model.cfg.max_position_embeddings, new_tokens, "summarize")
     # Two profile points (the profile is linear in n): each new shape costs a graph capture.
     strategies = subj.strategies(BENCH_STRATEGIES, (min(contexts), max(contexts)))
     runner = ModelRunner(subj.model)
-    config = GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
-    warm = GenerationConfig(max_new_tokens=4, stop_at_eos=False)
+    config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
+    warm = GenerationConfig.of(max_new_tokens=4, stop_at_eos=False)
     for s in strategies.values():
         generate(s, subj.model, [docs[contexts[0]][0].ids[:64]], warm, runner=runner)
     for n in contexts:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from knapspec_dist.tools.gpucheck.batched import table as batched_table
+
 
 def _fmt(v) -> str:
     if v is None:
@@ -76,8 +78,6 @@ def markdown(doc: dict) -> str:
     lines += [f"## Long documents ({b.get('model', '-')}, bf16)", "", *table(b["summary"], BENCH),
               ""]
     bt = doc.get("batched", {"runs": [], "notes": []})
-    from knapspec_dist.tools.gpucheck.batched import table as batched_table
-
     lines += [f"## Continuous batching, ar vs knapspec ({bt.get('model', '-')}, bf16)", "",
               *batched_table(bt), ""]
     notes = doc["notes"] + c["notes"] + b["notes"] + bt["notes"]

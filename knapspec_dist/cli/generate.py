@@ -1,0 +1,91 @@
+"""``knapspec generate``: every ``--prompt`` / ``--prompt-file`` (repeatable), continuously
+batched (``--max-num-seqs`` rows at once), in process or, with ``--tp`` / ``--replicas`` /
+``--address``, on the Ray engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from knapspec_dist.cli.common import (add_engine_args, add_model_args, add_sampling_args,
+                                      add_strategy_args, generation_config, strategy_options,
+                                      uses_engine)
+from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.errors import UserError
+from knapspec_dist.llm import generate_texts, load
+from knapspec_dist.model.tokenizer import encode
+from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.spec.options import StrategyOptions
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="generate from one or more prompts (batched)")
+    add_model_args(g)
+    add_engine_args(g)  # --tp / --replicas / --address: the Ray engine
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for more)")
+    g.add_argument("--prompt-file", action="append", help="a file holding one prompt (repeatable)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="prompts decoded at once (default: all of them in process; the memory "
+                        "rule on the engine)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_strategy_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    texts = prompt_texts(args.prompt or [], args.prompt_file or [])
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    options, config = strategy_options(args), generation_config(args)
+    if uses_engine(args):
+        results = generate_on_engine(args, texts, options, config)
+    else:
+        loaded = load(args.model, args.dtype, args.device)
+        prompts = [encode(loaded.tokenizer, text, args.chat) for text in texts]
+        results = generate_texts(loaded, prompts, options, config, args.max_num_seqs)
+    for result in results:
+        print_result(result, options.name, args.json)
+    return 0
+
+
+def prompt_texts(prompts: list[str], files: list[str]) -> list[str]:
+    """The ``--prompt`` texts, then the ``--prompt-file`` contents; at least one."""
+    texts = list(prompts)
+    for path in files:
+        try:
+            texts.append(Path(path).read_text())
+        except OSError as e:
+            raise UserError(f"cannot read prompt file {path!r}: {e.strerror}") from None
+    if not texts:
+        raise UserError("give --prompt or --prompt-file (each may repeat)")
+    return texts
+
+
+def generate_on_engine(args: argparse.Namespace, texts: list[str], options: StrategyOptions,
+                       config: GenerationConfig) -> list[GenerationResult]:
+    """The prompts through the Ray engine, continuously batched in its replicas; their results
+    (text filled), in order."""
+    fields = {k: v for k, v in asdict(options).items() if k != "name"}
+    with Engine(args.model, tp=args.tp, replicas=args.replicas, strategy=options.name,
+                dtype=args.dtype, device=args.device, address=args.address,
+                cpus_per_rank=args.cpus_per_rank, max_num_seqs=args.max_num_seqs,
+                **fields) as engine:
+        return engine.generate(texts, config, chat=args.chat)
+
+
+def print_result(result: GenerationResult, strategy: str, as_json: bool) -> None:
+    """One result: a JSON line, or the text on stdout and its rates on stderr."""
+    s = result.stats
+    if as_json:
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                          "finish_reason": result.finish_reason, "stats": s.to_dict()}))
+        return
+    print(result.text)
+    print(f"\n[{strategy}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+          f"({s.tokens_per_s:.1f} tok/s), prompt {s.prompt_tokens} tokens, "
+          f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})", file=sys.stderr)

@@ -1,0 +1,88 @@
+"""``knapspec throughput``: a job-like workload through one replica's continuous batching.
+
+    knapspec throughput --model smollm2 --contexts 1024 --documents 8 --new-tokens 128 \\
+        --strategies ar,knapspec --batch 1,8 --out bench/throughput
+
+The measurement and what it reports: tools/bench/throughput.py. Outputs in ``--out``:
+``throughput.json``, ``throughput.md`` and ``throughput.png``; exit status 1 when a row
+differs from ``ar`` beyond a near-tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from knapspec_dist.cli.common import (add_model_args, emit, existing_model_path, load_model_args,
+                                      parse_ints)
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.errors import UserError
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.tools.bench.plots import plot_throughput
+from knapspec_dist.tools.bench.prompts import resolve_tokenizer
+from knapspec_dist.tools.bench.report import command_line, machine
+from knapspec_dist.tools.bench.specs import parse_strategies
+from knapspec_dist.tools.bench.throughput import measure, table, workload
+
+
+def register(sub) -> None:
+    p = sub.add_parser("throughput", help="continuous-batching throughput on a job-like workload",
+                       description=__doc__.split("\n\n")[0].strip("`"))
+    add_model_args(p)
+    p.add_argument("--tokenizer", default=None, help="as for bench")
+    p.add_argument("--contexts", default="1024", help="longest prompt per workload, comma-separated")
+    p.add_argument("--documents", type=int, default=8, help="documents per context")
+    p.add_argument("--batch", default="1,8", help="max_num_seqs values, comma-separated")
+    p.add_argument("--strategies", default="ar,knapspec", help="as for bench")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each configuration, interleaved; the median is reported")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=functools.partial(cmd_throughput, parser=p))
+
+
+def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    contexts, batches = parse_ints(args.contexts, "--contexts"), parse_ints(args.batch, "--batch")
+    if args.documents < 1 or args.new_tokens < 1:
+        raise UserError("--documents and --new-tokens must be >= 1")
+    specs = {s.label: s for s in parse_strategies(args.strategies)}
+    path = existing_model_path(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model_args(path, args)
+    tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
+                    args.new_tokens)
+    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    runs = measure(model, lambda label: build_strategy(specs[label].options, model), list(specs),
+                   work, batches, config, args.repeats)
+    header = {"command": command_line(args, parser), "machine": machine(args.device),
+              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
+              "device": args.device, "new_tokens": args.new_tokens,
+              "documents": {n: [rid for rid, _ in rows] for n, rows in work.items()}}
+    return write_results(out, header, runs)
+
+
+def write_results(out: Path, header: dict, runs: list[dict]) -> int:
+    """throughput.json / .md / .png and the table; exit status 1 when a row differs from ar
+    beyond a near-tie."""
+    (out / "throughput.json").write_text(json.dumps({**header, "runs": runs}, indent=1))
+    lines = table(runs)
+    (out / "throughput.md").write_text(
+        f"# knapspec throughput ({header['date']})\n\n`{header['command']}`\n\n"
+        f"{header['machine']}, torch {header['torch']}\n\n" + "\n".join(lines) + "\n")
+    plot_throughput(out / "throughput.png", runs)
+    emit("\n".join(lines))
+    bugs = [d for r in runs for d in r["divergences"] if d["verdict"] != "tie"]
+    if bugs:
+        emit(f"error: {len(bugs)} row(s) differ from ar beyond a near-tie", error=True)
+        return 1
+    return 0
