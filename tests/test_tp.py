@@ -56,9 +56,8 @@ def _strategies(model):
     from knapspec_dist.spec.factory import build_strategy
     from knapspec_dist.spec.options import StrategyOptions
 
-    knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8,
-                                              tau_conf=0.0),
-                              model)
+    knapspec = build_strategy(StrategyOptions(name="knapspec", interval=8, tau_conf=0.0),
+                              model, [_profile()])
     return {"ar": Autoregressive(),
             "static": spmd_strategy(SelfSpeculative(StaticSelector(STATIC_SKIP, 3), tau_conf=0.0),
                                      model),
@@ -302,7 +301,9 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
 
     class Inner:
         def __init__(self, plan, next_selection, last_select_s):
-            self.p, self.next_selection, self.last_select_s = plan, next_selection, last_select_s
+            self.p = plan
+            self.schedule = SimpleNamespace(next_selection=next_selection,
+                                            last_select_s=last_select_s)
 
         def plan(self, model, batch):
             return self.p
@@ -317,11 +318,11 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     synced = SyncedSelector(other, SimpleNamespace(cuda=False, rank=1,
                                                    broadcast=lambda t, src: t.copy_(sent[0])))
     assert synced.plan(model, None) == Plan(frozenset({2, 5}), 3)
-    assert other.next_selection == 140 and other.last_select_s == pytest.approx(0.4321)
+    assert other.schedule.next_selection == 140 and other.schedule.last_select_s == pytest.approx(0.4321)
     assert synced.divergences == 1
     before_any = Inner(Plan(frozenset(), 0), 5, None)  # no DP yet: stays None
     sent.clear()
     SyncedSelector(before_any, SimpleNamespace(cuda=False, rank=0,
                                                broadcast=lambda t, src: sent.append(t))).plan(
         model, None)
-    assert before_any.last_select_s is None and before_any.next_selection == 5
+    assert before_any.schedule.last_select_s is None and before_any.schedule.next_selection == 5
