@@ -101,13 +101,12 @@ def matches(profile: LatencyProfile, device: dict, shape: dict, dtype: str, batc
             and profile.mode == mode)
 
 
-def find_profile(directories, device: dict, shape: dict, dtype: str, batch: int = 1,
-                 tp: int = 1, mode: str = "eager", need: int | None = None) -> ProfileChoice | None:
-    """The first matching profile in ``directories`` (a Path or a list) whose measured
-    contexts reach ``need``; None when there is none."""
-    if isinstance(directories, (str, Path)):
-        directories = [directories]
-    for directory in map(Path, directories):
+def find_profile(directories: Sequence[Path], device: dict, shape: dict, dtype: str,
+                 batch: int = 1, tp: int = 1, mode: str = "eager",
+                 need: int | None = None) -> ProfileChoice | None:
+    """The first matching profile in ``directories`` whose measured contexts reach ``need``;
+    None when there is none."""
+    for directory in directories:
         if not directory.is_dir():
             continue
         for path in sorted(directory.glob("*.json")):

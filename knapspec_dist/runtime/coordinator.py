@@ -35,7 +35,7 @@ from knapspec_dist.spec.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 
-ROUNDS_PER_CALL = 16  # scheduler steps per shard call when no row finishes  # a quick measurement when no stored profile matches
+ROUNDS_PER_CALL = 16  # scheduler steps per shard call when no row finishes
 
 
 async def _awaitable(ref):
