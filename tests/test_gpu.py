@@ -87,10 +87,9 @@ def build(name: str, target: Target, model):
     full forward far above its sublayers (the random model's acceptance is low)."""
     options = {"ar": {}, "static": {"skip": target.skip, "gamma": 4},
                "knapspec": {"interval": 8}, "clasp": {"interval": 8, "gamma": 3}}[name]
-    profile = (synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
-               if name in ("knapspec", "clasp") else None)
-    return build_strategy(StrategyOptions(name=name, tau_conf=0.0, profile=profile, **options),
-                          model)
+    profiles = ([synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)]
+                if name in ("knapspec", "clasp") else None)
+    return build_strategy(StrategyOptions(name=name, tau_conf=0.0, **options), model, profiles)
 
 
 def generate_named(name: str, target: Target, model, sampling: SamplingConfig | None = None):

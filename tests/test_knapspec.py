@@ -11,7 +11,10 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
 from knapspec_dist.model.attention import prefix_attention, reference_prefix_attention
 from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, smoothed_alpha
+from knapspec_dist.spec.clasp import ClaspSelector
+from knapspec_dist.spec.guard import PlanRun
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.spec.schedule import SpareRule, smoothed_alpha
 from knapspec_dist.spec.selfspec import Plan, SelfSpeculative
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
@@ -42,19 +45,20 @@ LINEAR_ATTENTION = [(64, 5e-4), (4096, 4e-3)]
 @pytest.mark.parametrize("variant", ["default", "coupled", "alpha", "once", "clasp"])
 def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
     model = engine_model(name)
-    config = {"default": KnapSpecConfig(interval=8), "coupled": KnapSpecConfig(interval=8, coupled=True),
-              "alpha": KnapSpecConfig(interval=8, objective="alpha"),
-              "once": KnapSpecConfig(select_once=True),
-              "clasp": KnapSpecConfig(interval=8, coupled=True, unit_weights=True, fixed_gamma=3,
-                                      skip_layers=0.25)}[variant]
     # A full forward priced far above the sum of its sublayers makes any draft pay, so the
     # draft/verify path is exercised even with a random model's low acceptance.
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    selector = {
+        "default": lambda: KnapSpecSelector(profile, KnapSpecConfig(interval=8)),
+        "coupled": lambda: KnapSpecSelector(profile, KnapSpecConfig(interval=8, coupled=True)),
+        "alpha": lambda: KnapSpecSelector(profile, KnapSpecConfig(interval=8, objective="alpha")),
+        "once": lambda: KnapSpecSelector(profile, KnapSpecConfig(select_once=True)),
+        "clasp": lambda: ClaspSelector(profile, gamma=3, skip_layers=0.25,
+                                       config=KnapSpecConfig(interval=8))}[variant]()
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (3, 40, 200)]
     config_gen = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
     expected = generate(Autoregressive(), model, prompts, config_gen)
-    selector = KnapSpecSelector(profile, config)
     results = generate(SelfSpeculative(selector, tau_conf=0.0, name="knapspec"), model, prompts,
                                                                                  config_gen)
     for got, want in zip(results, expected):
@@ -111,8 +115,8 @@ def test_interval_stretches_when_selection_is_expensive(engine_model):
     profile = synthetic_profile(model, LINEAR_ATTENTION)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=64, overhead_budget=0.05))
     step = profile.verify_time(1, 1000)
-    assert selector.interval(select_s=0.0, n=1000) == 64
-    assert selector.interval(select_s=step * 10, n=1000) == 200  # 10 steps / 5 % = 200 tokens
+    assert selector.schedule.interval(select_s=0.0, step_s=step) == 64
+    assert selector.schedule.interval(select_s=step * 10, step_s=step) == 200  # 10 steps / 5 %
 
 
 def test_smoothed_alpha():
@@ -146,22 +150,20 @@ def test_speculation_needs_a_predicted_margin(engine_model):
 def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, monkeypatch):
     """A plan whose drafts are rejected falls back to plain decoding after GUARD_ROUNDS rounds,
     and the next selection's alphas are scaled by the realized/predicted acceptance."""
-    from knapspec_dist.spec.knapspec import PlanRun
-
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=10_000))
     selector.start(model)
-    assert selector.next_selection == selector.config.m  # m generated tokens first
-    selector.next_selection = 0
+    assert selector.schedule.next_selection == selector.config.m  # m generated tokens first
+    selector.schedule.next_selection = 0
     skip, n = frozenset({2, 3}), 100
     selected = []
     reference = type("R", (), {"states": torch.zeros(1, selector.config.m, 1)})()
     monkeypatch.setattr(selector, "references", lambda batch: [reference])
 
     def select(model, batch, references):  # what select() records for a plan, at alpha 0.9
-        selector.run = PlanRun(n, 0.9, profile.draft_time(skip, n, model.cfg.num_layers))
-        selected.append(selector.calibration)
+        selector.guard.watch(PlanRun(n, 0.9, profile.draft_time(skip, n, model.cfg.num_layers)))
+        selected.append(selector.guard.calibration)
         return type("S", (), {"plan": Plan(skip, 3)})()
 
     monkeypatch.setattr(selector, "select", select)
@@ -176,14 +178,12 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
     batch.progress = 9
     assert selector.plan(model, batch) == Plan(frozenset(), 0)
     assert selector.fallbacks == 1
-    assert selector.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
+    assert selector.guard.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
     selector.record(3, [3], [0])  # no plan in force: nothing recorded
-    assert selector.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
+    assert selector.guard.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
 
 
 def test_guard_keeps_a_plan_that_pays(engine_model):
-    from knapspec_dist.spec.knapspec import PlanRun
-
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     run = PlanRun(100, 0.9, profile.draft_time(frozenset({2, 3}), 100, model.cfg.num_layers))
@@ -271,13 +271,16 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
         with torch.inference_mode():
             pruned = selector.select(model, batch, references)
             with monkeypatch.context() as patch:
-                patch.setattr(KnapSpecSelector, "least_paying_weight", lambda *a: 1)
+                patch.setattr(SpareRule, "least_paying_weight", lambda *a: 1)
                 whole = KnapSpecSelector(profile).select(model, batch, references)
         n, layers = pruned.context, model.cfg.num_layers
+        fresh = KnapSpecSelector(profile)
+
+        def least_paying(c):
+            return fresh.spare_rule.least_paying_weight(fresh.prices(layers), pruned.weights, c,
+                                                        2 * m)
         # pruned below the least weight that could pay here or at 1.25 n
-        useful = min(KnapSpecSelector(profile).least_paying_weight(pruned.weights, c, layers,
-                                                                   2 * m)
-                     for c in (n, math.ceil(1.25 * n)))
+        useful = min(least_paying(c) for c in (n, math.ceil(1.25 * n)))
         kept = [c for c in whole.candidates if c.skipped_weight >= useful]
         # (values to float precision: fewer states in a batched forward may round differently)
         assert [(c.skipped, c.skipped_weight) for c in pruned.candidates] == \
@@ -289,9 +292,8 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
         speculated += pruned.plan.gamma > 0
         plain += pruned.plan.gamma == 0
         if pruned.plan.gamma == 0:  # the subnets it left out could not pay up to 1.25 n,
-            assert selector.frontier.useful_from == useful  # where its frontier is reused
-            slack += useful < KnapSpecSelector(profile).least_paying_weight(
-                pruned.weights, n, layers, 2 * m)
+            assert selector.spare_rule.frontier.useful_from == useful  # where it is reused
+            slack += useful < least_paying(n)
     assert pruned_any and speculated and plain and slack  # the prices cover every case
 
 

@@ -35,7 +35,7 @@ def dirs(tmp_path, monkeypatch):
 
 def test_measured_once_kept_in_the_cache_and_loaded_by_the_next_run(model, dirs, monkeypatch):
     _, cache = dirs
-    first = store.resolve(None, model, need=100)
+    first = store.resolve_for_model(None, model, need=100)
     assert first.origin == "measured" and first.profile.mode == "eager"
     assert first.profile.max_context == 100  # covers the run: contexts up to what it needs
     assert sorted({int(n) for n, _ in first.profile.samples["attention"]}) == [64, 100]
@@ -45,7 +45,7 @@ def test_measured_once_kept_in_the_cache_and_loaded_by_the_next_run(model, dirs,
     from knapspec_dist.profiles import profiler
 
     monkeypatch.setattr(profiler, "measure", lambda *a, **k: pytest.fail("measured again"))
-    again = store.resolve(None, model, need=80)  # a shorter run: the kept one covers it
+    again = store.resolve_for_model(None, model, need=80)  # a shorter run: the kept one covers it
     assert again.origin == "loaded" and again.path == first.path
     assert again.profile == first.profile
     assert again.describe() == {"key": first.profile.key(), "path": first.path,
@@ -53,23 +53,23 @@ def test_measured_once_kept_in_the_cache_and_loaded_by_the_next_run(model, dirs,
 
 
 def test_a_kept_profile_too_short_for_the_run_is_measured_again(model, dirs):
-    first = store.resolve(None, model, need=40)
-    longer = store.resolve(None, model, need=150)
+    first = store.resolve_for_model(None, model, need=40)
+    longer = store.resolve_for_model(None, model, need=150)
     assert longer.origin == "measured" and longer.profile.max_context == 150
     assert longer.path == first.path  # same key: the longer one replaces it
-    assert store.resolve(None, model, need=120).origin == "loaded"
+    assert store.resolve_for_model(None, model, need=120).origin == "loaded"
 
 
 def test_the_repository_profiles_come_before_the_cache(model, dirs):
     repo, cache = dirs
-    kept = store.resolve(None, model, need=64)
+    kept = store.resolve_for_model(None, model, need=64)
     repo.mkdir()
     shutil.copy(kept.path, repo / "mine.json")
-    assert store.resolve(None, model, need=64).path == str(repo / "mine.json")
+    assert store.resolve_for_model(None, model, need=64).path == str(repo / "mine.json")
 
 
 def test_the_mode_is_recorded_keyed_and_matched(model, dirs):
-    profile = store.resolve(None, model, need=32).profile
+    profile = store.resolve_for_model(None, model, need=32).profile
     data = profile.to_json()
     assert data["mode"] == "eager" and profile.key().endswith("__eager")
     del data["mode"]  # every profile measured before the field existed was eager
@@ -121,14 +121,14 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
     assert summary["run"]["profile"] == {"key": "k", "path": "/p/k.json", "origin": "measured"}
 
 
-def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs):
+def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs, tmp_path):
     """A stored batch-8 profile beside the batch-1 one: knapspec's selector gets both and
     prices a round of 4 rows between them."""
+    from knapspec_dist.spec.factory import build_selector
     from knapspec_dist.spec.options import StrategyOptions
-    from knapspec_dist.spec.knapspec import build_selector
 
     repo, _ = dirs
-    one = store.resolve(None, model, need=64).profile
+    one = store.resolve_for_model(None, model, need=64).profile
     eight = measure(model, [64], batch=8, max_q=3, repeats=1)
     repo.mkdir(parents=True, exist_ok=True)
     eight.save(repo / f"{eight.key()}.json")
@@ -137,5 +137,30 @@ def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs):
     assert selector.pricing.batches == [1, 8]
     mid = selector.pricing.at(4)
     assert mid.mlp == pytest.approx(one.mlp + (eight.mlp - one.mlp) * 3 / 7)
-    given = build_selector(StrategyOptions(name="knapspec", profile=one), model)
-    assert given.pricing.batches == [1]  # a profile the user gave is used alone
+    named = tmp_path / "named.json"
+    one.save(named)
+    given = build_selector(StrategyOptions(name="knapspec", profile=str(named)), model)
+    assert given.pricing.batches == [1]  # a profile the user named is used alone
+    passed = build_selector(StrategyOptions(name="knapspec"), model, [one])
+    assert passed.pricing.batches == [1]  # as are the profiles a caller passes
+
+
+def test_one_resolver_measures_through_its_callback_for_any_ranks(model, dirs):
+    """The Ray path's resolve: ranks on different devices never match a stored profile and
+    are measured through the callback, at the default contexts (capped at the window) when
+    the run's longest context is unknown; the kept profile is then found for one device."""
+    kept = store.resolve_for_model(None, model, need=64)
+    device, shape, dtype = kept.profile.device, kept.profile.model, kept.profile.dtype
+    asked = []
+
+    def measure(contexts, mode):
+        asked.append((contexts, mode))
+        return kept.profile
+
+    other = {**device, "name": "another"}
+    mixed = store.resolve(None, [device, other], shape, dtype, measure=measure, window=2048)
+    assert mixed.origin == "measured" and asked == [([256, 1024, 2048], "eager")]
+    one = store.resolve(None, [device, device], shape, dtype, measure=measure, need=64)
+    assert one.origin == "loaded" and one.path == kept.path and len(asked) == 1
+    assert store.contexts_for(None) == list(store.DEFAULT_CONTEXTS)
+    assert store.contexts_for(300, window=200) == [64, 200]

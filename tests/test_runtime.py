@@ -57,16 +57,17 @@ def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
     return [generate(s, model, [p], config)[0].token_ids for p in prompts]
 
 
-def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model):
+def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_path):
     from test_tp import _profile
 
     from knapspec_dist.runtime import Engine
 
     model = engine_model("llama-gqa")
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=40 + n) for n in (5, 11)]
-    profile = _profile()
+    profile = tmp_path / "profile.json"  # named by path: it prices tp=1 and tp=2 alike
+    _profile(model.cfg.shape()).save(profile)
     runs = [("ar", {}), ("static", dict(skip="m1,a2", gamma=3, tau_conf=0.0)),
-            ("knapspec", dict(profile=profile, interval=8, tau_conf=0.0))]
+            ("knapspec", dict(profile=str(profile), interval=8, tau_conf=0.0))]
     with Engine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
         for i, (name, options) in enumerate(runs):
             if i:

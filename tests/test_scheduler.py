@@ -130,7 +130,7 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
         empty = type("B", (), {"rows": []})()
         assert selector.nothing_pays(empty, 100, layers, positions=10) is not pays
         results, _ = run(SelfSpeculative(selector, name="knapspec"), model, config, 3)
-        assert (selector.skipped > 0 and not selector.history) is not pays
+        assert (selector.schedule.spared > 0 and not selector.history) is not pays
         if not pays:
             assert sum(r.stats.drafted for r in results) == 0
 
@@ -139,7 +139,7 @@ def test_least_paying_weight_is_the_exact_threshold(engine_model):
     """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
     estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
     from knapspec_dist.spec import tpt
-    from knapspec_dist.spec.knapspec import smoothed_alpha
+    from knapspec_dist.spec.schedule import smoothed_alpha
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
@@ -147,7 +147,7 @@ def test_least_paying_weight_is_the_exact_threshold(engine_model):
     selector = KnapSpecSelector(profile, KnapSpecConfig())
     n, positions = 2000, 5
     weights = selector.weights(n, layers)
-    j = selector.least_paying_weight(weights, n, layers, positions)
+    j = selector.spare_rule.least_paying_weight(selector.prices(layers), weights, n, positions)
     assert 1 < j <= sum(weights)
     per_weight = max((profile.attention_time(n), profile.mlp_time())[i % 2] / w
                      for i, w in enumerate(weights))
@@ -167,35 +167,37 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
     to 1.25 n is skipped if, priced at the batch size of the moment, neither the subnets that
     DP returned nor those it did not evaluate could pay, until the decoding since (priced by
     the profile) is 100 times what the DP cost (RECHECK_SHARE)."""
-    from knapspec_dist.spec.knapspec import Frontier
+    from knapspec_dist.spec.schedule import Frontier
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     one = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1)
     selector = KnapSpecSelector(one, KnapSpecConfig())
+    rule, schedule = selector.spare_rule, selector.schedule
     weights = selector.weights(1000, layers)
-    useful = selector.least_paying_weight(weights, 1000, layers, 5)
+    useful = rule.least_paying_weight(selector.prices(layers), weights, 1000, 5)
     skip = frozenset(range(2, 2 * layers - 2))  # all but the first and last layer
     assert sum(weights[i] for i in skip) >= useful  # a subnet the DP would return
-    selector.frontier = Frontier(1000, weights, useful, [skip], [0.2])
-    selector.last_select_s = 0.5
-    assert not selector.frontier_rules_out(1300, layers, 5)  # the context grew: redo the DP
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.2])
+    schedule.last_select_s = 0.5
+    # the context grew: redo the DP
+    assert not rule.frontier_rules_out(selector.prices(layers), 1300, 5)
     step = one.verify_time(1, 1100)
-    due = 0.5 / (selector.RECHECK_SHARE * step)  # rounds of decoding 100x the DP's cost
+    due = 0.5 / (rule.RECHECK_SHARE * step)  # rounds of decoding 100x the DP's cost
     for rounds, spared in ((0, True), (int(due) - 1, True), (int(due) + 1, False)):
-        selector.rounds_since_dp = rounds
-        assert selector.frontier_rules_out(1100, layers, 5) is spared
-    selector.rounds_since_dp = 0
+        schedule.rounds_since_dp = rounds
+        assert rule.frontier_rules_out(selector.prices(layers), 1100, 5) is spared
+    schedule.rounds_since_dp = 0
     # the same subnet, had it shown a high acceptance, would pay: the DP is redone
-    selector.frontier = Frontier(1000, weights, useful, [skip], [0.95])
-    assert not selector.frontier_rules_out(1000, layers, 5)
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.95])
+    assert not rule.frontier_rules_out(selector.prices(layers), 1000, 5)
     # a batch size where drafting is cheaper (a flat verify) makes the unevaluated subnets
     # (those that skipped less than `useful`) worth a look: the DP is redone
-    selector.frontier = Frontier(1000, weights, useful, [skip], [0.2])
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.2])
     selector.profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0,
                                          verify_scale=3.0)
-    assert selector.least_paying_weight(weights, 1000, layers, 5) < useful
-    assert not selector.frontier_rules_out(1000, layers, 5)
+    assert rule.least_paying_weight(selector.prices(layers), weights, 1000, 5) < useful
+    assert not rule.frontier_rules_out(selector.prices(layers), 1000, 5)
 
 
 def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engine_model):
@@ -209,13 +211,15 @@ def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engi
     selector = KnapSpecSelector(profile, KnapSpecConfig())
     weights = selector.weights(1000, layers)
     batch = type("B", (), {"rows": [Row(0, [], 100), Row(1, [], 100)]})()
-    assert selector.worth_a_dp(batch, weights, 1000, layers, 5)  # no DP yet: no cost known
+    rule, prices = selector.spare_rule, selector.prices(layers)
+    assert rule.worth_a_dp(prices, batch, weights, 1000, 5)  # no DP yet: no cost known
     step = profile.verify_time(1, 1000)
     cap = sum(weights) // 2
-    gain = step * selector.best_rate(weights, 1000, layers, 5)(cap)
+    gain = step * rule.best_rate(prices, weights, 1000, 5)(cap)
     assert gain > 1.05
-    selector.last_select_s = 30 * step * (1 - 1 / gain)  # what 30 tokens could save at best
+    # what 30 tokens could save at best
+    selector.schedule.last_select_s = 30 * step * (1 - 1 / gain)
     for left, worth in ((20, False), (29, False), (31, True), (80, True)):
         batch.rows[1].out = [0] * (100 - left)  # the longest row has `left` tokens to go
         batch.rows[0].out = [0] * 99
-        assert selector.worth_a_dp(batch, weights, 1000, layers, 5) is worth
+        assert rule.worth_a_dp(prices, batch, weights, 1000, 5) is worth

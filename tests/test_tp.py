@@ -31,16 +31,18 @@ STATIC_SKIP = frozenset({3, 4})  # m1, a2
 ODD_VOCAB = 255  # vocab % tp != 0: the last rank's slice is padded
 
 
-def _profile():
+def _profile(shape: dict | None = None):
     """A fixed in-memory latency profile (test fixture; never written to profiles/): drafts
     nearly free next to a slow verify, so the TPT search drafts even at the low acceptance of
-    a random model, and the draft/verify path runs with KnapSpec's plans under TP."""
+    a random model, and the draft/verify path runs with KnapSpec's plans under TP. ``shape``:
+    the model shape it records (for a file a model's options may name)."""
     from knapspec_dist.profiles import fit_profile
 
     samples = {"attention": [[n, 1e-9 * n + 1e-6] for n in (16, 64, 256)],
                "mlp": [1e-6], "head": [1e-6],
                "verify": [[q, n, 1.0 + 1e-3 * q] for q in (1, 4, 11) for n in (16, 64, 256)]}
-    return fit_profile(samples, device={"name": "test"}, model={}, dtype="fp32", batch=1, tp=1,
+    return fit_profile(samples, device={"name": "test"}, model=shape or {}, dtype="fp32",
+                       batch=1, tp=1,
                        torch_version=torch.__version__)
 
 
@@ -56,9 +58,8 @@ def _strategies(model):
     from knapspec_dist.spec.factory import build_strategy
     from knapspec_dist.spec.options import StrategyOptions
 
-    knapspec = build_strategy(StrategyOptions(name="knapspec", profile=_profile(), interval=8,
-                                              tau_conf=0.0),
-                              model)
+    knapspec = build_strategy(StrategyOptions(name="knapspec", interval=8, tau_conf=0.0),
+                              model, [_profile()])
     return {"ar": Autoregressive(),
             "static": spmd_strategy(SelfSpeculative(StaticSelector(STATIC_SKIP, 3), tau_conf=0.0),
                                      model),
@@ -302,7 +303,9 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
 
     class Inner:
         def __init__(self, plan, next_selection, last_select_s):
-            self.p, self.next_selection, self.last_select_s = plan, next_selection, last_select_s
+            self.p = plan
+            self.schedule = SimpleNamespace(next_selection=next_selection,
+                                            last_select_s=last_select_s)
 
         def plan(self, model, batch):
             return self.p
@@ -317,11 +320,11 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     synced = SyncedSelector(other, SimpleNamespace(cuda=False, rank=1,
                                                    broadcast=lambda t, src: t.copy_(sent[0])))
     assert synced.plan(model, None) == Plan(frozenset({2, 5}), 3)
-    assert other.next_selection == 140 and other.last_select_s == pytest.approx(0.4321)
+    assert other.schedule.next_selection == 140 and other.schedule.last_select_s == pytest.approx(0.4321)
     assert synced.divergences == 1
     before_any = Inner(Plan(frozenset(), 0), 5, None)  # no DP yet: stays None
     sent.clear()
     SyncedSelector(before_any, SimpleNamespace(cuda=False, rank=0,
                                                broadcast=lambda t, src: sent.append(t))).plan(
         model, None)
-    assert before_any.last_select_s is None and before_any.next_selection == 5
+    assert before_any.schedule.last_select_s is None and before_any.schedule.next_selection == 5

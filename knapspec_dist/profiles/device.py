@@ -9,6 +9,11 @@ from typing import Any
 
 import torch
 
+try:
+    import pynvml
+except ImportError:  # NVML is optional: torch's device name is still a real identity
+    pynvml = None
+
 log = logging.getLogger(__name__)
 
 
@@ -66,9 +71,10 @@ def _cuda_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
                             "capability": f"{props.major}.{props.minor}",
                             "multiprocessors": props.multi_processor_count, "source": "torch"}
+    if pynvml is None:
+        log.warning("NVML unavailable (no pynvml); device name from torch")
+        return info
     try:
-        import pynvml
-
         pynvml.nvmlInit()
         try:
             handle = None

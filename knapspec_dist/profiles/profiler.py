@@ -54,8 +54,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from knapspec_dist.clock import Clock
+from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.weights import dtype_name
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import MODES, LatencyProfile, fit_profile
@@ -65,8 +67,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_MAX_Q = 11  # D + 1: ten drafted tokens and the target's own
-#: A short sweep for measuring on the fly when no stored profile matches (profiles/store.py).
-QUICK_CONTEXTS = (256, 1024, 4096)
 
 
 # --------------------------------------------------------------------------- timing
@@ -166,16 +166,12 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def _world(group) -> int:
-    import torch.distributed as dist
-
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
 def _comm_device(group) -> torch.device:
-    import torch.distributed as dist
-
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -183,8 +179,6 @@ def _comm_device(group) -> torch.device:
 
 def _max_over_ranks(values: list[float], group) -> list[float]:
     """Element-wise MAX across the group: a TP replica runs at its slowest rank's pace."""
-    import torch.distributed as dist
-
     t = torch.tensor(values, dtype=torch.float64, device=_comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.cpu().tolist()
@@ -200,8 +194,6 @@ def measure_allreduce(group, sizes: Iterable[int], *, dtype: torch.dtype = torch
     rank returns the same ``[[bytes, seconds], ...]`` -- the ``samples["allreduce"]`` format
     of ``fit_profile``. Message tensors live where the backend needs them (CUDA for NCCL).
     """
-    import torch.distributed as dist
-
     if repeats < 1 or iters < 1:
         raise ValueError("repeats and iters must be >= 1")
     device = _comm_device(group)
@@ -236,6 +228,137 @@ def decode_allreduce_sizes(hidden: int, batch: int, max_q: int, dtype: torch.dty
     return [q * batch * hidden * elem for q in qs]
 
 
+class _Sampler:
+    """Timed forwards of ``model`` over one filled cache, at any context n it holds: hooked
+    (sublayers and head) or replayed (graph mode), and whole verify forwards of q tokens."""
+
+    def __init__(self, model, cache: KVCache, batch: int, mode: str, gen: torch.Generator):
+        self.model, self.cache, self.gen = model, cache, gen
+        self.rows = slice(0, batch)
+        self.clock = Clock(model.device)
+        self.replay = ReplayTimer(model, cache, self.rows, self.tokens) if mode == "graph" else None
+
+    def tokens(self, q: int) -> torch.Tensor:
+        batch = self.rows.stop
+        return torch.randint(self.model.cfg.vocab_size, (batch, q),
+                             generator=self.gen).to(self.model.device)
+
+    def at(self, n: int) -> None:
+        """Context n for every row: forwards write at n.. and are never committed."""
+        for row in range(self.rows.stop):
+            self.cache.commit(row, n)
+
+    def step(self, n: int) -> dict[str, list[float]]:
+        """One decode step at n, split into sublayers, head and total."""
+        self.at(n)
+        if self.replay is not None:
+            layers = self.model.cfg.num_layers
+            return {k: [v] * (layers if k in ("attention", "mlp") else 1)
+                    for k, v in self.replay.split(n).items()}
+        timer = _SublayerTimer(self.model, self.clock)
+        try:
+            self.model(self.tokens(1), self.cache.lengths[self.rows], self.cache, self.rows)
+        finally:
+            timer.remove()
+        return timer.split()
+
+    def verify(self, n: int, q: int) -> float:
+        """One unhooked forward of q tokens at n."""
+        self.at(n)
+        if self.replay is not None:
+            return self.replay.time(n, q)
+        x, pos = self.tokens(q), self.cache.lengths[self.rows]
+        start = self.clock.now()
+        self.model(x, pos, self.cache, self.rows)
+        return self.clock.now() - start
+
+
+def _check(mode: str, contexts: Sequence[int], batch: int, max_q: int, repeats: int,
+           warmup: int) -> list[int]:
+    """The sorted distinct contexts; ValueError for anything that cannot be measured."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    contexts = sorted(set(int(n) for n in contexts))
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"contexts must be positive integers, got {contexts}")
+    if batch < 1 or max_q < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need batch, max_q, repeats >= 1 and warmup >= 0 "
+                         f"(got {batch}, {max_q}, {repeats}, {warmup})")
+    return contexts
+
+
+def _timings(sampler: _Sampler, contexts: list[int], qs: list[int], warmup: int, repeats: int,
+             started: float) -> dict[str, dict]:
+    """Every timing of every repeat, round-robin over the contexts: per context n the
+    attention, mlp, head and total of each hooked step, and per (q, n) each verify."""
+    raw: dict[str, dict] = {k: {n: [] for n in contexts}
+                            for k in ("attention", "mlp", "head", "total")}
+    raw["verify"] = {(q, n): [] for n in contexts for q in qs}
+    try:
+        for _ in range(warmup):
+            for n in contexts:
+                sampler.step(n)
+                for q in qs:
+                    sampler.verify(n, q)
+        for r in range(repeats):
+            for n in contexts:
+                parts = sampler.step(n)
+                raw["attention"][n].append(statistics.fmean(parts["attention"]))
+                raw["mlp"][n].append(statistics.fmean(parts["mlp"]))
+                raw["head"][n].append(parts["head"][0])
+                raw["total"][n].append(parts["total"][0])
+                for q in qs:
+                    raw["verify"][(q, n)].append(sampler.verify(n, q))
+            log.info("repeat %d/%d done (%.0fs)", r + 1, repeats, time.perf_counter() - started)
+    finally:
+        sampler.at(0)
+    return raw
+
+
+def _samples(raw: dict[str, dict], contexts: list[int], qs: list[int], tp: int,
+             group) -> dict[str, Any]:
+    """``fit_profile``'s samples: the median of each point's timings, MAX over the ranks of
+    a tensor-parallel group."""
+    attn_s = [_median(raw["attention"][n]) for n in contexts]
+    mlp_s = [_median(raw["mlp"][n]) for n in contexts]
+    head_s = [_median(raw["head"][n]) for n in contexts]
+    ver_keys = [(q, n) for n in contexts for q in qs]
+    ver_s = [_median(raw["verify"][k]) for k in ver_keys]
+    if tp > 1:
+        merged = _max_over_ranks(attn_s + mlp_s + head_s + ver_s, group)
+        k = len(contexts)
+        attn_s, mlp_s, head_s, ver_s = merged[:k], merged[k:2 * k], merged[2 * k:3 * k], merged[3 * k:]
+    return {
+        "attention": [[n, s] for n, s in zip(contexts, attn_s)],
+        "mlp": mlp_s,
+        "head": head_s,
+        "verify": [[q, n, s] for (q, n), s in zip(ver_keys, ver_s)],
+    }
+
+
+def _log_cross_check(raw: dict[str, dict], contexts: list[int]) -> None:
+    """Per context: the hooked decode step vs the unhooked q=1 verify forward."""
+    for n in contexts:
+        log.info("n=%d: attention %.3f ms, mlp %.3f ms, head %.3f ms; hooked step %.2f ms, "
+                 "plain step %.2f ms", n, 1e3 * _median(raw["attention"][n]),
+                 1e3 * _median(raw["mlp"][n]), 1e3 * _median(raw["head"][n]),
+                 1e3 * _median(raw["total"][n]), 1e3 * _median(raw["verify"][(1, n)]))
+
+
+def _device_record(device: torch.device, load_before: float | None) -> dict[str, Any]:
+    """``device_info`` with the 1-minute load average before and after measuring; a busy CPU
+    is warned about."""
+    info = device_info(device)
+    load = [load_before, _load_average()]
+    if None not in load:
+        info["load_average"] = load
+        if device.type == "cpu" and max(load) > 0.75 * (os.cpu_count() or 1):
+            log.warning("the machine was busy while measuring (load average %.1f -> %.1f on %d CPUs): "
+                        "timings include contention from other processes; re-run on an idle machine",
+                        load[0], load[1], os.cpu_count() or 1)
+    return info
+
+
 @torch.inference_mode()
 def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT_MAX_Q,
             repeats: int = 5, *, warmup: int = 1, fill: str = "random", group=None,
@@ -252,125 +375,28 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     full model's); mode: "eager" (hooked sublayers) or "graph" (replayed forwards, the way
     decoding runs on a GPU; see replay.py). See the module docstring for the method.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    contexts = sorted(set(int(n) for n in contexts))
-    if not contexts or contexts[0] < 1:
-        raise ValueError(f"contexts must be positive integers, got {contexts}")
-    if batch < 1 or max_q < 1 or repeats < 1 or warmup < 0:
-        raise ValueError(f"need batch, max_q, repeats >= 1 and warmup >= 0 "
-                         f"(got {batch}, {max_q}, {repeats}, {warmup})")
-    from knapspec_dist.model.cache import KVCache, kv_heads
-
+    contexts = _check(mode, contexts, batch, max_q, repeats, warmup)
     device, dtype, cfg = model.device, model.dtype, model.cfg
     tp = _world(group) if group is not None else 1
-    capacity = contexts[-1] + max_q
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(cfg, batch, capacity, dtype=dtype, device=device, kv_heads=kv_heads(model))
+    cache = KVCache(cfg, batch, contexts[-1] + max_q, dtype=dtype, device=device,
+                    kv_heads=kv_heads(model))
     load_before = _load_average()
     started = time.perf_counter()
     fill_cache(model, cache, contexts[-1], fill, generator=gen)
     log.info("filled a %d-token KV cache (%s) in %.1fs", contexts[-1], fill, time.perf_counter() - started)
-    rows = slice(0, batch)
-    clock = Clock(device)
-
-    def tokens(q: int) -> torch.Tensor:
-        return torch.randint(cfg.vocab_size, (batch, q), generator=gen).to(device)
-
-    def at(n: int) -> None:
-        for row in range(batch):
-            cache.commit(row, n)
-
-    replay = ReplayTimer(model, cache, rows, tokens) if mode == "graph" else None
-
-    def hooked_step(n: int) -> dict[str, list[float]]:
-        at(n)
-        if replay is not None:
-            return {k: [v] * (cfg.num_layers if k in ("attention", "mlp") else 1)
-                    for k, v in replay.split(n).items()}
-        timer = _SublayerTimer(model, clock)
-        try:
-            model(tokens(1), cache.lengths[rows], cache, rows)
-        finally:
-            timer.remove()
-        return timer.split()
-
-    def verify(n: int, q: int) -> float:
-        at(n)
-        if replay is not None:
-            return replay.time(n, q)
-        x, pos = tokens(q), cache.lengths[rows]
-        start = clock.now()
-        model(x, pos, cache, rows)
-        return clock.now() - start
-
     qs = list(range(1, max_q + 1))
-    attn: dict[int, list[float]] = {n: [] for n in contexts}
-    mlp: dict[int, list[float]] = {n: [] for n in contexts}
-    head: dict[int, list[float]] = {n: [] for n in contexts}
-    total: dict[int, list[float]] = {n: [] for n in contexts}
-    ver: dict[tuple[int, int], list[float]] = {(q, n): [] for n in contexts for q in qs}
-    try:
-        for _ in range(warmup):
-            for n in contexts:
-                hooked_step(n)
-                for q in qs:
-                    verify(n, q)
-        for r in range(repeats):
-            for n in contexts:
-                parts = hooked_step(n)
-                attn[n].append(statistics.fmean(parts["attention"]))
-                mlp[n].append(statistics.fmean(parts["mlp"]))
-                head[n].append(parts["head"][0])
-                total[n].append(parts["total"][0])
-                for q in qs:
-                    ver[(q, n)].append(verify(n, q))
-            log.info("repeat %d/%d done (%.0fs)", r + 1, repeats, time.perf_counter() - started)
-    finally:
-        at(0)
-
-    attn_s = [_median(attn[n]) for n in contexts]
-    mlp_s = [_median(mlp[n]) for n in contexts]
-    head_s = [_median(head[n]) for n in contexts]
-    ver_keys = [(q, n) for n in contexts for q in qs]
-    ver_s = [_median(ver[k]) for k in ver_keys]
-    if tp > 1:
-        merged = _max_over_ranks(attn_s + mlp_s + head_s + ver_s, group)
-        k = len(contexts)
-        attn_s, mlp_s, head_s, ver_s = merged[:k], merged[k:2 * k], merged[2 * k:3 * k], merged[3 * k:]
-    samples: dict[str, Any] = {
-        "attention": [[n, s] for n, s in zip(contexts, attn_s)],
-        "mlp": mlp_s,
-        "head": head_s,
-        "verify": [[q, n, s] for (q, n), s in zip(ver_keys, ver_s)],
-    }
+    raw = _timings(_Sampler(model, cache, batch, mode, gen), contexts, qs, warmup, repeats,
+                   started)
+    samples = _samples(raw, contexts, qs, tp, group)
     if tp > 1:
         sizes = allreduce_sizes or decode_allreduce_sizes(cfg.hidden_size, batch, max_q, dtype)
         samples["allreduce"] = measure_allreduce(group, sizes, dtype=dtype, repeats=max(repeats, 5))
-    for n in contexts:  # cross-check: hooked decode step vs the unhooked q=1 verify forward
-        log.info("n=%d: attention %.3f ms, mlp %.3f ms, head %.3f ms; hooked step %.2f ms, "
-                 "plain step %.2f ms", n, 1e3 * _median(attn[n]), 1e3 * _median(mlp[n]),
-                 1e3 * _median(head[n]), 1e3 * _median(total[n]), 1e3 * _median(ver[(1, n)]))
-    info = device_info(device)
-    load = [load_before, _load_average()]
-    if None not in load:
-        info["load_average"] = load  # 1-minute load average before and after measuring
-        if device.type == "cpu" and max(load) > 0.75 * (os.cpu_count() or 1):
-            log.warning("the machine was busy while measuring (load average %.1f -> %.1f on %d CPUs): "
-                        "timings include contention from other processes; re-run on an idle machine",
-                        load[0], load[1], os.cpu_count() or 1)
-    meta = {
-        "device": info,
-        "model": dict(shape if shape is not None else cfg.shape()),
-        "dtype": dtype_name(dtype),
-        "batch": batch,
-        "tp": tp,
-        "torch_version": torch.__version__,
-        "created": datetime.date.today().isoformat(),
-        "mode": mode,
-    }
-    profile = fit_profile(samples, **meta)
+    _log_cross_check(raw, contexts)
+    profile = fit_profile(samples, device=_device_record(device, load_before),
+                          model=dict(shape if shape is not None else cfg.shape()),
+                          dtype=dtype_name(dtype), batch=batch, tp=tp,
+                          torch_version=torch.__version__,
+                          created=datetime.date.today().isoformat(), mode=mode)
     log.info("measured profile %s in %.1fs", profile.key(), time.perf_counter() - started)
     return profile
-
-

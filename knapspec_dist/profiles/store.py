@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.model.embedded import cache_dir
+from knapspec_dist.model.weights import dtype_name
+from knapspec_dist.profiles import profiler
+from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import MODEL_KEYS, LatencyProfile
 
 log = logging.getLogger(__name__)
@@ -30,16 +36,21 @@ CONTEXT_STEPS = (64, 256, 1024, 4096, 16384, 65536)
 
 
 @dataclass
-class Choice:
-    """The profile that prices a run and where it came from."""
+class ProfileChoice:
+    """The profile that prices a run, where it came from, and the stored profiles at other
+    batch sizes beside it (what prices a batched round, profiles/batching.py)."""
 
-    profile: LatencyProfile | None
+    profile: LatencyProfile
     path: str | None  # the file it was loaded from, or where a measured one was kept
-    origin: str  # "loaded" (a stored file), "given" (an object), "measured" (now)
+    origin: str  # "loaded" (a stored file or the one named) or "measured" (now)
+    siblings: list[LatencyProfile] = field(default_factory=list)
+
+    @property
+    def profiles(self) -> list[LatencyProfile]:
+        return [self.profile, *self.siblings]
 
     def describe(self) -> dict:
-        return {"key": self.profile.key() if self.profile else None, "path": self.path,
-                "origin": self.origin}
+        return {"key": self.profile.key(), "path": self.path, "origin": self.origin}
 
 
 def profiles_dir() -> Path:
@@ -49,11 +60,7 @@ def profiles_dir() -> Path:
 
 def cache_profiles_dir() -> Path:
     env = os.environ.get("KNAPSPEC_PROFILE_CACHE")
-    if env:
-        return Path(env)
-    from knapspec_dist.model.embedded import cache_dir
-
-    return cache_dir() / "profiles"
+    return Path(env) if env else cache_dir() / "profiles"
 
 
 def search_dirs() -> list[Path]:
@@ -94,13 +101,12 @@ def matches(profile: LatencyProfile, device: dict, shape: dict, dtype: str, batc
             and profile.mode == mode)
 
 
-def find_profile(directories, device: dict, shape: dict, dtype: str, batch: int = 1,
-                 tp: int = 1, mode: str = "eager", need: int | None = None) -> Choice | None:
-    """The first matching profile in ``directories`` (a Path or a list) whose measured
-    contexts reach ``need``; None when there is none."""
-    if isinstance(directories, (str, Path)):
-        directories = [directories]
-    for directory in map(Path, directories):
+def find_profile(directories: Sequence[Path], device: dict, shape: dict, dtype: str,
+                 batch: int = 1, tp: int = 1, mode: str = "eager",
+                 need: int | None = None) -> ProfileChoice | None:
+    """The first matching profile in ``directories`` whose measured contexts reach ``need``;
+    None when there is none."""
+    for directory in directories:
         if not directory.is_dir():
             continue
         for path in sorted(directory.glob("*.json")):
@@ -116,25 +122,8 @@ def find_profile(directories, device: dict, shape: dict, dtype: str, batch: int 
                          path, profile.max_context, need)
                 continue
             log.info("using latency profile %s", path)
-            return Choice(profile, str(path), "loaded")
+            return ProfileChoice(profile, str(path), "loaded")
     return None
-
-
-def lookup(spec, device: dict, shape: dict, dtype: str, batch: int = 1, tp: int = 1,
-           mode: str = "eager", need: int | None = None) -> Choice | None:
-    """``spec``: a LatencyProfile, a JSON path, or None (search the stored profiles).
-    None means: measure one (see :func:`contexts_for` and :func:`keep`)."""
-    if isinstance(spec, LatencyProfile):
-        return Choice(spec, None, "given")
-    if spec:
-        return Choice(load_profile(spec, shape), str(spec), "loaded")
-    found = find_profile(search_dirs(), device, shape, dtype, batch, tp, mode, need)
-    if found is None:
-        log.warning("no latency profile in %s matches device %r, model %s, %s, batch %d, tp %d, "
-                    "%s%s: measuring one now (kept in %s for later runs)",
-                    " or ".join(map(str, search_dirs())), device.get("name"), shape, dtype, batch,
-                    tp, mode, f", contexts up to {need}" if need else "", cache_profiles_dir())
-    return found
 
 
 def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
@@ -156,16 +145,6 @@ def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
     return [found[b] for b in sorted(found)]
 
 
-def contexts_for(need: int | None, default, limit: int | None = None) -> list[int]:
-    """Context lengths to measure: ``default`` when the run's longest context is unknown,
-    else the steps below ``need`` and ``need`` itself (at most ``limit``)."""
-    if need is None:
-        return sorted(set(default))
-    if limit is not None:
-        need = min(need, limit)
-    return sorted({c for c in CONTEXT_STEPS if c < need} | {need})
-
-
 def keep(profile: LatencyProfile) -> str | None:
     """Save a measured profile in the cache (atomically); its path, or None if that fails
     (a read-only cache only costs a measurement next time)."""
@@ -184,23 +163,69 @@ def decode_mode(device: dict) -> str:
     return "graph" if device.get("kind") == "cuda" else "eager"
 
 
-def resolve(spec, model, tp: int = 1, batch: int = 1, need: int | None = None) -> Choice:
-    """The profile for ``model`` in this process: given, stored, or measured now and kept."""
-    from knapspec_dist.profiles import profiler
-    from knapspec_dist.model.weights import dtype_name
-    from knapspec_dist.profiles.device import device_info
 
-    device = device_info(model.device)
-    mode = decode_mode(device)
-    found = lookup(spec, device, model.cfg.shape(), dtype_name(model.dtype), batch, tp, mode,
-                   need)
-    if found is not None:
-        return found
-    contexts = contexts_for(need, profiler.QUICK_CONTEXTS, model.cfg.max_position_embeddings)
-    profile = profiler.measure(model, contexts=contexts, batch=batch, mode=mode)
-    return Choice(profile, keep(profile), "measured")
+#: Contexts measured when the run's longest context is unknown. The widest of the two sets
+#: the local and the Ray path used before (256..4096, not 64..1024): the attention slope is
+#: fitted over a longer span, and the kept profile serves every later run up to 4096 tokens
+#: instead of being refused (and measured again) by any that needs more than 1024.
+DEFAULT_CONTEXTS = (256, 1024, 4096)
+
+#: How a resolver measures when nothing stored fits: ``measure(contexts, mode)``.
+Measure = Callable[[list[int], str], LatencyProfile]
 
 
-def resolve_profile(spec, model, tp: int = 1, batch: int = 1) -> LatencyProfile:
-    """``spec``: a LatencyProfile, a JSON path, or None (find a matching one, else measure)."""
-    return resolve(spec, model, tp, batch).profile
+def contexts_for(need: int | None, window: int | None = None) -> list[int]:
+    """Context lengths to measure: ``DEFAULT_CONTEXTS`` when the run's longest context is
+    unknown, else the steps below ``need`` and ``need`` itself; none past the model's
+    ``window``."""
+    if need is None:
+        return sorted({c if window is None else min(c, window) for c in DEFAULT_CONTEXTS})
+    if window is not None:
+        need = min(need, window)
+    return sorted({c for c in CONTEXT_STEPS if c < need} | {need})
+
+
+def resolve(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *,
+            measure: Measure, tp: int = 1, need: int | None = None, window: int | None = None,
+            contexts: Sequence[int] | None = None) -> ProfileChoice:
+    """The profile that prices a run on ``devices`` (``device_info`` of every rank): the file
+    ``path`` names (used alone), else the first stored one that matches and covers ``need``
+    (with its batch siblings), else one measured now by ``measure`` (at ``contexts``, default
+    ``contexts_for(need, window)``), kept in the cache, with the stored batch siblings.
+    Ranks on different devices never match a stored profile: they are measured."""
+    if path:
+        return ProfileChoice(load_profile(path, shape), str(path), "loaded")
+    device, mode = devices[0], decode_mode(devices[0])
+    names = sorted({d.get("name") for d in devices})
+    found = None
+    if len(names) > 1:
+        log.warning("ranks run on different devices %s; no stored profile applies, measuring "
+                    "one (priced at the slowest rank)", names)
+    else:
+        found = find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need)
+    if found is None:
+        if len(names) == 1:
+            log.warning("no latency profile in %s matches device %r, model %s, %s, batch 1, "
+                        "tp %d, %s%s: measuring one now (kept in %s for later runs)",
+                        " or ".join(map(str, search_dirs())), device.get("name"), shape, dtype,
+                        tp, mode, f", contexts up to {need}" if need else "",
+                        cache_profiles_dir())
+        profile = measure(list(contexts or contexts_for(need, window)), mode)
+        found = ProfileChoice(profile, keep(profile), "measured")
+    found.siblings = batch_siblings(found.profile)
+    return found
+
+
+def resolve_for_model(path: str | None, model: Transformer,
+                      need: int | None = None) -> ProfileChoice:
+    """``resolve`` for ``model`` in this process (one rank, measured here when needed)."""
+    def measure(contexts: list[int], mode: str) -> LatencyProfile:
+        return profiler.measure(model, contexts=contexts, batch=1, mode=mode)
+
+    return resolve(path, [device_info(model.device)], model.cfg.shape(), dtype_name(model.dtype),
+                   measure=measure, need=need, window=model.cfg.max_position_embeddings)
+
+
+def resolve_profile(path: str | None, model: Transformer) -> LatencyProfile:
+    """The profile alone (callers that price one batch size)."""
+    return resolve_for_model(path, model).profile

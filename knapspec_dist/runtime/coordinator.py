@@ -1,20 +1,20 @@
-"""The coordinator actor of one replica: its latency profile, TPT search and request order.
+"""The coordinator actor of one replica: it resolves the latency profile and orders requests.
 
-* Profiles: the stored profile matching the replica's device, model shape, dtype, batch 1,
-  tp and mode that covers the job's longest context (``profiles/``, then the profile cache;
-  see profiles/store.py), or the one the user named; when none matches it says so in the log,
-  has the shards measure one (all ranks, MAX over ranks, the all-reduce included) rather than
-  guessing, and keeps it in the profile cache for later jobs and the other replicas. A replica whose ranks report different devices
-  never matches a stored profile and is measured (priced at its slowest rank).
-* TPT search: rank 0's KnapSpec selector sends its candidate table (skip sets, acceptance
-  estimates, context length) and gets the choice back, priced with this replica's profile.
+* Profiles: resolved by profiles/store.py's ``resolve`` for the replica's devices, model
+  shape, dtype, tp and mode: the one the user named, or the stored one that covers the job's
+  longest context (``profiles/``, then the profile cache); when none matches it says so in
+  the log, has the shards measure one (all ranks, MAX over ranks, the all-reduce included)
+  rather than guessing, and keeps it in the profile cache for later jobs and the other
+  replicas. A replica whose ranks report different devices never matches a stored profile and
+  is measured (priced at its slowest rank). The profile (and those at other batch sizes beside
+  it) goes to the shards, whose selectors price with it; this actor keeps its description.
 * Requests: continuously batched. Requests queue here; a driver task admits them into the
   shards' schedulers (speculation/scheduler.py) as slots free up, up to ``max_num_seqs`` rows
   at once, with one Ray call per batch of rounds that every rank receives in the same order
   (SPMD), never one per token. A dead shard fails every row of the replica with its
   RayActorError; the engine restarts the replica and the job retries those rows.
 
-An async actor: awaiting the shards leaves it free to answer rank 0's search calls.
+An async actor: awaiting the shards leaves it free to queue the requests that arrive meanwhile.
 """
 
 from __future__ import annotations
@@ -26,10 +26,16 @@ import random
 import time
 from dataclasses import replace
 
+import ray
+
+from knapspec_dist.model.config import load_config
+from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.profiles.store import ProfileChoice, resolve
+from knapspec_dist.spec.options import StrategyOptions
+
 log = logging.getLogger(__name__)
 
-DEFAULT_CONTEXTS = (64, 256, 1024)
-ROUNDS_PER_CALL = 16  # scheduler steps per shard call when no row finishes  # a quick measurement when no stored profile matches
+ROUNDS_PER_CALL = 16  # scheduler steps per shard call when no row finishes
 
 
 async def _awaitable(ref):
@@ -48,8 +54,7 @@ class Coordinator:
         self.replica, self.path, self.vocab, self.tp, self.dtype = (replica, model_path,
                                                                      vocab_size, tp, dtype)
         self.shards: list = []
-        self.profile = None
-        self.profile_source = None
+        self.profile_description: dict | None = None  # key, path, origin (info)
         self._queue: deque = deque()  # (id, prompt ids, config, future) not yet admitted
         self._active: dict[int, asyncio.Future] = {}  # admitted to the shards, not finished
         self._ray: dict[int, float] = {}  # each active row's share of Ray round trips
@@ -64,92 +69,52 @@ class Coordinator:
 
     # ------------------------------------------------------------------ startup
 
-    async def prepare(self, shards: list, options, infos: list[dict], measure: dict,
-                      batching: dict | None = None) -> dict:
-        """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy.
+    async def prepare(self, shards: list, options: StrategyOptions, infos: list[dict],
+                      measure: dict, batching: dict | None = None) -> dict:
+        """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy with
+        it: the shards' selectors price with it, this actor keeps only its description.
 
         ``measure``: ``contexts`` / ``repeats`` of a measurement, and ``need``, the longest
         context the job runs (a stored profile must cover it; a measured one does)."""
-        import ray
-
         self.shards = shards
-        self.profile = self.profile_source = None
+        self.profile_description = None
         self._decode([])  # load the tokenizer now, not on the first request
-        profile_json = None
+        profiles = None
         if options.name in ("knapspec", "clasp"):
-            choice = self._find(options, infos, measure.get("need"))
-            if choice is None:
-                choice = await self._measure(infos, measure)
-            self.profile, self.profile_source = choice.profile, choice
-            if self.profile.tp != self.tp:
+            choice = await asyncio.to_thread(self._find, options, infos, measure)
+            self.profile_description = choice.describe()
+            if choice.profile.tp != self.tp:
                 log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
                             "tp=%d: its all-reduce costs do not match", self.replica,
-                            choice.path, self.profile.tp, self.tp)
-            profile_json = [self.profile.to_json()]
-            if choice.origin == "loaded" and not options.profile:  # batch sizes beside it
-                from knapspec_dist.profiles.store import batch_siblings
-
-                profile_json += [p.to_json() for p in batch_siblings(self.profile)]
-            from knapspec_dist.profiles.batching import BatchPricing
-            from knapspec_dist.profiles.profile import LatencyProfile
-
-            self._pricing = BatchPricing([LatencyProfile.from_json(p) for p in profile_json])
-        me = ray.get_runtime_context().current_actor
+                            choice.path, choice.profile.tp, self.tp)
+            profiles = [p.to_json() for p in choice.profiles]
         batching = batching or {}
         seqs = await asyncio.gather(*[s.configure.remote(
-            replace(options, profile=None), profile_json, me, capacity=batching.get("capacity"),
+            replace(options, profile=None), profiles, capacity=batching.get("capacity"),
             max_num_seqs=batching.get("max_num_seqs")) for s in shards])
         self.max_num_seqs = min(seqs)  # every rank must hold the batch
         log.info("replica %d: up to %d rows decode at once", self.replica, self.max_num_seqs)
         return self.info()
 
-    def _find(self, options, infos: list[dict], need: int | None):
-        """profiles/store.py's lookup for this replica's devices (None: measure one)."""
-        from knapspec_dist.model.config import load_config
-        from knapspec_dist.profiles.store import decode_mode, lookup
-
-        devices = [i["device"] for i in infos]
-        names = sorted({d.get("name") for d in devices})
-        if len(names) > 1 and not options.profile:
-            log.warning("replica %d: ranks run on different devices %s; no stored profile "
-                        "applies, measuring one (priced at the slowest rank)", self.replica, names)
-            return None
-        return lookup(options.profile, devices[0], load_config(self.path).shape(), self.dtype,
-                      1, self.tp, decode_mode(devices[0]), need)
-
-    async def _measure(self, infos: list[dict], measure: dict):
-        from knapspec_dist.model.config import load_config
-        from knapspec_dist.profiles.profile import LatencyProfile
-        from knapspec_dist.profiles.store import Choice, contexts_for, decode_mode, keep
-
-        window = load_config(self.path).max_position_embeddings
-        contexts = measure.get("contexts") or contexts_for(measure.get("need"), DEFAULT_CONTEXTS,
-                                                           window)
+    def _find(self, options: StrategyOptions, infos: list[dict], measure: dict) -> ProfileChoice:
+        """profiles/store.py's resolve for this replica's devices (run in a thread: a
+        measurement waits for the shards)."""
+        config = load_config(self.path)
         repeats = int(measure.get("repeats", 3))
+        return resolve(options.profile, [i["device"] for i in infos], config.shape(), self.dtype,
+                       measure=lambda contexts, mode: self._measure(contexts, mode, repeats),
+                       tp=self.tp, need=measure.get("need"),
+                       window=config.max_position_embeddings, contexts=measure.get("contexts"))
+
+    def _measure(self, contexts: list[int], mode: str, repeats: int) -> LatencyProfile:
+        """A profile measured by every shard (samples MAX-reduced over the ranks)."""
         start = time.perf_counter()
-        mode = decode_mode(infos[0]["device"])
-        outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats, mode=mode)
-                                      for s in self.shards])
-        profile = LatencyProfile.from_json(outs[0])  # samples are MAX-reduced over ranks
+        outs = ray.get([s.measure_profile.remote(list(contexts), repeats, mode=mode)
+                        for s in self.shards])
+        profile = LatencyProfile.from_json(outs[0])
         log.info("replica %d: measured profile %s (contexts %s) in %.0fs", self.replica,
                  profile.key(), list(contexts), time.perf_counter() - start)
-        return Choice(profile, keep(profile), "measured")
-
-    # ------------------------------------------------------------------ search
-
-    def search(self, skips: list[list[int]], alphas: list[float], n: int, num_layers: int,
-               max_gamma: int, objective: str, min_gain: float = 1.0, batch: int = 1):
-        """TPT choice over the shards' candidate table, priced with this replica's profile
-        at the round's batch size."""
-        from knapspec_dist.profiles.batching import BatchPricing
-        from knapspec_dist.spec import tpt
-
-        if getattr(self, "_pricing", None) is None:
-            self._pricing = BatchPricing(self.profile)
-        profile = self._pricing.at(batch)
-        draft = [profile.draft_time(frozenset(s), n, num_layers) for s in skips]
-        return tpt.search(alphas, draft, lambda q: profile.verify_time(q, n),
-                          max_gamma=max_gamma, objective=objective, min_gain=min_gain)
+        return profile
 
     # ------------------------------------------------------------------ requests
 
@@ -278,8 +243,7 @@ class Coordinator:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def info(self) -> dict:
-        choice = self.profile_source
+        described = self.profile_description
         return {"replica": self.replica, "served": self.served,
-                "max_num_seqs": self.max_num_seqs,
-                "profile": choice.describe() if choice is not None else None,
-                "profile_key": self.profile.key() if self.profile else None}
+                "max_num_seqs": self.max_num_seqs, "profile": described,
+                "profile_key": described["key"] if described else None}

@@ -13,9 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 
 import torch
+import torch.distributed as dist
+
+from knapspec_dist.engine.memory import max_num_seqs_for
+from knapspec_dist.engine.sequence import row_capacity
+from knapspec_dist.profiles import profiler
+from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.spec.spmd import spmd_strategy
 
 log = logging.getLogger(__name__)
 
@@ -66,78 +74,40 @@ class Shard:
         return {"rank": self.rank, "params": parameter_bytes(self.model),
                 "device": device_info(self.model.device), "pid": os.getpid()}
 
-    def measure_profile(self, contexts: list[int], repeats: int, **kwargs) -> dict:
-        """Measure a latency profile (collective: every rank of the replica calls it).
-        ``kwargs``: profiler.measure's batch, max_q, warmup, fill, mode."""
-        import torch.distributed as dist
-
-        from knapspec_dist.profiles import profiler
-
+    def measure_profile(self, contexts: list[int], repeats: int, *, batch: int = 1,
+                        max_q: int = profiler.DEFAULT_MAX_Q, warmup: int = 1,
+                        fill: str = "random", mode: str = "eager") -> dict:
+        """Measure a latency profile (collective: every rank of the replica calls it); the
+        arguments are profiler.measure's."""
         group = dist.group.WORLD if self.world > 1 else None
-        profile = profiler.measure(self.model, contexts, repeats=repeats, group=group,
-                                   shape=self.model.cfg.shape(), **kwargs)
+        profile = profiler.measure(self.model, contexts, batch=batch, max_q=max_q,
+                                   repeats=repeats, warmup=warmup, fill=fill, group=group,
+                                   shape=self.model.cfg.shape(), mode=mode)
         return profile.to_json()
 
     def measure_allreduce(self, sizes: list[int], repeats: int = 5) -> list[list[float]]:
         """[[bytes, seconds], ...] of one all-reduce on this replica's group (collective)."""
-        import torch.distributed as dist
-
-        from knapspec_dist.profiles import profiler
-
         if self.world == 1:
             return [[float(b), 0.0] for b in sizes]
         return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
                                           repeats=repeats)
 
-    def configure(self, options, profile: list[dict] | None, coordinator=None, *,
+    def configure(self, options: StrategyOptions, profiles: list[dict] | None, *,
                   capacity: int | None = None, max_num_seqs: int | None = None) -> int:
-        """Build the strategy (same on every rank). KnapSpec's TPT search is delegated to the
-        coordinator (rank 0 asks it; the plan is then broadcast to the other ranks).
+        """Build the strategy (same on every rank), priced by ``profiles``: the JSON of the
+        coordinator's profile and of those at other batch sizes (None for ar and static).
         ``capacity``: cache positions per row (default: the model's window);
         ``max_num_seqs``: rows decoding at once (default: what this rank's free memory holds,
-        execution/memory.py). Returns this rank's max_num_seqs."""
-        from knapspec_dist.engine.memory import max_num_seqs_for
-        from knapspec_dist.engine.sequence import row_capacity
-
+        engine/memory.py). Returns this rank's max_num_seqs."""
         self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
         self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
         self.scheduler = None
-        from knapspec_dist.spec.spmd import spmd_strategy
-        from knapspec_dist.profiles.profile import LatencyProfile
-        from knapspec_dist.spec.factory import build_strategy
-
-        if profile is not None:  # JSON of the profile, and of those at other batch sizes
-            options = replace(options, profile=[LatencyProfile.from_json(p) for p in profile])
-        strategy = build_strategy(options, self.model)
-        selector = getattr(strategy, "selector", None)
-        if selector is not None and coordinator is not None and self.rank == 0:
-            self._delegate_search(selector, coordinator)
-        strategy = spmd_strategy(strategy, self.model)
+        priced = None if profiles is None else [LatencyProfile.from_json(p) for p in profiles]
+        strategy = spmd_strategy(build_strategy(options, self.model, priced), self.model)
         if getattr(strategy, "selector", None) is not None:
             self.meter.wrap(strategy.selector, "plan")  # the DP counts as compute
         self.strategy = strategy
         return self.max_num_seqs
-
-    def _delegate_search(self, selector, coordinator) -> None:
-        """Rank 0's KnapSpec selector asks the coordinator for the TPT choice (one Ray round
-        trip per selection, i.e. per ``interval`` tokens, never per token)."""
-        import ray
-
-        config = getattr(selector, "config", None)
-        if not hasattr(selector, "search") or config is None:
-            log.info("selector %s has no TPT search to delegate", type(selector).__name__)
-            return
-        shard = self
-
-        def search(candidates, alphas, n, num_layers, batch=1):
-            start = time.perf_counter()
-            choice = ray.get(coordinator.search.remote(
-                [sorted(c.skipped) for c in candidates], list(alphas), n, num_layers,
-                config.max_gamma, config.objective, config.min_gain, batch))
-            shard.ray_inside += time.perf_counter() - start
-            return choice
-
-        selector.search = search
 
     # ------------------------------------------------------------------ requests
 

@@ -3,18 +3,42 @@
 from __future__ import annotations
 
 from knapspec_dist.engine.strategy import Strategy
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.profiles.store import resolve_for_model
 from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.clasp import ClaspSelector
+from knapspec_dist.spec.knapspec import KnapsackSelector, KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.spec.options import StrategyOptions, check_options, parse_skip
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
 
+CLASP_SKIP_LAYERS = 0.25  # the share of layers CLaSp's drafts skip
 
-def build_strategy(options: StrategyOptions, model) -> Strategy:
+
+def build_strategy(options: StrategyOptions, model: Transformer,
+                   profiles: list[LatencyProfile] | None = None) -> Strategy:
+    """``profiles``: what prices knapspec / clasp (one profile, or several at different batch
+    sizes); None: ``options.profile``'s file, else a stored or newly measured one."""
     check_options(options, model.cfg)
     if options.name == "ar":
         return Autoregressive()
     if options.name == "static":
         skip = parse_skip(options.skip, model.cfg.num_layers)
         return SelfSpeculative(StaticSelector(skip, options.gamma), options.tau_conf, "static")
-    from knapspec_dist.spec.knapspec import build_selector
+    return SelfSpeculative(build_selector(options, model, profiles), options.tau_conf,
+                           options.name)
 
-    return SelfSpeculative(build_selector(options, model), options.tau_conf, options.name)
+
+def build_selector(options: StrategyOptions, model: Transformer,
+                   profiles: list[LatencyProfile] | None = None) -> KnapsackSelector:
+    """The knapspec or clasp selector. Without ``profiles`` the profile is resolved in this
+    process (profiles/store.py): the file ``options.profile`` names, used alone, or a stored
+    or measured one with the stored profiles at other batch sizes beside it."""
+    if profiles is None:
+        profiles = resolve_for_model(options.profile, model).profiles
+    if options.name == "clasp":
+        return ClaspSelector(profiles, options.gamma, CLASP_SKIP_LAYERS,
+                             KnapSpecConfig(interval=options.interval))
+    return KnapSpecSelector(profiles, KnapSpecConfig(
+        interval=options.interval, coupled=options.coupled, objective=options.objective,
+        select_once=options.select_once))

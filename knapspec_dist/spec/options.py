@@ -55,5 +55,5 @@ def check_options(options: StrategyOptions, cfg) -> None:
     if options.interval < 1:
         raise UserError(f"interval must be >= 1, got {options.interval}")
     parse_skip(options.skip, cfg.num_layers)
-    if isinstance(options.profile, str) and options.profile:
+    if options.profile:
         load_profile(options.profile, cfg.shape())  # malformed or another shape: refused now

@@ -32,8 +32,8 @@ def spmd_strategy(strategy, model: Transformer):
 
 class SyncedSelector:
     """Wraps a Selector: every rank runs it (its DP issues the same collectives everywhere),
-    then rank 0's plan -- and the per-rank wall-clock quantities its schedule depends on
-    (KnapSpec's ``next_selection``, set from its measured selection time, and
+    then rank 0's plan -- and the per-rank wall-clock quantities of its schedule
+    (spec/schedule.py: ``next_selection``, set from the measured selection time, and
     ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
     ranks draft with the same subnet and gamma and run the DP at the same steps."""
 
@@ -63,11 +63,12 @@ class SyncedSelector:
 
     def plan(self, model, batch):
         plan = self.inner.plan(model, batch)
+        schedule = getattr(self.inner, "schedule", None)  # a static selector has none
         names = list(self.SCHEDULE)
         code = torch.zeros(model.cfg.num_items + 1 + len(names), dtype=torch.int64)
         code[0] = plan.gamma
         for k, name in enumerate(names):  # -1: the selector has none (yet)
-            value = getattr(self.inner, name, None)
+            value = getattr(schedule, name, None)
             code[1 + k] = -1 if value is None else int(value * self.SCHEDULE[name])
         first = 1 + len(names)
         if plan.skip:
@@ -78,9 +79,9 @@ class SyncedSelector:
         code = code.cpu()
         agreed = Plan(frozenset(torch.nonzero(code[first:]).flatten().tolist()), int(code[0]))
         for k, name in enumerate(names):
-            if hasattr(self.inner, name):
+            if schedule is not None:
                 value, scale = int(code[1 + k]), self.SCHEDULE[name]
-                setattr(self.inner, name, None if value == -1 else
+                setattr(schedule, name, None if value == -1 else
                         value if scale == 1 else value / scale)
         if agreed != plan:
             self.divergences += 1
