@@ -106,13 +106,13 @@ def prepare(args: argparse.Namespace, contexts: list[int], specs: list[StrategyS
     path = existing_model_path(args.model)
     model = load_model_args(path, args)
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
-    profile, profile_name = args.profile, args.profile
+    profiles, profile_name = None, args.profile
     if any(s.options.name in ("knapspec", "clasp") for s in specs):
-        profile = resolve_profile(args.profile, model)
-        profile_name = args.profile or profile.key()
-    specs = [StrategySpec(s.label, replace(s.options, profile=profile, interval=args.interval,
+        profiles = [resolve_profile(args.profile, model)]
+        profile_name = args.profile or profiles[0].key()
+    specs = [StrategySpec(s.label, replace(s.options, profile=args.profile, interval=args.interval,
                                            tau_conf=args.tau_conf)) for s in specs]
-    strategies = {s.label: build_strategy(s.options, model) for s in specs}
+    strategies = {s.label: build_strategy(s.options, model, profiles) for s in specs}
     prompts = build_prompts(tokenizer, contexts, args.prompts, model.cfg.max_position_embeddings,
                             args.new_tokens, args.prompt_style)
     return Setup(path, model, specs, strategies, profile_name, prompts)

@@ -53,8 +53,9 @@ class Subject:
                                    mode=mode)
             log.info("%s: profile (%s) in %.1f s", self.name, mode, time.perf_counter() - start)
         skip = format_skip(skip_sets(self.model.cfg.num_layers)["mixed"])
-        return {n: build_strategy(StrategyOptions(name=n, skip=skip, profile=self.profile),
-                                  self.model) for n in names}
+        profiles = [self.profile] if self.profile is not None else None
+        return {n: build_strategy(StrategyOptions(name=n, skip=skip), self.model, profiles)
+                for n in names}
 
 
 def smollm2_path():
