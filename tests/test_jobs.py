@@ -49,10 +49,10 @@ class FakeTokenizer:
             out.append(self.vocab[w])
         return out
 
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, **kwargs):
         return {"input_ids": ([BOS] if add_special_tokens else []) + self._ids(text)}
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
         return [SYS, USER] + self._ids(messages[0]["content"]) + [END, ASSISTANT]
 
     def decode(self, ids, skip_special_tokens=True):
