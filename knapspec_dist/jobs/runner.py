@@ -32,7 +32,7 @@ from knapspec_dist.jobs.summary import dumps, summarize
 from knapspec_dist.jobs.termination import (JobTerminated, check_terminate, install_sigterm,
                                             restore_sigterm)
 from knapspec_dist.model.tokenizer import load_tokenizer
-from knapspec_dist.runtime import cluster
+from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.engine import Engine
 from knapspec_dist.runtime.setup import check_setup
@@ -126,7 +126,7 @@ class JobRun:
             generate = bool(todo) and (stop_after is None or len(failed) < stop_after)
             baseline_left = self.baseline_ids - (self.base_done & self.again_done)
             if self.real_engine and (generate or baseline_left):
-                owns_ray = cluster.connect(self.config.address)
+                owns_ray = connect(self.config.address)
                 install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
             check_terminate()
             self.main_pass(todo, failed, generate)
@@ -139,7 +139,7 @@ class JobRun:
                     log.exception("could not write the last part of %s", w.sub)
             restore_sigterm(previous)
             if owns_ray:
-                cluster.disconnect()
+                disconnect()
         return self.write_summary()
 
     # ------------------------------------------------------------------ 1. files

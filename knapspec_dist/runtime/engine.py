@@ -35,7 +35,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.runtime import cluster
+from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.accounting import job_summary
 from knapspec_dist.runtime.replica import (Replica, ReplicaSpec, StartupError, check_resources,
                                            prepare_replicas, start_replicas, stop_replica)
@@ -95,7 +95,7 @@ class Engine:
             self.tokenizer = None
         self.last_job: dict | None = None
 
-        self._owns_ray = cluster.connect(address)
+        self._owns_ray = connect(address)
         self._replicas: list[Replica | None] = [None] * replicas
         try:
             check_resources(self.spec, replicas)
@@ -136,7 +136,7 @@ class Engine:
             stop_replica(rep)
             self._replicas[i] = None
         if getattr(self, "_owns_ray", False):
-            cluster.disconnect()
+            disconnect()
             self._owns_ray = False
 
     def _check_replica(self, replica: int) -> None:
