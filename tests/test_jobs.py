@@ -22,9 +22,10 @@ from knapspec_dist.jobs import JobConfig, config_from_args, add_job_args, main, 
 from knapspec_dist.jobs.inputs import read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
-from knapspec_dist.jobs.dispatch import Scheduler, Task
+from knapspec_dist.jobs.dispatch import Dispatcher, Task
 from knapspec_dist.jobs.summary import summarize
 from knapspec_dist.engine.generation import GenerationResult, GenerationStats
+from knapspec_dist.spec.options import StrategyOptions
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -49,10 +50,10 @@ class FakeTokenizer:
             out.append(self.vocab[w])
         return out
 
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, **kwargs):
         return {"input_ids": ([BOS] if add_special_tokens else []) + self._ids(text)}
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
         return [SYS, USER] + self._ids(messages[0]["content"]) + [END, ASSISTANT]
 
     def decode(self, ids, skip_special_tokens=True):
@@ -152,8 +153,8 @@ class FakeEngines:
         self.num_replicas = 0
 
     def __call__(self, config, strategy, replicas):
-        self.created.append((strategy, replicas))
-        self.strategy, self.num_replicas = strategy, replicas
+        self.created.append((strategy.name, replicas))
+        self.strategy, self.num_replicas = strategy.name, replicas
         return self
 
     def __enter__(self):
@@ -447,7 +448,7 @@ def test_scheduler_gives_up_on_a_replica_that_cannot_restart():
     engines = FakeEngines(poison=lambda key: key == (1,) and not engines.kills)
     engines.strategy, engines.num_replicas = "ar", 2
     backend = Broken(engines)
-    sched = Scheduler(backend, JobConfig(input="x", output="y").generation_config(),
+    sched = Dispatcher(backend, JobConfig(input="x", output="y").generation_config(),
                       max_inflight=1, restart_backoff=0)
     got = []
     sched.run([Task("a", [1]), Task("b", [2]), Task("c", [3])], got.append)
@@ -470,7 +471,7 @@ def test_row_timeout_restarts_a_silent_replica_and_retries(tmp_path):
 
     engines = FakeEngines()
     engines.strategy, engines.num_replicas = "ar", 1
-    sched = Scheduler(Hung(engines), JobConfig(input="x", output="y").generation_config(),
+    sched = Dispatcher(Hung(engines), JobConfig(input="x", output="y").generation_config(),
                       row_timeout=0.2, tick_seconds=0.05)
     got = []
     sched.run([Task("a", [7]), Task("b", [8])], got.append)
@@ -711,7 +712,10 @@ def test_command_line_options_and_registration():
                          "--skip", "a3", "--temperature", "0.7", "--seed", "3"])
     c = config_from_args(args)
     assert (c.text_column, c.prompt_column, c.baseline_fraction) == ("document", None, 0.05)
-    assert c.strategy_options["skip"] == "a3" and c.generation_config().sampling.seed == 3
+    assert c.strategy == StrategyOptions(name="static", skip="a3")
+    assert c.generation_config().sampling.seed == 3 and c.fingerprint()["strategy"] == "static"
+    assert c.fingerprint()["strategy_options"]["skip"] == "a3"
+    assert JobConfig(input="i", output="o", strategy="ar").strategy == StrategyOptions(name="ar")
     args = p.parse_args(["--input", "i", "--output", "o", "--prompt-column", "p"])
     assert config_from_args(args).mode == "prompt"
     with pytest.raises(SystemExit):

@@ -5,8 +5,9 @@
 * replicas=2 x tp=1 spreads text prompts over both replicas and returns results in input
   order, with text filled; a replica whose shard died fails its requests with the actor
   error, and restart_replica brings it back;
-* indivisible heads, a missing checkpoint, a rank that dies while starting and a replica
-  that cannot be placed each raise a clear error and leave no actor or placement group.
+* indivisible heads, a missing checkpoint, a rank that dies while starting (a shard class
+  of tests/faults.py) and a replica that cannot be placed each raise a clear error and
+  leave no actor or placement group.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import os
 import pytest
 
 from conftest import random_prompt
+from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.spec.options import StrategyOptions
 
 ray = pytest.importorskip("ray")
 
@@ -71,7 +74,7 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
     with Engine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
         for i, (name, options) in enumerate(runs):
             if i:
-                engine.reconfigure(name, **options)
+                engine.reconfigure(StrategyOptions(name=name, **options))
             if name == "ar":  # a bad row fails on every rank alike; the replica lives on
                 from knapspec_dist.errors import UserError
                 from knapspec_dist.engine.generation import GenerationConfig
@@ -93,7 +96,7 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
         assert 0 <= job["control_plane_share"] <= 1 and job["comm_share"] > 0
         # No stored profile matches: the shards measure one (with the all-reduce, at tp=2).
         engine.measure = {"contexts": [16, 64], "repeats": 1}
-        engine.reconfigure("knapspec", interval=8)
+        engine.reconfigure(StrategyOptions(name="knapspec", interval=8))
         info = engine.replica_info(0)
         assert info["profile"]["origin"] == "measured", info
         assert info["profile_key"].endswith("tp2__eager"), info
@@ -152,7 +155,7 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
     kwargs, error, match = {
         "indivisible": (dict(model=ckpt, tp=4), UserError, "KV heads 2 not divisible by 4"),
         "missing": (dict(model=str(tmp_path / "nope")), UserError, "does not exist"),
-        "rank-dies": (dict(model=ckpt, tp=2, _fail_rank=1), StartupError,
+        "rank-dies": (dict(model=ckpt, tp=2, shard_class=RankOneDiesAtSetup), StartupError,
                       "replica 0 rank 1 failed to load its shard: its actor died"),
         # the cluster's resources are checked before any placement group is asked for
         "unplaceable": (dict(model=ckpt, tp=2, cpus_per_rank=3, startup_timeout_s=3),

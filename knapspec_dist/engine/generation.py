@@ -47,7 +47,7 @@ class GenerationStats:
     # the coordinator-observed time of the request. Zero when run in-process.
     compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
     comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
-    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, coordinator search calls)
+    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, the coordinator's calls)
     other_s: float = 0.0  # Python of the decode loop outside the above
     comm_calls: int = 0
     # Batching (engine/scheduler.py): when the row was admitted and finished (epoch

@@ -1,17 +1,19 @@
 """Batch jobs: Parquet in, generations plus per-row and per-job speedup statistics out.
 
 Entry points: ``jobs/summarize.py`` and ``jobs/generate.py`` (for ``ray job submit``), the
-``knapspec job`` subcommand, and from Python::
+``knapspec job`` subcommand, and from Python:
 
-    from knapspec_dist.jobs import JobConfig, run_job
-    result = run_job(JobConfig(input="/data/docs.parquet", output="/data/out", model="smollm2"))
-    speedup = result.summary["baseline"]["speedup"]
+>>> from knapspec_dist.jobs import JobConfig, run_job
+>>> result = run_job(JobConfig(input="/data/docs.parquet", output="/data/out", model="smollm2"))
+>>> speedup = result.summary["baseline"]["speedup"]
 
-The modules, bottom up: :mod:`.inputs` (read and check the input files),
-:mod:`.prompts` (rows to prompt ids; row-level errors; truncation; baseline rows),
-:mod:`.output` (output schema, atomic part files, resume), :mod:`.scheduler` (rows over the
-engine's replicas, retries after replica failures), :mod:`.summary` (summary.json and
-speedup.png) and :mod:`.runner` (the job from start to end).
+The modules, bottom up: :mod:`.options` (JobConfig and the command-line options),
+:mod:`.inputs` (read and check the input files), :mod:`.prompts` (rows to prompt ids;
+row-level errors; truncation; baseline rows), :mod:`.output` (output schema, atomic part
+files, resume), :mod:`.dispatch` (rows over the engine's replicas, retries after replica
+failures), :mod:`.progress`, :mod:`.termination` (SIGTERM), :mod:`.summary` (summary.json),
+:mod:`.plot` (speedup.png) and :mod:`.runner` (the job from start to end, stage by stage).
+The command-line pieces (``main``, ``register``) are here until they move to ``cli/``.
 """
 
 from __future__ import annotations
@@ -19,27 +21,18 @@ from __future__ import annotations
 import argparse
 import logging
 
+from knapspec_dist.cli.common import emit
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION, JobConfig, add_job_args, config_from_args
+from knapspec_dist.jobs.runner import JobResult, JobTerminated, run_job
 
 __all__ = ["DEFAULT_INSTRUCTION", "JobConfig", "JobResult", "JobTerminated", "add_job_args",
            "config_from_args", "main", "register", "run_job", "report"]
 
-from knapspec_dist.cli.common import emit
-
 log = logging.getLogger(__name__)
 
 
-def __getattr__(name: str):
-    # The runner pulls in pyarrow; `knapspec --help` and `register` should not pay for it.
-    if name in ("JobResult", "JobTerminated", "run_job"):
-        from knapspec_dist.jobs import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def report(result) -> str:
+def report(result: JobResult) -> str:
     """A few lines for the user: what happened and where the results are."""
     s = result.summary
     rows, base = s["rows"], s["baseline"]
@@ -85,8 +78,6 @@ def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
 
 
 def _run(args: argparse.Namespace, mode: str) -> int:
-    from knapspec_dist.jobs.runner import JobTerminated, run_job
-
     try:
         result = run_job(config_from_args(args, mode))
     except UserError as e:
@@ -110,8 +101,6 @@ def register(sub) -> None:
 
 
 def _cli_job(args: argparse.Namespace) -> int:
-    from knapspec_dist.jobs.runner import run_job
-
     if not args.verbose:  # progress lines are the point of a batch job
         logging.getLogger("knapspec_dist.jobs").setLevel(logging.INFO)
         if not logging.getLogger().handlers:

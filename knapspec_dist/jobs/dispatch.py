@@ -15,7 +15,7 @@ the tail, so replicas do not idle at the end of the job).  Each replica gets up 
 when one finishes).  When a row's call fails because its replica died (a shard or
 coordinator actor crashed), the replica is restarted once (later failures of its other rows
 from the same incarnation do not restart it again) and every row it held goes back to the
-front of the queue, to be retried alone on an idle replica (see :class:`Scheduler`); a row
+front of the queue, to be retried alone on an idle replica (see :class:`Dispatcher`); a row
 that saw ``max_attempts`` replica failures is failed with an error instead of retried
 forever (a poison row must not kill the job, nor take its neighbours with it).  A row's own
 error (a UserError from the strategy, any other exception from its generation) becomes its
@@ -30,15 +30,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.runtime.backend import describe_error
+
 log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What the scheduler needs from an engine (see :class:`EngineBackend`)."""
+    """What the dispatcher needs from an engine (runtime/backend.py's ``EngineBackend``;
+    the tests' fakes)."""
 
     num_replicas: int
 
-    def submit(self, replica: int, prompt_ids: list[int], config) -> Any: ...
+    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig) -> Any: ...
 
     def wait(self, handles: list, timeout: float) -> list: ...
 
@@ -47,68 +51,6 @@ class Backend(Protocol):
     def restart(self, replica: int) -> None: ...
 
     def is_replica_failure(self, exc: BaseException) -> bool: ...
-
-
-class EngineBackend:
-    """:class:`Backend` over :class:`knapspec_dist.runtime.engine.Engine` (Ray ObjectRefs)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.num_replicas = engine.num_replicas
-
-    def submit(self, replica, prompt_ids, config):
-        return self.engine.submit(replica, prompt_ids, config)
-
-    def wait(self, handles, timeout):
-        import ray
-
-        ready, _ = ray.wait(handles, num_returns=1, timeout=timeout)
-        if ready:  # collect everything else that is ready too
-            more, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
-            ready = list({r: None for r in ready + more})
-        return ready
-
-    def result(self, handle):
-        import ray
-
-        return ray.get(handle)
-
-    def restart(self, replica):
-        self.engine.restart_replica(replica)
-
-    def is_replica_failure(self, exc):
-        return is_replica_failure(exc)
-
-
-def is_replica_failure(exc: BaseException) -> bool:
-    """True when ``exc`` says the replica (not the row) failed: a dead actor or worker."""
-    from ray import exceptions as rx
-
-    dead = tuple(getattr(rx, n) for n in (
-        "RayActorError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError",
-        "OwnerDiedError", "ObjectFetchTimedOutError", "LocalRayletDiedError",
-        "RaySystemError") if hasattr(rx, n))
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, dead):
-            return True
-        # RayTaskError wraps what the coordinator saw, e.g. a shard's RayActorError.
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return False
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for the error column: the row's original exception, without Ray's wrapping."""
-    cause = getattr(exc, "cause", None)
-    if cause is not None and not isinstance(cause, type(exc)):
-        exc = cause
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    name = type(exc).__name__
-    if name.startswith("RayTaskError(") and name.endswith(")"):
-        name = name[len("RayTaskError("):-1]
-    return f"{name}: {first}" if first else name
 
 
 @dataclass
@@ -141,7 +83,7 @@ class ReplicaLost(RuntimeError):
     """No replica is left to run the remaining rows (they stay pending for a resume)."""
 
 
-class Scheduler:
+class Dispatcher:
     """Runs tasks over ``backend``'s replicas; see the module docstring.
 
     Blame: when a replica dies, every row it held saw the failure, but only one may have
@@ -150,7 +92,7 @@ class Scheduler:
     merely shared a replica with it succeed on their next (solo) try.
     """
 
-    def __init__(self, backend: Backend, config, *, max_inflight: int = 2,
+    def __init__(self, backend: Backend, config: GenerationConfig, *, max_inflight: int = 2,
                  max_attempts: int = 3, row_timeout: float | None = None,
                  restart_tries: int = 3, restart_backoff: float = 2.0,
                  tick_seconds: float = 1.0):

@@ -5,14 +5,21 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, field
 
+from knapspec_dist.cli.common import (add_model_args, add_sampling_args, add_strategy_args,
+                                      strategy_options)
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
+from knapspec_dist.spec.options import StrategyOptions
 
 DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 
 
 @dataclass(frozen=True)
 class JobConfig:
-    """Everything one batch job needs.  Built by :func:`config_from_args` or directly."""
+    """Everything one batch job needs.  Built by :func:`config_from_args` or directly.
+
+    ``strategy``: its options, or a strategy's name for that strategy with default options
+    (turned into its :class:`StrategyOptions` on construction)."""
 
     input: str
     output: str
@@ -27,8 +34,7 @@ class JobConfig:
     replicas: int = 1
     address: str | None = None  # Ray address; None: the job's cluster, or a new local one
     cpus_per_rank: int = 1  # CPUs reserved per TP rank (its torch threads on CPU)
-    strategy: str = "knapspec"
-    strategy_options: dict = field(default_factory=dict)  # StrategyOptions fields but name
+    strategy: StrategyOptions = field(default_factory=lambda: StrategyOptions(name="knapspec"))
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -48,6 +54,8 @@ class JobConfig:
     progress_bar: bool | None = None  # None: a tqdm bar when stderr is a terminal
 
     def __post_init__(self):
+        if isinstance(self.strategy, str):
+            object.__setattr__(self, "strategy", StrategyOptions(name=self.strategy))
         if (self.text_column is None) == (self.prompt_column is None):
             raise UserError("give exactly one of --text-column and --prompt-column")
         checks = [
@@ -75,8 +83,6 @@ class JobConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        if self.strategy_options.get("name") not in (None, self.strategy):
-            raise UserError("strategy_options must not name another strategy")
         # Sampling options are validated where they are defined.
         self.generation_config()
 
@@ -88,12 +94,10 @@ class JobConfig:
     def input_column(self) -> str:
         return self.text_column if self.text_column is not None else self.prompt_column
 
-    def generation_config(self):
-        from knapspec_dist.engine.sampling import SamplingConfig
-        from knapspec_dist.engine.generation import GenerationConfig
-
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=SamplingConfig(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed))
+    def generation_config(self) -> GenerationConfig:
+        return GenerationConfig.of(max_new_tokens=self.max_new_tokens,
+                                   temperature=self.temperature, top_k=self.top_k,
+                                   top_p=self.top_p, seed=self.seed)
 
     def fingerprint(self) -> dict:
         """What decides a row's output: a resumed job must agree on all of it.  The runner
@@ -109,8 +113,9 @@ class JobConfig:
             "instruction": self.instruction if self.mode == "text" else None,
             "model": self.model,
             "dtype": self.dtype,
-            "strategy": self.strategy,
-            "strategy_options": dict(sorted(self.strategy_options.items())),
+            "strategy": self.strategy.name,
+            "strategy_options": dict(sorted((k, v) for k, v in asdict(self.strategy).items()
+                                            if k != "name")),
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -126,8 +131,6 @@ class JobConfig:
 
 def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     """The options of ``jobs/summarize.py`` (``mode='summarize'``) or ``jobs/generate.py``."""
-    from knapspec_dist.cli.common import add_model_args, add_sampling_args, add_strategy_args
-
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
                     help="Parquet file, directory or glob; a local path or a URI pyarrow reads "
@@ -203,18 +206,15 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
 
 
 def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobConfig:
-    from knapspec_dist.cli.common import strategy_options
-
     text, prompt = args.text_column, args.prompt_column
     if text is None and prompt is None:
         text, prompt = ("document", None) if mode == "summarize" else (None, "prompt")
-    options = {k: v for k, v in asdict(strategy_options(args)).items() if k != "name"}
     return JobConfig(
         input=args.input, output=args.output, id_column=args.id_column, text_column=text,
         prompt_column=prompt, instruction=args.instruction, model=args.model, dtype=args.dtype,
         device=args.device, tp=args.tp, replicas=args.replicas, address=args.address,
         cpus_per_rank=args.cpus_per_rank,
-        strategy=args.strategy, strategy_options=options, max_new_tokens=args.max_new_tokens,
+        strategy=strategy_options(args), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         truncate=args.truncate, max_model_len=args.max_model_len,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,

@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from knapspec_dist.jobs.dispatch import Outcome
 
 log = logging.getLogger("knapspec_dist.jobs.runner")  # the job's progress lines, as before
@@ -31,8 +33,6 @@ class Progress:
         self.bar = None
         enabled = sys.stderr.isatty() if self.bar_enabled is None else self.bar_enabled
         if enabled and self.total:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=self.total, desc=self.label, unit="row", file=sys.stderr,
                             dynamic_ncols=True)
 

@@ -5,30 +5,45 @@ input files, the output directory) is checked first, so a malformed job fails in
 with one clear line; the tokenizer and config (small files) come next, to turn rows into
 prompts and fail bad rows; only then does the Engine start its actors and load weights,
 and only when there is a row left to generate.
+
+The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` calls them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+import pyarrow as pa
+
 from knapspec_dist.errors import UserError
-from knapspec_dist.jobs.inputs import read_input
+from knapspec_dist.jobs.dispatch import Dispatcher, Outcome, Task
+from knapspec_dist.jobs.inputs import InputRows, read_input
 from knapspec_dist.jobs.options import JobConfig
-from knapspec_dist.jobs.output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE, OutputDir,
-                     PartWriter, output_schema, result_row)
+from knapspec_dist.jobs.output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE,
+                                       OutputDir, PartWriter, output_schema, result_row)
+from knapspec_dist.jobs.plot import write_plot
 from knapspec_dist.jobs.progress import Progress
-from knapspec_dist.jobs.prompts import PromptBuilder, choose_baseline
-from knapspec_dist.jobs.dispatch import EngineBackend, Outcome, Scheduler, Task
-from knapspec_dist.jobs.summary import dumps, summarize, write_plot
+from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
+from knapspec_dist.jobs.summary import dumps, summarize
+from knapspec_dist.jobs.termination import (JobTerminated, check_terminate, install_sigterm,
+                                            restore_sigterm)
+from knapspec_dist.model.tokenizer import load_tokenizer
+from knapspec_dist.runtime.cluster import connect, disconnect
+from knapspec_dist.runtime.backend import EngineBackend
+from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.setup import check_setup
+from knapspec_dist.spec.options import StrategyOptions
+
+__all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "load_text_tools",
+           "run_job"]
 
 log = logging.getLogger(__name__)
+
+AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
 
 
 @dataclass
@@ -48,55 +63,22 @@ class JobResult:
     max_num_seqs: int | None = None  # rows a replica decoded at once in this run
 
 
-def default_engine_factory(config: JobConfig, strategy: str, replicas: int,
-                           longest: int | None = None):
+def default_engine_factory(config: JobConfig, strategy: StrategyOptions, replicas: int,
+                           longest: int | None = None) -> Engine:
     """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
     context of the job (prompt + new tokens), which its latency profile must cover."""
-    from knapspec_dist.runtime.engine import Engine
-
-    options = dict(config.strategy_options) if strategy == config.strategy else {}
     return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
                   cpus_per_rank=config.cpus_per_rank, profile_need=longest,
-                  max_num_seqs=config.max_num_seqs, **options)
-
-
-def _connect_ray(address: str | None) -> bool:
-    """Join the job's cluster (RAY_ADDRESS under ``ray job submit``), the given address, or a
-    new local Ray; True when this call started the connection (and should end it)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, log_to_driver=True)
-    return True
+                  max_num_seqs=config.max_num_seqs)
 
 
 def load_text_tools(config: JobConfig):
-    """Tokenizer and context window of the model, from its folder (no weights are read).
-
-    Also checks that the model can be sharded ``config.tp`` ways and the strategy options
-    (gamma, skip list, --profile: complete and of this model's shape), so that a bad option
-    fails before thousands of documents are tokenized and before any row is written."""
-    from knapspec_dist.model.config import load_config
-    from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.model.tokenizer import load_tokenizer
-    from knapspec_dist.model.weights import checkpoint_files
-    from knapspec_dist.parallel import check_shardable
-    from knapspec_dist.spec.options import StrategyOptions, check_options
-
-    path = resolve_model_path(config.model)
-    if not path.is_dir():
-        raise UserError(f"--model {config.model!r}: {str(path)!r} is not a model folder")
-    model_config = load_config(path)
-    check_shardable(model_config, config.tp)
-    check_options(StrategyOptions(name=config.strategy, **config.strategy_options), model_config)
-    checkpoint_files(path)  # the weights are there and readable (a corrupt file: one line)
+    """Tokenizer and context window of the model, from its folder (no weights are read),
+    once runtime's :func:`check_setup` passed: a bad model, tp or strategy option fails
+    before thousands of documents are tokenized and before any row is written."""
+    path, model_config = check_setup(config.model, config.tp, config.strategy)
     return load_tokenizer(path), model_config.max_position_embeddings
-
-
-class JobTerminated(BaseException):
-    """SIGTERM (``ray job stop``); a BaseException so that no row swallows it as its error."""
 
 
 def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
@@ -104,172 +86,271 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
             on_row: Callable[[dict], None] | None = None) -> JobResult:
     """Run one job; returns where its results are and its summary.
 
-    ``engine_factory(config, strategy, replicas)`` returns a context-managed engine (default:
-    :class:`knapspec_dist.runtime.engine.Engine`); ``backend_factory(engine)`` adapts it to
-    the scheduler (default :class:`EngineBackend`).  ``on_row(row)`` sees every output row
-    right after it was queued for writing (tests use it to inject faults).
+    ``engine_factory(config, strategy, replicas)`` returns a context-managed engine for
+    ``strategy`` (StrategyOptions; default: :class:`knapspec_dist.runtime.engine.Engine`);
+    ``backend_factory(engine)`` adapts it to the dispatcher (default
+    :class:`knapspec_dist.runtime.backend.EngineBackend`); ``text_tools(config)`` gives the
+    tokenizer and context window (default :func:`load_text_tools`).  ``on_row(row)`` sees
+    every output row right after it was queued for writing (tests use it to inject faults).
     Raises :class:`UserError` for bad options, input or output directory.
     """
-    real_engine = engine_factory is None  # one Ray connection for both of its engines
-    owns_ray = False
-    engine_factory = engine_factory or default_engine_factory
-    backend_factory = backend_factory or EngineBackend
-    started = dt.datetime.now(dt.timezone.utc)
-    t_start = time.monotonic()
+    return JobRun(config, engine_factory, backend_factory, text_tools, on_row).run()
 
-    # 1. File level: input and output directory, before any model is touched.
-    rows = read_input(config.input, config.id_column, config.input_column)
-    out = OutputDir(config.output)
-    resuming = out.prepare({**config.fingerprint(), **rows.fingerprint(config.input)})
-    schema = output_schema(config.id_column, rows.id_type)
-    existing = out.read_rows(ROWS, schema)
-    done_ids = set(existing.column(config.id_column).to_pylist())
-    existing_base = out.read_rows(BASELINE, schema)
-    base_done = set(existing_base.column(config.id_column).to_pylist())
-    again_done = set(out.read_rows(BASELINE_STRATEGY, schema).column(config.id_column)
-                     .to_pylist())
-    pending = [i for i, row_id in enumerate(rows.ids) if row_id not in done_ids]
-    if resuming:
-        log.info("resuming into %s: %d of %d rows already written, %d to go", out.display(),
-                 len(rows) - len(pending), len(rows), len(pending))
-        extra = done_ids - set(rows.ids)
-        if extra:
-            log.warning("%d row(s) in the output have ids that are not in the input", len(extra))
 
-    # 2. Row level: prompts (every row, so the baseline choice is the same on every run).
-    tokenizer, window = (text_tools or load_text_tools)(config)
-    max_len = window if config.max_model_len is None else config.max_model_len
-    if max_len > window:
-        raise UserError(f"--max-model-len {max_len} exceeds the model's context window {window}")
-    if config.max_new_tokens >= max_len:
-        raise UserError(f"--max-new-tokens {config.max_new_tokens} leaves no room for a prompt "
-                        f"in the context window of {max_len} tokens")
-    builder = PromptBuilder(tokenizer, config.mode, config.instruction, max_len,
-                            config.max_new_tokens, config.truncate, config.input_column)
-    prompts = [builder.build(i, rows.ids[i], rows.texts[i]) for i in range(len(rows))]
-    baseline_ids = set()
-    if config.strategy != "ar":
-        baseline_ids = choose_baseline(prompts, config.baseline_fraction)
-    by_id = {p.id: p for p in prompts}
-    if real_engine:  # the profile must cover the longest context this job runs
-        longest = max((p.num_input_tokens or 0 for p in prompts if p.error is None), default=0)
-        engine_factory = functools.partial(default_engine_factory,
-                                           longest=longest + config.max_new_tokens)
+class JobRun:
+    """The state of one run of a job, shared by its stages."""
 
-    writer = PartWriter(out, ROWS, schema, done_ids, config.checkpoint_rows,
-                        config.checkpoint_seconds)
-    writer.failed.update(r[config.id_column] for r in existing.to_pylist()
-                         if r["error"] is not None)
-    base_writer = PartWriter(out, BASELINE, schema, base_done, config.checkpoint_rows,
-                             config.checkpoint_seconds)
-    again_writer = PartWriter(out, BASELINE_STRATEGY, schema, again_done,
-                              config.checkpoint_rows, config.checkpoint_seconds)
-    result = JobResult(output=out.display(), rows_path=out.display(ROWS),
-                       summary_path=out.display(SUMMARY_FILE), plot_path=out.display(PLOT_FILE),
-                       summary={}, skipped=len(rows) - len(pending))
-    stop_after = config.stop_after
+    def __init__(self, config: JobConfig, engine_factory: Callable | None,
+                 backend_factory: Callable | None, text_tools: Callable | None,
+                 on_row: Callable[[dict], None] | None):
+        self.config = config
+        self.real_engine = engine_factory is None  # one Ray connection for all its engines
+        self.engine_factory = engine_factory or default_engine_factory
+        self.backend_factory = backend_factory or EngineBackend
+        self.text_tools = text_tools or load_text_tools
+        self.on_row = on_row
+        self.started = dt.datetime.now(dt.timezone.utc)
+        self.t_start = time.monotonic()
 
-    def stop_now(count: int) -> bool:
-        return stop_after is not None and writer.written + len(writer.buffer) + count >= stop_after
+    def run(self) -> JobResult:
+        self.open_output()
+        self.build_prompts()
+        self.open_writers()
+        previous = install_sigterm()
+        owns_ray = False
+        try:
+            todo = [self.prompts[i] for i in self.pending if self.prompts[i].error is None]
+            failed = [self.prompts[i] for i in self.pending if self.prompts[i].error is not None]
+            todo.sort(key=lambda p: (-p.num_input_tokens, p.index))  # longest first
+            stop_after = self.config.stop_after
+            generate = bool(todo) and (stop_after is None or len(failed) < stop_after)
+            baseline_left = self.baseline_ids - (self.base_done & self.again_done)
+            if self.real_engine and (generate or baseline_left):
+                owns_ray = connect(self.config.address)
+                install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
+            check_terminate()
+            self.main_pass(todo, failed, generate)
+            self.baseline_passes()
+        finally:
+            for w in (self.writer, self.base_writer, self.again_writer):
+                try:
+                    w.flush()
+                except Exception:  # noqa: BLE001 - keep the original error
+                    log.exception("could not write the last part of %s", w.sub)
+            restore_sigterm(previous)
+            if owns_ray:
+                disconnect()
+        return self.write_summary()
 
-    def write_prompt_errors() -> None:
-        """Rows that failed before generation are finished already."""
-        for p in failed_prompts:
-            if not stop_now(0):
-                row = result_row(config.id_column, p.id, config.strategy, error=p.error,
-                                 num_input_tokens=p.num_input_tokens)
-                writer.add(row)
-                if on_row:
-                    on_row(row)
+    # ------------------------------------------------------------------ 1. files
 
-    previous = _install_sigterm()
-    try:
-        todo = [prompts[i] for i in pending if prompts[i].error is None]
-        failed_prompts = [prompts[i] for i in pending if prompts[i].error is not None]
-        todo.sort(key=lambda p: (-p.num_input_tokens, p.index))  # longest first
-        generate = bool(todo) and (stop_after is None or len(failed_prompts) < stop_after)
-        if real_engine and (generate or baseline_ids - (base_done & again_done)):
-            owns_ray = _connect_ray(config.address)
-            _install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
-        _check_terminate()
+    def open_output(self) -> None:
+        """Input and output directory, before any model is touched: the rows, and the ids
+        an earlier run of this job wrote already."""
+        c = self.config
+        self.rows: InputRows = read_input(c.input, c.id_column, c.input_column)
+        self.out = OutputDir(c.output)
+        self.resuming = self.out.prepare({**c.fingerprint(), **self.rows.fingerprint(c.input)})
+        self.schema = output_schema(c.id_column, self.rows.id_type)
+        self.existing = self.out.read_rows(ROWS, self.schema)
+        self.done_ids = set(self.existing.column(c.id_column).to_pylist())
+        self.base_done, self.again_done = (
+            set(self.out.read_rows(sub, self.schema).column(c.id_column).to_pylist())
+            for sub in (BASELINE, BASELINE_STRATEGY))
+        self.pending = [i for i, row_id in enumerate(self.rows.ids)
+                        if row_id not in self.done_ids]
+        if self.resuming:
+            log.info("resuming into %s: %d of %d rows already written, %d to go",
+                     self.out.display(), len(self.rows) - len(self.pending), len(self.rows),
+                     len(self.pending))
+            extra = self.done_ids - set(self.rows.ids)
+            if extra:
+                log.warning("%d row(s) in the output have ids that are not in the input",
+                            len(extra))
+
+    # ------------------------------------------------------------------ 2. rows
+
+    def build_prompts(self) -> None:
+        """Prompts of every row (so the baseline choice is the same on every run), their
+        row-level errors, and the baseline rows."""
+        c = self.config
+        tokenizer, window = self.text_tools(c)
+        self.max_len = window if c.max_model_len is None else c.max_model_len
+        if self.max_len > window:
+            raise UserError(f"--max-model-len {self.max_len} exceeds the model's context "
+                            f"window {window}")
+        if c.max_new_tokens >= self.max_len:
+            raise UserError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt "
+                            f"in the context window of {self.max_len} tokens")
+        builder = PromptBuilder(tokenizer, c.mode, c.instruction, self.max_len,
+                                c.max_new_tokens, c.truncate, c.input_column)
+        self.prompts: list[Prompt] = [builder.build(i, self.rows.ids[i], self.rows.texts[i])
+                                      for i in range(len(self.rows))]
+        self.baseline_ids: set = set()
+        if c.strategy.name != "ar":
+            self.baseline_ids = choose_baseline(self.prompts, c.baseline_fraction)
+        self.by_id = {p.id: p for p in self.prompts}
+        if self.real_engine:  # the profile must cover the longest context this job runs
+            longest = max((p.num_input_tokens or 0 for p in self.prompts if p.error is None),
+                          default=0) + c.max_new_tokens
+            self.engine_factory = lambda config, strategy, replicas: default_engine_factory(
+                config, strategy, replicas, longest=longest)
+
+    def open_writers(self) -> None:
+        """Part writers of the rows and of the two baseline passes, knowing what is done."""
+        c = self.config
+
+        def writer(sub: str, done: set) -> PartWriter:
+            return PartWriter(self.out, sub, self.schema, done, c.checkpoint_rows,
+                              c.checkpoint_seconds)
+
+        self.writer = writer(ROWS, self.done_ids)
+        self.writer.failed.update(r[c.id_column] for r in self.existing.to_pylist()
+                                  if r["error"] is not None)
+        self.base_writer = writer(BASELINE, self.base_done)
+        self.again_writer = writer(BASELINE_STRATEGY, self.again_done)
+        self.result = JobResult(output=self.out.display(), rows_path=self.out.display(ROWS),
+                                summary_path=self.out.display(SUMMARY_FILE),
+                                plot_path=self.out.display(PLOT_FILE), summary={},
+                                skipped=len(self.rows) - len(self.pending))
+
+    # ------------------------------------------------------------------ 3. generation
+
+    def main_pass(self, todo: list[Prompt], failed: list[Prompt], generate: bool) -> None:
+        """The job's strategy over every pending row; rows that failed before generation are
+        written only once the engine started (a failed start writes nothing, not even these
+        rows, so a corrected command may start over)."""
+        c = self.config
         if generate:
-            replicas = config.replicas
             log.info("generating %d row(s) with %s on %d replica(s) x tp=%d", len(todo),
-                     config.strategy, replicas, config.tp)
-            with engine_factory(config, config.strategy, replicas) as engine:
-                # Only now is the job started: a failed start (bad option, missing resource)
-                # writes nothing, not even these rows, so a corrected command may start over.
-                result.profile = _profile_report(engine, replicas)
-                result.max_num_seqs = _max_num_seqs(engine, config)
-                write_prompt_errors()
-                limit = None if stop_after is None else stop_after - (
-                    writer.written + len(writer.buffer))
-                _generate(engine, backend_factory, config, config.strategy, todo, writer,
-                          by_id, "rows", limit, on_row, result, "generated")
+                     c.strategy.name, c.replicas, c.tp)
+            with self.engine_factory(c, c.strategy, c.replicas) as engine:
+                self.result.profile = _profile_report(engine, c.replicas)
+                self.result.max_num_seqs = _max_num_seqs(engine, c)
+                self.write_prompt_errors(failed)
+                limit = None if c.stop_after is None else c.stop_after - self._written()
+                self.generate(engine, c.strategy.name, todo, self.writer, "rows", limit,
+                              self.on_row, "generated")
         else:
-            write_prompt_errors()
-        result.stopped_early = any(rows.ids[i] not in writer.done for i in pending)
-        writer.flush()
+            self.write_prompt_errors(failed)
+        self.result.stopped_early = any(self.rows.ids[i] not in self.writer.done
+                                        for i in self.pending)
+        self.writer.flush()
 
-        # 3. Baseline: the same prompts with the job's strategy again, then with ar, in two
-        # passes batched alike, for a measured speedup (the main pass decoded them among
-        # other rows, at another batch: its timings are not comparable with ar's).
-        ready = [i for i in baseline_ids if i in writer.done and i not in writer.failed]
-        _check_terminate()
-        if ready and not result.stopped_early:
-            for strategy, pass_writer, passed in ((config.strategy, again_writer, again_done),
-                                                  ("ar", base_writer, base_done)):
-                pass_rows = sorted((by_id[i] for i in ready if i not in passed),
+    def _written(self) -> int:
+        return self.writer.written + len(self.writer.buffer)
+
+    def write_prompt_errors(self, failed: list[Prompt]) -> None:
+        """Rows that failed before generation are finished already."""
+        c = self.config
+        for p in failed:
+            if c.stop_after is None or self._written() < c.stop_after:
+                row = result_row(c.id_column, p.id, c.strategy.name, error=p.error,
+                                 num_input_tokens=p.num_input_tokens)
+                self.writer.add(row)
+                if self.on_row:
+                    self.on_row(row)
+
+    def baseline_passes(self) -> None:
+        """The baseline rows with the job's strategy again, then with ar, in two passes
+        batched alike, for a measured speedup (the main pass decoded them among other rows,
+        at another batch: its timings are not comparable with ar's)."""
+        c = self.config
+        ready = [i for i in self.baseline_ids
+                 if i in self.writer.done and i not in self.writer.failed]
+        check_terminate()
+        if ready and not self.result.stopped_early:
+            for strategy, pass_writer, passed in ((c.strategy, self.again_writer, self.again_done),
+                                                  (AR, self.base_writer, self.base_done)):
+                pass_rows = sorted((self.by_id[i] for i in ready if i not in passed),
                                    key=lambda p: (-p.num_input_tokens, p.index))
                 if not pass_rows:
                     continue
-                replicas = min(config.replicas, len(pass_rows))
+                replicas = min(c.replicas, len(pass_rows))
                 log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
-                         len(pass_rows), strategy, replicas)
-                with engine_factory(config, strategy, replicas) as engine:
-                    _generate(engine, backend_factory, config, strategy, pass_rows, pass_writer,
-                              by_id, f"baseline ({strategy})", None, None, result,
-                              "baseline_generated")
-                _check_terminate()
-        base_writer.flush()
-        again_writer.flush()
-    finally:
-        for w in (writer, base_writer, again_writer):
-            try:
-                w.flush()
-            except Exception:  # noqa: BLE001 - keep the original error
-                log.exception("could not write the last part of %s", w.sub)
-        _restore_sigterm(previous)
-        if owns_ray:
-            import ray
+                         len(pass_rows), strategy.name, replicas)
+                with self.engine_factory(c, strategy, replicas) as engine:
+                    self.generate(engine, strategy.name, pass_rows, pass_writer,
+                                  f"baseline ({strategy.name})", None, None,
+                                  "baseline_generated")
+                check_terminate()
+        self.base_writer.flush()
+        self.again_writer.flush()
 
-            ray.shutdown()
+    def generate(self, engine, strategy: str, todo: list[Prompt], writer: PartWriter,
+                 label: str, limit: int | None, on_row: Callable[[dict], None] | None,
+                 counter: str) -> None:
+        """Generate ``todo`` (at most ``limit`` rows) and hand every row to ``writer``; counts
+        go to the result as they happen (so they are right even when the run is
+        interrupted)."""
+        c, result = self.config, self.result
+        inflight = c.max_inflight or _max_num_seqs(engine, c) + 2
+        dispatcher = Dispatcher(self.backend_factory(engine), c.generation_config(),
+                                max_inflight=inflight, max_attempts=c.max_attempts,
+                                row_timeout=c.row_timeout)
+        progress = Progress(len(todo), c.progress_seconds, label, c.progress_bar)
 
-    # 4. Summary and plot over everything in the output directory.
-    rows_table = out.read_rows(ROWS, schema)
-    base_table = out.read_rows(BASELINE, schema)
-    again_table = out.read_rows(BASELINE_STRATEGY, schema)
-    job = {"model": config.model, "strategy": config.strategy, "tp": config.tp,
-           "replicas": config.replicas, "dtype": config.dtype, "device": config.device,
-           "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
-           "input": config.input, "output": result.output, "input_files": len(rows.files),
-           "max_model_len": max_len, "truncate": config.truncate,
-           "baseline_fraction": config.baseline_fraction}
-    run = {"started_at": started.isoformat(timespec="seconds"),
-           "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "wall_s": time.monotonic() - t_start, "resumed": resuming,
-           "rows_skipped": result.skipped, "rows_written": writer.written,
-           "rows_generated": result.generated, "baseline_rows_generated":
-           result.baseline_generated, "stopped_early": result.stopped_early,
-           "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
-           "profile": result.profile, "max_num_seqs": result.max_num_seqs}
-    summary = summarize(rows_table, base_table, config.id_column, rows.ids, job, run,
-                        again=again_table)
-    out.write_bytes(SUMMARY_FILE, dumps(summary))
-    write_plot(summary, rows_table, base_table, config.id_column,
-               lambda data: out.write_bytes(PLOT_FILE, data), again=again_table)
-    result.summary = summary
-    return result
+        def on_result(outcome: Outcome) -> None:
+            p = self.by_id[outcome.task.key]
+            row = result_row(c.id_column, p.id, strategy, outcome.result, error=outcome.error,
+                             num_input_tokens=p.num_input_tokens, truncated=p.truncated,
+                             replica=outcome.replica, attempts=outcome.task.attempts)
+            if outcome.result is not None and outcome.error is None:
+                setattr(result, counter, getattr(result, counter) + 1)
+            writer.add(row)
+            progress.update(outcome)
+            if on_row is not None:
+                on_row(row)
+
+        def on_tick() -> None:
+            check_terminate()
+            writer.maybe_flush()
+            progress.tick()
+
+        def should_stop(count: int) -> bool:  # count: rows finished or in flight in this call
+            return count >= limit
+
+        try:
+            dispatcher.run([Task(p.id, p.ids) for p in todo], on_result, on_tick,
+                           None if limit is None else should_stop)
+        finally:
+            writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
+            progress.close()
+            result.replica_restarts += dispatcher.restarts
+            result.row_retries += dispatcher.retried_rows
+            if dispatcher.restarts:
+                log.warning("%s: %d replica restart(s), %d row retry(ies)", label,
+                            dispatcher.restarts, dispatcher.retried_rows)
+
+    # ------------------------------------------------------------------ 4. summary
+
+    def write_summary(self) -> JobResult:
+        """summary.json and speedup.png over everything in the output directory."""
+        c, result = self.config, self.result
+        tables: dict[str, pa.Table] = {sub: self.out.read_rows(sub, self.schema)
+                                       for sub in (ROWS, BASELINE, BASELINE_STRATEGY)}
+        job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
+               "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
+               "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
+               "input": c.input, "output": result.output, "input_files": len(self.rows.files),
+               "max_model_len": self.max_len, "truncate": c.truncate,
+               "baseline_fraction": c.baseline_fraction}
+        run = {"started_at": self.started.isoformat(timespec="seconds"),
+               "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "wall_s": time.monotonic() - self.t_start, "resumed": self.resuming,
+               "rows_skipped": result.skipped, "rows_written": self.writer.written,
+               "rows_generated": result.generated, "baseline_rows_generated":
+               result.baseline_generated, "stopped_early": result.stopped_early,
+               "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
+               "profile": result.profile, "max_num_seqs": result.max_num_seqs}
+        summary = summarize(tables[ROWS], tables[BASELINE], c.id_column, self.rows.ids, job,
+                            run, again=tables[BASELINE_STRATEGY])
+        self.out.write_bytes(SUMMARY_FILE, dumps(summary))
+        write_plot(summary, tables[ROWS], tables[BASELINE], c.id_column,
+                   lambda data: self.out.write_bytes(PLOT_FILE, data),
+                   again=tables[BASELINE_STRATEGY])
+        result.summary = summary
+        return result
 
 
 def _max_num_seqs(engine, config: JobConfig) -> int:
@@ -290,77 +371,3 @@ def _profile_report(engine, replicas: int) -> dict | None:
     if not reports:
         return None
     return reports[0] if all(r == reports[0] for r in reports) else {"replicas": reports}
-
-
-def _generate(engine, backend_factory, config: JobConfig, strategy: str, todo, writer,
-              by_id, label, limit: int | None, on_row, result: JobResult, counter: str) -> None:
-    """Generate ``todo`` (at most ``limit`` rows) and hand every row to ``writer``; counts go
-    to ``result`` as they happen (so they are right even when the run is interrupted)."""
-    backend = backend_factory(engine)
-    inflight = config.max_inflight or _max_num_seqs(engine, config) + 2
-    sched = Scheduler(backend, config.generation_config(), max_inflight=inflight,
-                      max_attempts=config.max_attempts, row_timeout=config.row_timeout)
-    progress = Progress(len(todo), config.progress_seconds, label, config.progress_bar)
-    def on_result(outcome: Outcome) -> None:
-        p = by_id[outcome.task.key]
-        row = result_row(config.id_column, p.id, strategy, outcome.result, error=outcome.error,
-                         num_input_tokens=p.num_input_tokens, truncated=p.truncated,
-                         replica=outcome.replica, attempts=outcome.task.attempts)
-        if outcome.result is not None and outcome.error is None:
-            setattr(result, counter, getattr(result, counter) + 1)
-        writer.add(row)
-        progress.update(outcome)
-        if on_row is not None:
-            on_row(row)
-
-    def on_tick() -> None:
-        _check_terminate()
-        writer.maybe_flush()
-        progress.tick()
-
-    tasks = [Task(p.id, p.ids) for p in todo]
-
-    def should_stop(count: int) -> bool:  # count: rows finished or in flight in this call
-        return count >= limit
-
-    try:
-        sched.run(tasks, on_result, on_tick, None if limit is None else should_stop)
-    finally:
-        writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
-        progress.close()
-        result.replica_restarts += sched.restarts
-        result.row_retries += sched.retried_rows
-        if sched.restarts:
-            log.warning("%s: %d replica restart(s), %d row retry(ies)", label, sched.restarts,
-                        sched.retried_rows)
-
-
-_TERMINATE = threading.Event()
-
-
-def _install_sigterm():
-    """``ray job stop`` sends SIGTERM, then SIGKILL 3 s later (RAY_JOB_STOP_WAIT_TIME_S).
-
-    The handler only sets a flag: raising from it could land inside Ray's C++ calls (they
-    turn it into a SystemError).  The scheduler's loop wakes at least once a second and
-    raises :class:`JobTerminated` from Python, so the finished rows get written in time.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        if not _TERMINATE.is_set():
-            log.warning("SIGTERM: stopping; the finished rows are written before exiting")
-        _TERMINATE.set()
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def _check_terminate() -> None:
-    if _TERMINATE.is_set():
-        raise JobTerminated()
-
-
-def _restore_sigterm(previous) -> None:
-    if previous is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, previous)
-    _TERMINATE.clear()

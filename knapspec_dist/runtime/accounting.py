@@ -66,11 +66,12 @@ class Split:
     other_s: float = 0.0
 
 
-def split(wall_s: float, metered_s: float, comm_s: float, ray_inside_s: float) -> Split:
-    """Partition one shard's wall time (Ray time outside the shard is added by the caller)."""
-    compute = max(0.0, metered_s - comm_s - ray_inside_s)
-    other = max(0.0, wall_s - compute - comm_s - ray_inside_s)
-    return Split(compute, comm_s, ray_inside_s, other)
+def split(wall_s: float, metered_s: float, comm_s: float) -> Split:
+    """Partition one shard's wall time (the Ray round trips around it are the coordinator's to
+    add: a shard makes no Ray calls of its own during a round)."""
+    compute = max(0.0, metered_s - comm_s)
+    other = max(0.0, wall_s - compute - comm_s)
+    return Split(compute, comm_s, 0.0, other)
 
 
 def job_summary(results, wall_s: float, replicas: int) -> dict:

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 import random
 import time
+from collections import deque
 from dataclasses import replace
 
 import ray
 
+from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
+from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.store import ProfileChoice, resolve
 from knapspec_dist.spec.options import StrategyOptions
@@ -121,8 +123,6 @@ class Coordinator:
     async def generate(self, prompt_ids: list[int], config):
         """One prompt, decoded in this replica's continuous batch; rank 0's result, with text,
         replica and its share of the Ray time."""
-        from knapspec_dist.errors import UserError
-
         ids = list(prompt_ids)
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab]
         if bad:  # a vocab-parallel embedding would silently embed these as zeros
@@ -147,8 +147,6 @@ class Coordinator:
         """Feed the shards' schedulers: each call admits queued rows into free slots (rows of
         one generation config at a time) and returns when a row finishes or after
         ``ROUNDS_PER_CALL`` rounds, so a freed slot is refilled within one Ray round trip."""
-        from knapspec_dist.errors import UserError
-
         config, busy = None, False
         while self._queue or self._active:
             if not self._active:
@@ -204,8 +202,6 @@ class Coordinator:
         (a bad prompt fails on every rank before any collective); if they do not, the ranks
         are out of step (some may wait in a collective forever), so the replica's shards are
         killed: later requests then fail with RayActorError and the replica is restarted."""
-        import ray
-
         tasks = [asyncio.ensure_future(_awaitable(r)) for r in refs]
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
@@ -232,8 +228,6 @@ class Coordinator:
         if not self._tokenizer_tried:
             self._tokenizer_tried = True
             try:
-                from knapspec_dist.model.tokenizer import load_tokenizer
-
                 self._tokenizer = load_tokenizer(self.path)
             except Exception as e:  # a checkpoint without tokenizer: results keep token ids
                 log.warning("replica %d: no tokenizer (%s); results carry token ids only",

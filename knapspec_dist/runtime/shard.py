@@ -13,19 +13,47 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
+import ray
 import torch
 import torch.distributed as dist
 
 from knapspec_dist.engine.memory import max_num_seqs_for
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.weights import resolve_dtype
+from knapspec_dist.parallel import free_port, init_distributed, load_sharded, parameter_bytes
 from knapspec_dist.profiles import profiler
+from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.runtime.accounting import Meter, Split, split
 from knapspec_dist.spec.factory import build_strategy
 from knapspec_dist.spec.options import StrategyOptions
 from knapspec_dist.spec.spmd import spmd_strategy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowShare:
+    """A row's share of the shard calls it took part in: each call's time split and
+    collective calls, divided among the rows in that call."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    ray_s: float = 0.0
+    other_s: float = 0.0
+    comm_calls: float = 0.0
+
+    def add(self, parts: Split, comm_calls: int, rows: int) -> None:
+        self.compute_s += parts.compute_s / rows
+        self.comm_s += parts.comm_s / rows
+        self.ray_s += parts.ray_s / rows
+        self.other_s += parts.other_s / rows
+        self.comm_calls += comm_calls / rows
 
 
 class Shard:
@@ -35,31 +63,15 @@ class Shard:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.model = self.strategy = self.meter = self.scheduler = None
-        self.ray_inside = 0.0  # Ray calls made during a request (coordinator TPT search)
 
     # ------------------------------------------------------------------ startup
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: this node's address and a free port for the process group."""
-        import ray
-
-        from knapspec_dist.parallel import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, path: str, address: str, port: int, dtype: str,
-              fail: bool = False) -> dict:
+    def setup(self, path: str, address: str, port: int, dtype: str) -> dict:
         """Join the group and load this rank's shard; returns what the coordinator needs."""
-        from knapspec_dist.model.weights import resolve_dtype
-        from knapspec_dist.parallel import init_distributed, load_sharded, parameter_bytes
-        from knapspec_dist.profiles.device import device_info
-        from knapspec_dist.engine.model_runner import ModelRunner
-        from knapspec_dist.runtime.accounting import Meter
-
-        if fail:  # test hook: this rank dies while starting, as a crashed process would
-            log.error("replica %d rank %d: failing on purpose (test hook)", self.replica,
-                      self.rank)
-            os._exit(1)
         start = time.perf_counter()
         if self.world > 1:
             init_distributed(self.rank, self.world, address, port, device=self.device)
@@ -119,28 +131,24 @@ class Shard:
         call's wall seconds, whether rows remain). A row's time split is its share of each
         call it took part in (the call's split divided among its rows), so the rows of a job
         add up to the replica's time."""
-        from knapspec_dist.errors import UserError
-        from knapspec_dist.engine.scheduler import Scheduler, result
-        from knapspec_dist.runtime.accounting import split
-
         if self.strategy is None:
             raise RuntimeError("shard not configured")
         if self.scheduler is None or (self.scheduler.config != config and not self.scheduler.busy):
             self.scheduler = Scheduler(self.strategy, self.model, config,
                                        min(max_num_seqs, self.max_num_seqs), self.capacity,
                                        runner=self.runner)
-            self.shares: dict[int, list[float]] = {}
+            self.shares: dict[int, RowShare] = {}
         sched = self.scheduler
         refused = []
         for rid, ids in admit:
             try:
                 sched.add(rid, list(ids))
-                self.shares[rid] = [0.0, 0.0, 0.0, 0.0, 0]
+                self.shares[rid] = RowShare()
             except UserError as e:
                 refused.append((rid, str(e)))
         comm = self.model.tp.comm
         comm.reset()
-        self.meter.seconds, self.ray_inside = 0.0, 0.0
+        self.meter.seconds = 0.0
         start = time.perf_counter()
         finished = []
         for _ in range(max_rounds):
@@ -150,22 +158,16 @@ class Shard:
             if finished:
                 break
         elapsed = time.perf_counter() - start
-        parts = split(elapsed, self.meter.seconds, comm.seconds, self.ray_inside)
-        taking_part = list(self.shares)
-        for rid in taking_part:  # rows in this call: waiting, prefilling, decoding or just done
-            share = self.shares[rid]
-            for i, v in enumerate((parts.compute_s, parts.comm_s, parts.ray_s, parts.other_s)):
-                share[i] += v / len(taking_part)
-            share[4] += comm.calls / len(taking_part)
+        parts = split(elapsed, self.meter.seconds, comm.seconds)
+        for share in self.shares.values():  # rows waiting, prefilling, decoding or just done
+            share.add(parts, comm.calls, len(self.shares))
         out = []
         for row in finished:
             r = result(row)
             share = self.shares.pop(row.rid)
             s = r.stats
-            s.compute_s, s.comm_s, s.ray_s, s.other_s = share[:4]
-            s.comm_calls = round(share[4])
+            s.compute_s, s.comm_s, s.ray_s, s.other_s = (share.compute_s, share.comm_s,
+                                                         share.ray_s, share.other_s)
+            s.comm_calls = round(share.comm_calls)
             out.append((row.rid, r))
         return out, refused, elapsed, sched.busy
-
-    def stats(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}

@@ -1,0 +1,74 @@
+"""The engine as the jobs' dispatcher sees it (Ray ObjectRefs), and what Ray's errors mean.
+
+The dispatcher (jobs/dispatch.py) knows nothing of Ray: it submits rows, waits for handles,
+and asks whether a failure was the replica's (restart it, retry its rows) or the row's own
+(its error row). Both answers need Ray, so they live here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray import exceptions as rx
+
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.runtime.engine import Engine
+
+#: Errors that say the replica (an actor, a worker, a node) died, not the row.
+REPLICA_FAILURES = tuple(getattr(rx, n) for n in (
+    "RayActorError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError",
+    "OwnerDiedError", "ObjectFetchTimedOutError", "LocalRayletDiedError",
+    "RaySystemError") if hasattr(rx, n))
+
+
+class EngineBackend:
+    """jobs.dispatch.Backend over :class:`~knapspec_dist.runtime.engine.Engine`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.num_replicas = engine.num_replicas
+
+    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig) -> Any:
+        return self.engine.submit(replica, prompt_ids, config)
+
+    def wait(self, handles: list, timeout: float) -> list:
+        ready, _ = ray.wait(handles, num_returns=1, timeout=timeout)
+        if ready:  # collect everything else that is ready too
+            more, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
+            ready = list({r: None for r in ready + more})
+        return ready
+
+    def result(self, handle) -> Any:
+        return ray.get(handle)
+
+    def restart(self, replica: int) -> None:
+        self.engine.restart_replica(replica)
+
+    def is_replica_failure(self, exc: BaseException) -> bool:
+        return is_replica_failure(exc)
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """True when ``exc`` says the replica (not the row) failed: a dead actor or worker."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, REPLICA_FAILURES):
+            return True
+        # RayTaskError wraps what the coordinator saw, e.g. a shard's RayActorError.
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for the error column: the row's original exception, without Ray's wrapping."""
+    cause = getattr(exc, "cause", None)
+    if cause is not None and not isinstance(cause, type(exc)):
+        exc = cause
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    name = type(exc).__name__
+    if name.startswith("RayTaskError(") and name.endswith(")"):
+        name = name[len("RayTaskError("):-1]
+    return f"{name}: {first}" if first else name

@@ -1,0 +1,29 @@
+"""The one place this process joins or starts Ray, and leaves it again."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+def connect(address: str | None) -> bool:
+    """Join the cluster at ``address`` unless Ray is already initialized in this process.
+
+    ``"auto"`` joins a running cluster, ``"local"`` always starts a new one, None is Ray's
+    default (RAY_ADDRESS, e.g. under ``ray job submit``, else a cluster ``ray start`` left on
+    this machine, else a new local one). True when this call connected, so the caller owns
+    the connection and ends it with :func:`disconnect`."""
+    if ray.is_initialized():
+        if address is not None:
+            log.info("Ray is already initialized; ignoring address=%r", address)
+        return False
+    ray.init(address=address, log_to_driver=True)
+    return True
+
+
+def disconnect() -> None:
+    """End the connection :func:`connect` made (and the local Ray it may have started)."""
+    ray.shutdown()

@@ -1,0 +1,27 @@
+"""Faults injected from outside the engine: shard actor classes that fail on purpose.
+
+The engine takes its rank's actor class as ``shard_class``; these subclasses of the real
+:class:`~knapspec_dist.runtime.shard.Shard` fail where a crashed process would. They are
+pickled by value, so Ray's workers need not import this test folder.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ray.cloudpickle
+
+from knapspec_dist.runtime.shard import Shard
+
+
+class RankOneDiesAtSetup(Shard):
+    """Rank 1 exits while loading its shard, as a crashed process would."""
+
+    def setup(self, *args, **kwargs) -> dict:
+        if self.rank == 1:
+            os._exit(1)
+        return super().setup(*args, **kwargs)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
