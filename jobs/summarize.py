@@ -18,7 +18,7 @@ import sys
 # is installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knapspec_dist.jobs import main  # noqa: E402
+from knapspec_dist.cli.job import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(mode="summarize"))

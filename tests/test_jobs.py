@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from knapspec_dist.errors import UserError
-from knapspec_dist.jobs import JobConfig, config_from_args, add_job_args, main, register, run_job
+from knapspec_dist.cli.job import add_job_args, config_from_args, main, register
+from knapspec_dist.jobs import JobConfig, run_job
 from knapspec_dist.jobs.inputs import read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline

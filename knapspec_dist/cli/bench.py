@@ -16,8 +16,13 @@ from pathlib import Path
 
 import torch
 
-from knapspec_dist.cli.common import (add_model_args, emit, existing_model_path, load_model_args,
-                                      parse_ints)
+from knapspec_dist.cli.common import (
+    add_model_args,
+    emit,
+    existing_model_path,
+    load_model_args,
+    parse_ints,
+)
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
@@ -30,7 +35,12 @@ from knapspec_dist.spec.ties import Divergence
 from knapspec_dist.tools.bench.compare import bugs, compare_strategies
 from knapspec_dist.tools.bench.plots import plot_bench
 from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tokenizer
-from knapspec_dist.tools.bench.report import command_line, machine, summarize, write_markdown
+from knapspec_dist.tools.bench.report import (
+    command_line,
+    machine,
+    summarize,
+    write_markdown,
+)
 from knapspec_dist.tools.bench.specs import StrategySpec, parse_strategies
 
 log = logging.getLogger(__name__)

@@ -55,13 +55,19 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """``--tp`` / ``--replicas`` / ``--address`` / ``--cpus-per-rank``: the Ray engine."""
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Ray engine if > 1)")
-    p.add_argument("--replicas", type=int, default=1, help="model replicas (Ray engine if > 1)")
-    p.add_argument("--address", default=None,
-                   help="Ray address ('auto' joins a running cluster; default: start a local one)")
-    p.add_argument("--cpus-per-rank", type=int, default=1,
-                   help="CPUs reserved per rank, and its torch threads")
+    """``--tp`` / ``--replicas`` / ``--address`` / ``--cpus-per-rank``: the Ray engine (every
+    command that starts one, the batch job included, takes these same four)."""
+    run = p.add_argument_group("cluster")
+    run.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel degree per replica (generate: the Ray engine if > 1)")
+    run.add_argument("--replicas", type=int, default=1,
+                     help="model replicas, TP groups (generate: the Ray engine if > 1)")
+    run.add_argument("--address", default=None,
+                     help="Ray address ('auto' joins a running cluster; default: the job's "
+                          "cluster (RAY_ADDRESS), else a new local Ray)")
+    run.add_argument("--cpus-per-rank", type=int, default=1,
+                     help="CPUs reserved per tensor-parallel rank; on a CPU also its torch "
+                          "threads (default 1)")
 
 
 def uses_engine(args: argparse.Namespace) -> bool:

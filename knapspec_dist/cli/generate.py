@@ -7,12 +7,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from knapspec_dist.cli.common import (add_engine_args, add_model_args, add_sampling_args,
-                                      add_strategy_args, generation_config, strategy_options,
-                                      uses_engine)
+from knapspec_dist.cli.common import (
+    add_engine_args,
+    add_model_args,
+    add_sampling_args,
+    add_strategy_args,
+    generation_config,
+    strategy_options,
+    uses_engine,
+)
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
 from knapspec_dist.errors import UserError
 from knapspec_dist.llm import generate_texts, load
@@ -70,11 +75,9 @@ def generate_on_engine(args: argparse.Namespace, texts: list[str], options: Stra
                        config: GenerationConfig) -> list[GenerationResult]:
     """The prompts through the Ray engine, continuously batched in its replicas; their results
     (text filled), in order."""
-    fields = {k: v for k, v in asdict(options).items() if k != "name"}
-    with Engine(args.model, tp=args.tp, replicas=args.replicas, strategy=options.name,
+    with Engine(args.model, tp=args.tp, replicas=args.replicas, strategy=options,
                 dtype=args.dtype, device=args.device, address=args.address,
-                cpus_per_rank=args.cpus_per_rank, max_num_seqs=args.max_num_seqs,
-                **fields) as engine:
+                cpus_per_rank=args.cpus_per_rank, max_num_seqs=args.max_num_seqs) as engine:
         return engine.generate(texts, config, chat=args.chat)
 
 

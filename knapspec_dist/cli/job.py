@@ -1,13 +1,30 @@
-"""``knapspec job``: the summarization batch job (as ``jobs/summarize.py``) in this process,
-on the Ray cluster given by ``--address`` or ``RAY_ADDRESS``, else on a new local Ray."""
+"""The batch job's command line: ``knapspec job`` (the summarization job in this process, on
+the Ray cluster given by ``--address`` or ``RAY_ADDRESS``, else on a new local Ray) and
+``main``, the entry point of ``jobs/summarize.py`` and ``jobs/generate.py``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from knapspec_dist.cli.common import emit
-from knapspec_dist.jobs import add_job_args, config_from_args, report, run_job
+from knapspec_dist.cli.common import (
+    add_engine_args,
+    add_model_args,
+    add_sampling_args,
+    add_strategy_args,
+    emit,
+    strategy_options,
+)
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs import (
+    DEFAULT_INSTRUCTION,
+    JobConfig,
+    JobTerminated,
+    report,
+    run_job,
+)
+
+log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
@@ -27,3 +44,121 @@ def cmd_job(args: argparse.Namespace) -> int:
     result = run_job(config_from_args(args, "summarize"))  # UserError: handled by main
     emit(report(result))
     return 0
+
+
+def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
+    """``jobs/summarize.py`` / ``jobs/generate.py``: exit 0 when done (rows may have errors),
+    2 on a user error (one ``error:`` line), 143 when terminated (SIGTERM), 1 when the job
+    could not finish otherwise; resubmit to continue in the last two cases."""
+    parser = argparse.ArgumentParser(
+        prog=f"{mode}.py",
+        description="Summarize documents from Parquet with KnapSpec on Ray" if mode == "summarize"
+        else "Generate from Parquet prompts with KnapSpec on Ray")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+    add_job_args(parser, mode)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _run(args, mode)
+
+
+def _run(args: argparse.Namespace, mode: str) -> int:
+    try:
+        result = run_job(config_from_args(args, mode))
+    except UserError as e:
+        emit(f"error: {e}", error=True)
+        return 2
+    except JobTerminated:
+        log.warning("terminated; the rows written so far are kept: resubmit to continue")
+        return 143
+    emit(report(result))
+    return 0
+
+
+def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
+    """The options of ``jobs/summarize.py`` (``mode='summarize'``) or ``jobs/generate.py``."""
+    io = p.add_argument_group("input and output")
+    io.add_argument("--input", required=True,
+                    help="Parquet file, directory or glob; a local path or a URI pyarrow reads "
+                         "(s3://, gs://, hdfs://, file://). Paths are resolved on the driver: "
+                         "use absolute paths or URIs with `ray job submit`")
+    io.add_argument("--output", required=True,
+                    help="output directory (local or URI): rows/ and baseline/ Parquet parts, "
+                         "summary.json, speedup.png. Re-running into it resumes the job")
+    io.add_argument("--id-column", default="id", help="unique row id (default: id)")
+    src = io.add_mutually_exclusive_group()
+    if mode == "summarize":
+        src.add_argument("--text-column", default=None,
+                         help="document column; the prompt is the model's chat template around "
+                              "--instruction and the document (default: document)")
+        src.add_argument("--prompt-column", default=None, help="prompt column, used as is")
+        io.add_argument("--instruction", default=DEFAULT_INSTRUCTION,
+                        help=f"instruction before the document (default: {DEFAULT_INSTRUCTION!r})")
+    else:
+        src.add_argument("--prompt-column", default=None,
+                         help="prompt column, used as is (default: prompt)")
+        src.add_argument("--text-column", default=None,
+                         help="message column: wrapped as a user message in the chat template")
+        io.add_argument("--instruction", default="",
+                        help="text put before each --text-column message (default: none)")
+    add_model_args(p)
+    add_engine_args(p)
+    add_strategy_args(p)
+    add_sampling_args(p)
+    rows = p.add_argument_group("rows")
+    rows.add_argument("--truncate", action="store_true",
+                      help="cut over-long documents to fit the context window (the end of the "
+                           "document, or of a --prompt-column prompt, is dropped) instead of "
+                           "failing the row")
+    rows.add_argument("--max-model-len", type=int, default=None,
+                      help="context window to allow per row (prompt + new tokens); default and "
+                           "maximum: the model's")
+    rows.add_argument("--baseline-fraction", type=float, default=0.05,
+                      help="share of rows run again, with the job's strategy and with `ar`, "
+                           "to measure the speedup (at least one row; 0 turns the baseline "
+                           "off; default 0.05)")
+    sched = p.add_argument_group("scheduling and checkpoints")
+    sched.add_argument("--max-num-seqs", type=int, default=None,
+                       help="rows each replica decodes at once, continuously batched (default: "
+                            "what the memory left after the weights holds, at most 256 on a "
+                            "GPU and 16 on a CPU)")
+    sched.add_argument("--max-inflight", type=int, default=None,
+                       help="rows outstanding per replica (default: max-num-seqs + 2, so a "
+                            "freed slot is refilled at once)")
+    sched.add_argument("--max-attempts", type=int, default=3,
+                       help="replica failures one row may see before it is failed (default 3)")
+    sched.add_argument("--row-timeout", type=float, default=None,
+                       help="seconds without an answer after which a row's replica is "
+                            "restarted and the row retried (default: wait)")
+    sched.add_argument("--checkpoint-rows", type=int, default=64,
+                       help="write a part file once this many rows finished (default 64)")
+    sched.add_argument("--checkpoint-seconds", type=float, default=10.0,
+                       help="... or this many seconds after the oldest unwritten one (default 10)")
+    sched.add_argument("--stop-after", type=int, default=None,
+                       help="stop after this run wrote N rows (resubmit to continue)")
+    sched.add_argument("--progress-seconds", type=float, default=10.0,
+                       help="seconds between progress log lines (default 10)")
+    bar = sched.add_mutually_exclusive_group()
+    bar.add_argument("--progress-bar", dest="progress_bar", action="store_true", default=None,
+                     help="show a tqdm bar (default: when stderr is a terminal)")
+    bar.add_argument("--no-progress-bar", dest="progress_bar", action="store_false")
+
+
+def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobConfig:
+    text, prompt = args.text_column, args.prompt_column
+    if text is None and prompt is None:
+        text, prompt = ("document", None) if mode == "summarize" else (None, "prompt")
+    return JobConfig(
+        input=args.input, output=args.output, id_column=args.id_column, text_column=text,
+        prompt_column=prompt, instruction=args.instruction, model=args.model, dtype=args.dtype,
+        device=args.device, tp=args.tp, replicas=args.replicas, address=args.address,
+        cpus_per_rank=args.cpus_per_rank,
+        strategy=strategy_options(args), max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        truncate=args.truncate, max_model_len=args.max_model_len,
+        baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
+        max_num_seqs=args.max_num_seqs,
+        max_attempts=args.max_attempts, row_timeout=args.row_timeout,
+        checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
+        stop_after=args.stop_after, progress_seconds=args.progress_seconds,
+        progress_bar=args.progress_bar)

@@ -12,7 +12,12 @@ import os
 import time
 from pathlib import Path
 
-from knapspec_dist.cli.common import add_engine_args, add_model_args, emit, load_model_args
+from knapspec_dist.cli.common import (
+    add_engine_args,
+    add_model_args,
+    emit,
+    load_model_args,
+)
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.profiles.profile import LatencyProfile

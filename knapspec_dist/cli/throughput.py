@@ -18,8 +18,13 @@ from pathlib import Path
 
 import torch
 
-from knapspec_dist.cli.common import (add_model_args, emit, existing_model_path, load_model_args,
-                                      parse_ints)
+from knapspec_dist.cli.common import (
+    add_model_args,
+    emit,
+    existing_model_path,
+    load_model_args,
+    parse_ints,
+)
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.spec.factory import build_strategy

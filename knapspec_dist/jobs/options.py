@@ -1,12 +1,9 @@
-"""Command-line options of the batch jobs and the :class:`JobConfig` they become."""
+"""What one batch job is asked to do: :class:`JobConfig` (its command line is cli/job.py)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass, field
 
-from knapspec_dist.cli.common import (add_model_args, add_sampling_args, add_strategy_args,
-                                      strategy_options)
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.spec.options import StrategyOptions
@@ -16,7 +13,7 @@ DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 
 @dataclass(frozen=True)
 class JobConfig:
-    """Everything one batch job needs.  Built by :func:`config_from_args` or directly.
+    """Everything one batch job needs.  Built by ``cli.job.config_from_args`` or directly.
 
     ``strategy``: its options, or a strategy's name for that strategy with default options
     (turned into its :class:`StrategyOptions` on construction)."""
@@ -127,99 +124,3 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
-    """The options of ``jobs/summarize.py`` (``mode='summarize'``) or ``jobs/generate.py``."""
-    io = p.add_argument_group("input and output")
-    io.add_argument("--input", required=True,
-                    help="Parquet file, directory or glob; a local path or a URI pyarrow reads "
-                         "(s3://, gs://, hdfs://, file://). Paths are resolved on the driver: "
-                         "use absolute paths or URIs with `ray job submit`")
-    io.add_argument("--output", required=True,
-                    help="output directory (local or URI): rows/ and baseline/ Parquet parts, "
-                         "summary.json, speedup.png. Re-running into it resumes the job")
-    io.add_argument("--id-column", default="id", help="unique row id (default: id)")
-    src = io.add_mutually_exclusive_group()
-    if mode == "summarize":
-        src.add_argument("--text-column", default=None,
-                         help="document column; the prompt is the model's chat template around "
-                              "--instruction and the document (default: document)")
-        src.add_argument("--prompt-column", default=None, help="prompt column, used as is")
-        io.add_argument("--instruction", default=DEFAULT_INSTRUCTION,
-                        help=f"instruction before the document (default: {DEFAULT_INSTRUCTION!r})")
-    else:
-        src.add_argument("--prompt-column", default=None,
-                         help="prompt column, used as is (default: prompt)")
-        src.add_argument("--text-column", default=None,
-                         help="message column: wrapped as a user message in the chat template")
-        io.add_argument("--instruction", default="",
-                        help="text put before each --text-column message (default: none)")
-    add_model_args(p)
-    run = p.add_argument_group("cluster")
-    run.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
-    run.add_argument("--replicas", type=int, default=1, help="model replicas (TP groups)")
-    run.add_argument("--address", default=None,
-                     help="Ray address (default: the job's cluster, else a new local Ray)")
-    run.add_argument("--cpus-per-rank", type=int, default=1,
-                     help="CPUs reserved per tensor-parallel rank; on CPU also its torch "
-                          "threads (default 1)")
-    add_strategy_args(p)
-    add_sampling_args(p)
-    rows = p.add_argument_group("rows")
-    rows.add_argument("--truncate", action="store_true",
-                      help="cut over-long documents to fit the context window (the end of the "
-                           "document, or of a --prompt-column prompt, is dropped) instead of "
-                           "failing the row")
-    rows.add_argument("--max-model-len", type=int, default=None,
-                      help="context window to allow per row (prompt + new tokens); default and "
-                           "maximum: the model's")
-    rows.add_argument("--baseline-fraction", type=float, default=0.05,
-                      help="share of rows run again, with the job's strategy and with `ar`, "
-                           "to measure the speedup (at least one row; 0 turns the baseline "
-                           "off; default 0.05)")
-    sched = p.add_argument_group("scheduling and checkpoints")
-    sched.add_argument("--max-num-seqs", type=int, default=None,
-                       help="rows each replica decodes at once, continuously batched (default: "
-                            "what the memory left after the weights holds, at most 256 on a "
-                            "GPU and 16 on a CPU)")
-    sched.add_argument("--max-inflight", type=int, default=None,
-                       help="rows outstanding per replica (default: max-num-seqs + 2, so a "
-                            "freed slot is refilled at once)")
-    sched.add_argument("--max-attempts", type=int, default=3,
-                       help="replica failures one row may see before it is failed (default 3)")
-    sched.add_argument("--row-timeout", type=float, default=None,
-                       help="seconds without an answer after which a row's replica is "
-                            "restarted and the row retried (default: wait)")
-    sched.add_argument("--checkpoint-rows", type=int, default=64,
-                       help="write a part file once this many rows finished (default 64)")
-    sched.add_argument("--checkpoint-seconds", type=float, default=10.0,
-                       help="... or this many seconds after the oldest unwritten one (default 10)")
-    sched.add_argument("--stop-after", type=int, default=None,
-                       help="stop after this run wrote N rows (resubmit to continue)")
-    sched.add_argument("--progress-seconds", type=float, default=10.0,
-                       help="seconds between progress log lines (default 10)")
-    bar = sched.add_mutually_exclusive_group()
-    bar.add_argument("--progress-bar", dest="progress_bar", action="store_true", default=None,
-                     help="show a tqdm bar (default: when stderr is a terminal)")
-    bar.add_argument("--no-progress-bar", dest="progress_bar", action="store_false")
-
-
-def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobConfig:
-    text, prompt = args.text_column, args.prompt_column
-    if text is None and prompt is None:
-        text, prompt = ("document", None) if mode == "summarize" else (None, "prompt")
-    return JobConfig(
-        input=args.input, output=args.output, id_column=args.id_column, text_column=text,
-        prompt_column=prompt, instruction=args.instruction, model=args.model, dtype=args.dtype,
-        device=args.device, tp=args.tp, replicas=args.replicas, address=args.address,
-        cpus_per_rank=args.cpus_per_rank,
-        strategy=strategy_options(args), max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        truncate=args.truncate, max_model_len=args.max_model_len,
-        baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
-        max_num_seqs=args.max_num_seqs,
-        max_attempts=args.max_attempts, row_timeout=args.row_timeout,
-        checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
-        stop_after=args.stop_after, progress_seconds=args.progress_seconds,
-        progress_bar=args.progress_bar)

@@ -23,17 +23,30 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.dispatch import Dispatcher, Outcome, Task
 from knapspec_dist.jobs.inputs import InputRows, read_input
 from knapspec_dist.jobs.options import JobConfig
-from knapspec_dist.jobs.output import (BASELINE, BASELINE_STRATEGY, PLOT_FILE, ROWS, SUMMARY_FILE,
-                                       OutputDir, PartWriter, output_schema, result_row)
+from knapspec_dist.jobs.output import (
+    BASELINE,
+    BASELINE_STRATEGY,
+    PLOT_FILE,
+    ROWS,
+    SUMMARY_FILE,
+    OutputDir,
+    PartWriter,
+    output_schema,
+    result_row,
+)
 from knapspec_dist.jobs.plot import write_plot
 from knapspec_dist.jobs.progress import Progress
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
 from knapspec_dist.jobs.summary import dumps, summarize
-from knapspec_dist.jobs.termination import (JobTerminated, check_terminate, install_sigterm,
-                                            restore_sigterm)
+from knapspec_dist.jobs.termination import (
+    JobTerminated,
+    check_terminate,
+    install_sigterm,
+    restore_sigterm,
+)
 from knapspec_dist.model.tokenizer import load_tokenizer
-from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.backend import EngineBackend
+from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.engine import Engine
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.spec.options import StrategyOptions

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from knapspec_dist.model.cache import KVCache
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.model.cache import KVCache
 
 
 class ReplayTimer:

@@ -9,18 +9,19 @@ import ray
 log = logging.getLogger(__name__)
 
 
-def connect(address: str | None) -> bool:
+def connect(address: str | None, *, num_cpus: int | None = None) -> bool:
     """Join the cluster at ``address`` unless Ray is already initialized in this process.
 
     ``"auto"`` joins a running cluster, ``"local"`` always starts a new one, None is Ray's
     default (RAY_ADDRESS, e.g. under ``ray job submit``, else a cluster ``ray start`` left on
-    this machine, else a new local one). True when this call connected, so the caller owns
-    the connection and ends it with :func:`disconnect`."""
+    this machine, else a new local one). ``num_cpus``: the CPUs a Ray started here offers
+    (default: the machine's). True when this call connected, so the caller owns the
+    connection and ends it with :func:`disconnect`."""
     if ray.is_initialized():
         if address is not None:
             log.info("Ray is already initialized; ignoring address=%r", address)
         return False
-    ray.init(address=address, log_to_driver=True)
+    ray.init(address=address, num_cpus=num_cpus, log_to_driver=True)
     return True
 
 

@@ -35,10 +35,17 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.accounting import job_summary
-from knapspec_dist.runtime.replica import (Replica, ReplicaSpec, StartupError, check_resources,
-                                           prepare_replicas, start_replicas, stop_replica)
+from knapspec_dist.runtime.cluster import connect, disconnect
+from knapspec_dist.runtime.replica import (
+    Replica,
+    ReplicaSpec,
+    StartupError,
+    check_resources,
+    prepare_replicas,
+    start_replicas,
+    stop_replica,
+)
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.spec.options import StrategyOptions
@@ -153,6 +160,15 @@ class Engine:
         refs = [s.measure_profile.remote(list(contexts), repeats, batch=batch, max_q=max_q,
                                          warmup=warmup, fill=fill) for s in rep.shards]
         return LatencyProfile.from_json(ray.get(refs)[0])
+
+    def measure_allreduce(self, sizes: list[int], *, replica: int = 0,
+                          repeats: int = 5) -> list[list[float]]:
+        """[[bytes, seconds], ...] of one all-reduce on a replica's process group (every rank
+        takes part; rank 0's timings)."""
+        self._check_replica(replica)
+        refs = [s.measure_allreduce.remote(list(sizes), repeats)
+                for s in self._replicas[replica].shards]
+        return ray.get(refs)[0]
 
     def replica_info(self, replica: int) -> dict:
         rep = self._replicas[replica]

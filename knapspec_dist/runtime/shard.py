@@ -25,7 +25,12 @@ from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.weights import resolve_dtype
-from knapspec_dist.parallel import free_port, init_distributed, load_sharded, parameter_bytes
+from knapspec_dist.parallel import (
+    free_port,
+    init_distributed,
+    load_sharded,
+    parameter_bytes,
+)
 from knapspec_dist.profiles import profiler
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile

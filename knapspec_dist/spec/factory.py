@@ -8,7 +8,11 @@ from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.store import resolve_for_model
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.clasp import ClaspSelector
-from knapspec_dist.spec.knapspec import KnapsackSelector, KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.spec.knapspec import (
+    KnapsackSelector,
+    KnapSpecConfig,
+    KnapSpecSelector,
+)
 from knapspec_dist.spec.options import StrategyOptions, check_options, parse_skip
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
 

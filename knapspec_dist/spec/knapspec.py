@@ -42,8 +42,13 @@ from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
 from knapspec_dist.spec import knapsack, tpt
 from knapspec_dist.spec.guard import PlanGuard, PlanRun
 from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
-from knapspec_dist.spec.schedule import (Frontier, Prices, SelectionSchedule, SpareRule,
-                                         smoothed_alpha)
+from knapspec_dist.spec.schedule import (
+    Frontier,
+    Prices,
+    SelectionSchedule,
+    SpareRule,
+    smoothed_alpha,
+)
 from knapspec_dist.spec.selfspec import Plan, Selector
 
 log = logging.getLogger(__name__)

@@ -34,6 +34,7 @@ from knapspec_dist.model.embedded import cache_dir, resolve_model_path
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import random_llama_weights
 from knapspec_dist.profiles.profiler import decode_allreduce_sizes
+from knapspec_dist.runtime.cluster import connect
 from knapspec_dist.runtime.engine import Engine
 from knapspec_dist.tools.corpus import document_of_tokens
 
@@ -75,19 +76,13 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
         prompts: int, cores: int, address: str | None, profile_contexts: list[int],
         max_num_seqs: int | None = None) -> dict:
     """Every TP degree, one replica each: the time split of each strategy's generation."""
-    # ray stays behind runtime/ but for these two uses (a Ray sized to the largest TP
-    # degree, the all-reduce microbenchmark on the shards), which runtime/ does not offer yet.
-    import ray
-
     path = str(smollm2_shaped_checkpoint()) if model == "smollm2-shape" else model
     tokenizer = load_tokenizer(resolve_model_path(path))
     texts = [document_of_tokens(tokenizer, prompt_tokens, start_chapter=k)
              for k in range(prompts)]
     out = {"model": model, "path": path, "new_tokens": new_tokens,
            "prompt_tokens": prompt_tokens, "prompts": prompts, "cores": cores, "runs": []}
-    if not ray.is_initialized():
-        ray.init(address=address or "local", num_cpus=None if address else max(cores, max(tps)),
-                 include_dashboard=False, log_to_driver=False)
+    connect(address or "local", num_cpus=None if address else max(cores, max(tps)))
     for tp in tps:
         threads = max(1, cores // tp)
         started = time.perf_counter()
@@ -96,8 +91,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
                     max_num_seqs=max_num_seqs) as engine:
             startup = time.perf_counter() - started
             sizes = decode_allreduce_sizes(engine.config.hidden_size, 1, 1, torch.float32)
-            shards = engine._replicas[0].shards
-            micro = ray.get([s.measure_allreduce.remote(sizes) for s in shards])[0]
+            micro = engine.measure_allreduce(sizes)
             for strategy in strategies:
                 job, rates = _strategy_split(engine, strategy, texts, new_tokens)
                 run_ = {"tp": tp, "threads_per_rank": threads, "strategy": strategy,

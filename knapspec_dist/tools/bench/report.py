@@ -12,6 +12,7 @@ import torch
 
 from knapspec_dist.profiles.device import cpu_model_name
 
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (context, strategy): rates summed over prompts, speedups against ar."""
     rows = []

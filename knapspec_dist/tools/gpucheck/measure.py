@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from knapspec_dist.model.attention import BACKENDS, default_backend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.attention import BACKENDS, default_backend
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
 from knapspec_dist.profiles.profiler import fill_cache
 from knapspec_dist.profiles.replay import ReplayTimer

@@ -1,0 +1,34 @@
+"""The few lines a finished job shows its user: what happened and where the results are."""
+
+from __future__ import annotations
+
+from knapspec_dist.jobs.runner import JobResult
+
+
+def report(result: JobResult) -> str:
+    """A few lines for the user: what happened and where the results are."""
+    s = result.summary
+    rows, base = s["rows"], s["baseline"]
+    lines = [
+        f"rows: {rows['ok']} ok, {rows['failed']} failed, {rows['pending']} pending "
+        f"(of {rows['input']}; this run generated {result.generated}, "
+        f"skipped {result.skipped} already written)",
+    ]
+    tp = s["throughput"]
+    if tp["tokens_per_s"]:
+        acc = s["acceptance"]["acceptance_rate"]
+        lines.append(f"tokens: {s['tokens']['generated']} generated, "
+                     f"{tp['tokens_per_s']:.1f} tok/s ({tp['decode_tokens_per_s'] or 0:.1f} "
+                     f"without prefill), mean batch {tp['mean_batch'] or 0:.1f} of "
+                     f"{tp['max_num_seqs']}"
+                     + (f", acceptance {acc:.2f}" if acc is not None else ""))
+    if base["speedup"]:
+        lines.append(f"speedup vs ar: {base['speedup']:.2f}x measured on {base['rows']} "
+                     f"baseline row(s), both passes at mean batch "
+                     f"{base['strategy_mean_batch'] or 0:.1f} / {base['ar_mean_batch'] or 0:.1f} "
+                     f"(identical tokens: {base['identical_tokens']}/{base['rows']})")
+    if result.stopped_early:
+        lines.append("stopped early (--stop-after): submit the same job again to continue")
+    lines += [f"results: {result.rows_path}", f"summary: {result.summary_path}",
+              f"plot:    {result.plot_path}"]
+    return "\n".join(lines)
