@@ -87,7 +87,7 @@ class FakeBackend:
         self.alive = [True] * self.num_replicas  # ... that is dead until restarted
         self.next = 0
 
-    def submit(self, replica, prompt_ids, config):
+    def submit(self, replica, prompt_ids, config, key=None):
         e = self.engine
         e.submits.append((e.strategy, tuple(prompt_ids), replica, len(e.created) - 1))
         h = self.next

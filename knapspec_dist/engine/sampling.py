@@ -1,17 +1,34 @@
-"""Token choice and draft acceptance: greedy, and speculative rejection sampling.
+"""Token choice and draft acceptance, greedy or sampled, with randomness that belongs to the row.
 
-Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) accepts draft token d ~ q with
-probability min(1, p(d)/q(d)) and, on rejection, samples from norm(max(0, p - q)); the emitted
-tokens are then distributed exactly as if sampled from the target p alone, whatever q is.
+Sampling is the Gumbel-max trick: the token at a row's output index t is
+``argmax(warped_logits / T + G)``, where ``warped`` applies top-k / top-p (-inf outside) and
+``G`` is Gumbel noise over the vocabulary that depends only on the row's seed and on t
+(``gumbel``: a counter-based hash, no generator state). That is an exact sample from
+``softmax(warped / T)`` (up to the 2^-24 resolution of the uniforms behind the noise).
+
+Speculation verifies sampled drafts the way it verifies greedy ones, on perturbed logits: a
+draft token at index t is ``argmax(draft logits + G_t)`` with the same noise the target uses
+at t, and it is accepted iff it equals the target's ``argmax(target logits + G_t)``. So every
+emitted token is the token plain decoding would sample with the same seeds: sampled output is
+lossless token for token (not only in distribution), and a row's text depends on its prompt,
+options and seed alone, never on the rows batched beside it, the replica, the admission order
+or a resume. (Rejection sampling, which this replaces, accepts drafts more often, 1 - TV(p, q)
+against the Gumbel coupling's at least (1 - TV) / (1 + TV), but its draws depend on how many
+drafts a round made, i.e. on the batch.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
 
 from knapspec_dist.errors import UserError
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # the multiplier of a 32-bit avalanche hash; products stay below 2^59
 
 
 @dataclass(frozen=True)
@@ -33,80 +50,91 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """Random numbers come from the model's device: a CPU generator cannot drive CUDA
-        sampling, and a device one keeps draws off the host."""
-        if self.greedy:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return g
+
+def row_seed(seed: int | None, key: object) -> int:
+    """The seed of one row: from (the request's seed, the row's key), so that it is the same
+    wherever and whenever the row runs; random when the request has no seed."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little") >> 2
+    digest = hashlib.sha256(f"{seed}\x00{key!r}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2  # 62 bits: no int64 overflow below
 
 
-def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """The distribution tokens are drawn from: temperature, then top-k, then top-p. [N, V] fp32."""
-    logits = logits.float()
-    if cfg.greedy:
-        return torch.softmax(logits, dim=-1)
-    logits = logits / cfg.temperature
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (a bijection) of int64 values in [0, 2^32)."""
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    return (x >> 16) ^ x
+
+
+def gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [B, T, vocab] (fp32) for rows with ``seeds`` [B] at output indices
+    ``steps`` [B, T]: a pure function of (seed, step, token), the same on every device."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    base = _mix(lo[:, None] ^ _mix(hi[:, None] ^ _mix(steps & _M32)))  # [B, T]
+    tokens = _mix(torch.arange(vocab, device=seeds.device, dtype=torch.int64))
+    h = _mix(base[..., None] ^ tokens)
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def warped(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Logits / temperature with top-k and top-p applied (-inf outside), fp32 [..., V]."""
+    logits = logits.float() / cfg.temperature
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= cfg.top_p  # keep the first past top_p
+        p = torch.softmax(sorted_logits, dim=-1)
+        drop = p.cumsum(dim=-1) - p >= cfg.top_p  # keep the first token past top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.softmax(logits, dim=-1)
+    return logits
 
 
-def choose(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``logits`` [N, V]."""
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution tokens are drawn from: temperature, then top-k, then top-p. fp32."""
+    if cfg.greedy:
+        return torch.softmax(logits.float(), dim=-1)
+    return torch.softmax(warped(logits, cfg), dim=-1)
+
+
+def perturbed(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
+              steps: torch.Tensor) -> torch.Tensor:
+    """What a token is the argmax of: the logits themselves (greedy), or the warped logits
+    plus each row's noise at ``steps`` [B, T] (``logits`` [B, T, V])."""
+    if cfg.greedy:
+        return logits
+    return warped(logits, cfg) + gumbel(seeds, steps, logits.shape[-1])
+
+
+def choose(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
+           steps: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V], row b at output index ``steps[b]`` (greedy:
+    no seeds or steps needed)."""
     if cfg.greedy:
         return logits.argmax(dim=-1)
-    return torch.multinomial(probabilities(logits, cfg), 1, generator=gen).squeeze(-1)
+    return perturbed(logits[:, None], cfg, seeds, steps[:, None])[:, 0].argmax(dim=-1)
 
 
-def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor,
-                  limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the longest prefix of ``drafts`` [B, g] equal to the target's argmax (at most
-    ``limit`` [B] long) and the target's next token: two [B] tensors on the device (no sync).
+def accept(drafts: torch.Tensor, target_logits: torch.Tensor, cfg: SamplingConfig,
+           seeds: torch.Tensor, steps: torch.Tensor, limit: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the longest prefix of ``drafts`` [B, g] that the target also chooses (at most
+    ``limit`` [B] long) and the target's token after it: two [B] tensors on the device.
 
-    ``target_logits`` [B, g+1, V] are the full model's logits at the pending token and each draft.
+    ``target_logits`` [B, g+1, V] are the full model's logits at the pending token and each
+    draft; ``steps`` [B] is the output index of each row's first draft. Drafts past a row's
+    limit were never meant to be verified: the token there is the target's own choice.
     """
-    target = target_logits.argmax(dim=-1)
     g = drafts.shape[1]
+    if cfg.greedy:
+        target = target_logits.argmax(dim=-1)
+    else:
+        index = steps[:, None] + torch.arange(g + 1, device=steps.device)
+        target = perturbed(target_logits, cfg, seeds, index).argmax(dim=-1)
     n = (drafts == target[:, :g]).long().cumprod(1).sum(1)
     if limit is not None:
         n = torch.minimum(n, limit)
     return n, target.gather(1, n[:, None]).squeeze(1)
-
-
-def accept_sampling(drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
-                    cfg: SamplingConfig, gen: torch.Generator | None,
-                    limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative rejection sampling per row: (accepted count, token emitted after them), [B].
-
-    ``drafts`` [B, g] were drawn from ``draft_probs`` [B, g, V]; ``target_logits`` [B, g+1, V].
-    All drafts are judged at once on the device. ``limit`` [B] caps the accepted count (drafts
-    after a row's first unsure draft were never meant to be verified); reaching it emits a
-    token from the target's own distribution there, as if those drafts did not exist.
-    """
-    p = probabilities(target_logits, cfg)  # [B, g+1, V]
-    b, g = drafts.shape
-    pd = p[:, :g].gather(2, drafts[..., None]).squeeze(2)
-    qd = draft_probs.gather(2, drafts[..., None]).squeeze(2)
-    u = torch.rand(b, g, generator=gen, device=p.device)
-    ok = (qd > 0) & (u * qd < pd)  # u < min(1, p/q), without dividing by q
-    n = ok.long().cumprod(1).sum(1)
-    cap = torch.full_like(n, g) if limit is None else limit
-    n = torch.minimum(n, cap)
-    residual = (p[:, :g] - draft_probs).clamp_min(0)
-    total = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[:, :g])
-    rejected = torch.cat([residual, p[:, g:g + 1]], dim=1)  # row g: every draft accepted
-    at = n[:, None, None].expand(b, 1, p.shape[-1])
-    dist = torch.where((n < cap)[:, None], rejected.gather(1, at).squeeze(1),
-                       p.gather(1, at).squeeze(1))
-    return n, torch.multinomial(dist, 1, generator=gen).squeeze(1)

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
+import torch
+
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import (
     GenerationConfig,
@@ -28,7 +30,7 @@ from knapspec_dist.engine.generation import (
 )
 from knapspec_dist.engine.memory import max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
-from knapspec_dist.engine.sampling import choose
+from knapspec_dist.engine.sampling import choose, row_seed
 from knapspec_dist.engine.sequence import Batch, Row, row_capacity
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.errors import UserError
@@ -82,7 +84,6 @@ class Scheduler:
         self.batch = Batch(self.runner.new_cache(max_num_seqs, capacity, kv_heads(model)))
         self.capacity = self.batch.cache.capacity
         self.waiting: deque[Row] = deque()
-        self.gen = config.sampling.generator(model.device)
         self.timer = Clock(model.device)
         self.throughput = Throughput()
         self._first: float | None = None
@@ -92,19 +93,27 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.batch.rows or self.batch.prefilling)
 
-    def add(self, rid: int, prompt: list[int]) -> None:
-        """Queue a row; a prompt that cannot be generated raises ``UserError`` (for that row)."""
+    def add(self, rid: int, prompt: list[int], key: object = None) -> None:
+        """Queue a row; a prompt that cannot be generated raises ``UserError`` (for that row).
+        ``key`` names the row for its sampling seed (``row_seed(config seed, key)``); None:
+        the row id."""
         limit = check_prompt(self.model, prompt, self.config)
         need = row_capacity(len(prompt), limit)
         if need > self.capacity:
             raise UserError(f"prompt of {len(prompt)} tokens with {limit} new tokens needs "
                             f"{need} cache positions; this engine holds {self.capacity} per row")
-        self.waiting.append(Row(rid, list(prompt), limit))
+        seed = row_seed(self.config.sampling.seed, rid if key is None else key)
+        self.waiting.append(Row(rid, list(prompt), limit, seed))
 
     def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
-        """Generate every prompt (all checked before any runs); results in input order."""
+        """Generate every prompt (all checked before any runs); results in input order. A row's
+        sampling key is its prompt and how often that prompt came before it in ``prompts``, so
+        a seeded prompt gives the same text whatever else is in the call."""
+        seen: dict[tuple[int, ...], int] = {}
         for rid, prompt in enumerate(prompts):
-            self.add(rid, prompt)
+            ids = tuple(prompt)
+            seen[ids] = seen.get(ids, -1) + 1
+            self.add(rid, prompt, key=(ids, seen[ids]))
         done: dict[int, GenerationResult] = {}
         while self.busy:
             for row in self.step():
@@ -135,7 +144,7 @@ class Scheduler:
             start = timer.mark()
             emitted = sum(len(r.out) for r in b.rows)
             size = b.size
-            self.strategy.round(self.model, b, self.config, self.runner, self.gen, timer)
+            self.strategy.round(self.model, b, self.config, self.runner, timer)
             end = timer.mark()
             timer.sync()  # a round ends with its read-back: nothing is left to wait for
             elapsed = timer.seconds(start, end)
@@ -172,7 +181,10 @@ class Scheduler:
         row.prefilled += n
         joined = None
         if row.prefilled == len(row.prompt):
-            first = choose(logits[None], self.config.sampling, self.gen).tolist()
+            dev = logits.device
+            first = choose(logits[None], self.config.sampling,
+                           torch.tensor([row.seed], device=dev),
+                           torch.zeros(1, dtype=torch.int64, device=dev)).tolist()
             row.out, row.reason = finish(first, row.limit, self.model, self.config)
             if row.reason is None:
                 b.join()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from knapspec_dist.engine.generation import GenerationStats
 from knapspec_dist.model.cache import KVCache
 
@@ -30,6 +32,7 @@ class Row:
     rid: int  # the caller's id
     prompt: list[int]
     limit: int  # new tokens allowed
+    seed: int = 0  # the row's own randomness (sampling.row_seed): tokens never depend on others
     out: list[int] = field(default_factory=list)  # emitted; the last is not yet in the cache
     reason: str | None = None  # "eos" | "length" once finished
     prefilled: int = 0  # prompt tokens already in the cache
@@ -52,6 +55,14 @@ class Batch:
     @property
     def lengths(self) -> list[int]:
         return self.cache.lengths[:len(self.rows)]
+
+    def seeds(self, device) -> torch.Tensor:
+        """Each decoding row's seed, [B] int64 on ``device``."""
+        return torch.tensor([r.seed for r in self.rows], dtype=torch.int64, device=device)
+
+    def steps(self, device) -> torch.Tensor:
+        """Each decoding row's output index of its next token, [B] int64 on ``device``."""
+        return torch.tensor([len(r.out) for r in self.rows], dtype=torch.int64, device=device)
 
     def join(self) -> None:
         """The prefilled row starts decoding (it already sits at slot len(rows))."""

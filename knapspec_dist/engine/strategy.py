@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
-
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
@@ -35,6 +33,6 @@ class Strategy(ABC):
 
     @abstractmethod
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
-              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
+              forward: ModelRunner, timer: Clock) -> None:
         """One round for every decoding row of ``batch``: extend each ``row.out``, commit the
         new tokens' K/V in the cache and set ``row.reason`` once a row is done."""

@@ -42,7 +42,8 @@ class Backend(Protocol):
 
     num_replicas: int
 
-    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig) -> Any: ...
+    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig,
+               key: object = None) -> Any: ...
 
     def wait(self, handles: list, timeout: float) -> list: ...
 
@@ -183,7 +184,7 @@ class Dispatcher:
             task.attempts += 1
             epoch = self.epoch[replica]
             try:
-                handle = self.backend.submit(replica, task.prompt_ids, self.config)
+                handle = self.backend.submit(replica, task.prompt_ids, self.config, task.key)
             except Exception as exc:  # noqa: BLE001
                 if not self.backend.is_replica_failure(exc):
                     raise

@@ -29,8 +29,9 @@ class EngineBackend:
         self.engine = engine
         self.num_replicas = engine.num_replicas
 
-    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig) -> Any:
-        return self.engine.submit(replica, prompt_ids, config)
+    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig,
+               key: object = None) -> Any:
+        return self.engine.submit(replica, prompt_ids, config, key)
 
     def wait(self, handles: list, timeout: float) -> list:
         ready, _ = ray.wait(handles, num_returns=1, timeout=timeout)

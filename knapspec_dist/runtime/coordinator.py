@@ -57,7 +57,7 @@ class Coordinator:
                                                                      vocab_size, tp, dtype)
         self.shards: list = []
         self.profile_description: dict | None = None  # key, path, origin (info)
-        self._queue: deque = deque()  # (id, prompt ids, config, future) not yet admitted
+        self._queue: deque = deque()  # (id, prompt ids, config, future, key) not yet admitted
         self._active: dict[int, asyncio.Future] = {}  # admitted to the shards, not finished
         self._ray: dict[int, float] = {}  # each active row's share of Ray round trips
         self._next_id = 0
@@ -120,21 +120,24 @@ class Coordinator:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, prompt_ids: list[int], config):
+    async def generate(self, prompt_ids: list[int], config, key: object = None):
         """One prompt, decoded in this replica's continuous batch; rank 0's result, with text,
-        replica and its share of the Ray time."""
+        replica and its share of the Ray time. ``key`` names the row for its sampling seed
+        (engine/sampling.py); None: the prompt itself."""
         ids = list(prompt_ids)
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab]
         if bad:  # a vocab-parallel embedding would silently embed these as zeros
             raise UserError(f"prompt has token ids outside the vocabulary 0..{self.vocab - 1}: "
                             f"{bad[:5]}")
+        self._next_id += 1
         if not config.sampling.greedy and config.sampling.seed is None:
             # every rank must draw the same samples: one seed for the whole replica (the same
-            # for every request, so requests of one job share a batch)
+            # for every request, so requests of one job share a batch), rows told apart here
             config = replace(config, sampling=replace(config.sampling, seed=self._seed))
+            key = ("unseeded", self._next_id)
         future = asyncio.get_running_loop().create_future()
-        self._next_id += 1
-        self._queue.append((self._next_id, ids, config, future))
+        self._queue.append((self._next_id, ids, config, future, tuple(ids) if key is None
+                            else key))
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
         result = await future
@@ -155,10 +158,10 @@ class Coordinator:
             while (self._queue and self._queue[0][2] == config
                    and len(self._active) + len(admit) < self.max_num_seqs):
                 admit.append(self._queue.popleft())
-            for rid, _, _, future in admit:
+            for rid, _, _, future, _ in admit:
                 self._active[rid] = future
             start = time.perf_counter()
-            refs = [s.step.remote(config, [(rid, ids) for rid, ids, _, _ in admit],
+            refs = [s.step.remote(config, [(rid, ids, key) for rid, ids, _, _, key in admit],
                                   ROUNDS_PER_CALL, self.max_num_seqs) for s in self.shards]
             try:
                 outs = await self._gather(refs)

@@ -176,13 +176,15 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig):
-        """An ObjectRef resolving to the GenerationResult (text filled) of one prompt."""
+    def submit(self, replica: int, prompt_ids: list[int], config: GenerationConfig,
+               key: object = None):
+        """An ObjectRef resolving to the GenerationResult (text filled) of one prompt.
+        ``key`` names the row for its sampling seed (a job's row id); None: the prompt."""
         self._check_replica(replica)
         rep = self._replicas[replica]
         if rep is None or rep.coordinator is None:
             raise RuntimeError(f"replica {replica} is not running (restart_replica)")
-        return rep.coordinator.generate.remote(list(prompt_ids), config)
+        return rep.coordinator.generate.remote(list(prompt_ids), config, key)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -211,7 +213,13 @@ class Engine:
                                             for k, v in given.items()})
         ids = [self.encode(p, chat) for p in prompts]
         start = time.perf_counter()
-        refs = [self.submit(i % self.num_replicas, p, config) for i, p in enumerate(ids)]
+        seen: dict[tuple[int, ...], int] = {}
+        keys = []  # a prompt and its occurrence: the same text whatever else is asked
+        for p in ids:
+            seen[tuple(p)] = seen.get(tuple(p), -1) + 1
+            keys.append((tuple(p), seen[tuple(p)]))
+        refs = [self.submit(i % self.num_replicas, p, config, key)
+                for i, (p, key) in enumerate(zip(ids, keys))]
         results = ray.get(refs)
         self.last_job = job_summary(results, time.perf_counter() - start, self.num_replicas)
         return results

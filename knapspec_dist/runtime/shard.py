@@ -128,8 +128,9 @@ class Shard:
 
     # ------------------------------------------------------------------ requests
 
-    def step(self, config, admit: list[tuple[int, list[int]]], max_rounds: int, max_num_seqs: int):
-        """Continuous batching, SPMD on every rank: queue the ``admit`` rows (id, prompt ids),
+    def step(self, config, admit: list[tuple[int, list[int], object]], max_rounds: int,
+             max_num_seqs: int):
+        """Continuous batching, SPMD on every rank: queue the ``admit`` rows (id, prompt ids, sampling key),
         then run scheduler steps until a row finishes or ``max_rounds`` have run.
 
         Returns (finished rows as (id, GenerationResult), refused rows as (id, message), this
@@ -145,9 +146,9 @@ class Shard:
             self.shares: dict[int, RowShare] = {}
         sched = self.scheduler
         refused = []
-        for rid, ids in admit:
+        for rid, ids, key in admit:
             try:
-                sched.add(rid, list(ids))
+                sched.add(rid, list(ids), key)
                 self.shares[rid] = RowShare()
             except UserError as e:
                 refused.append((rid, str(e)))

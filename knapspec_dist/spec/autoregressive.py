@@ -18,13 +18,16 @@ class Autoregressive(Strategy):
 
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
-              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
+              forward: ModelRunner, timer: Clock) -> None:
         start = timer.mark()
         rows, cache = batch.rows, batch.cache
         lengths = batch.lengths
         tokens = torch.tensor([[r.out[-1]] for r in rows], device=model.device)
         logits = forward(tokens, lengths, cache, slice(0, len(rows)))
-        nxt = choose(logits[:, 0], config.sampling, gen).tolist()  # the round's one read-back
+        seeds = steps = None
+        if not config.sampling.greedy:
+            seeds, steps = batch.seeds(model.device), batch.steps(model.device)
+        nxt = choose(logits[:, 0], config.sampling, seeds, steps).tolist()  # the one read-back
         end = timer.mark()
         timer.sync()  # after the read-back: free
         elapsed = timer.seconds(start, end)

@@ -19,7 +19,7 @@ import torch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, finish
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.sampling import accept_greedy, accept_sampling, probabilities
+from knapspec_dist.engine.sampling import accept, choose, probabilities
 from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
@@ -86,7 +86,7 @@ class SelfSpeculative(Strategy):
 
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
-              forward: ModelRunner, gen: torch.Generator | None, timer: Clock) -> None:
+              forward: ModelRunner, timer: Clock) -> None:
         """Draft up to gamma tokens for every row with the plan's subnet, verify all rows'
         pending token and drafts in one forward, accept per row, roll back per row."""
         sampling, sel, dev = config.sampling, self.selector, model.device
@@ -101,16 +101,16 @@ class SelfSpeculative(Strategy):
         gamma = min(plan.gamma, max(room))
         early_exit = self.early_exit if self.early_exit is not None else forward.early_exit
         pending = torch.tensor([[r.out[-1]] for r in rows], device=dev)
-        drafts, probs, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma,
-                                         sampling, gen, early_exit, room)
+        seeds = steps = None
+        if not sampling.greedy:  # each row's randomness: drafts and verify share its noise
+            seeds, steps = batch.seeds(dev), batch.steps(dev)
+        drafts, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma, sampling,
+                                  seeds, steps, early_exit, room)
         t2 = timer.mark()
         capture = Capture() if sel.wants_reference() else None
         logits = forward(torch.cat([pending, drafts], dim=1), lengths, cache, slice(0, size),
                          capture=capture)
-        if sampling.greedy:
-            n, nxt = accept_greedy(drafts, logits, cap)
-        else:
-            n, nxt = accept_sampling(drafts, probs, logits, sampling, gen, cap)
+        n, nxt = accept(drafts, logits, sampling, seeds, steps, cap)
         # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
         back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
         accepted, verified = [x[0] for x in back], [x[2] for x in back]
@@ -140,9 +140,11 @@ class SelfSpeculative(Strategy):
             s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
 
     def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], pending: torch.Tensor,
-               lengths: list[int], gamma: int, sampling, gen, early_exit: bool, room: list[int]):
-        """Up to ``gamma`` draft tokens per row [B, g] and their distributions [B, g, V], on the
-        device, and how many of each row's drafts to verify [B]: up to and including its
+               lengths: list[int], gamma: int, sampling, seeds, steps, early_exit: bool,
+               room: list[int]):
+        """Up to ``gamma`` draft tokens per row [B, g], on the device (sampled ones with the
+        row's noise at their output index, ``steps`` [B] being the first's), and how many of
+        each row's drafts to verify [B]: up to and including its
         first whose top-1 probability is below ``tau_conf`` (an unsure draft is still worth a
         verify slot), and no more than the row has room for. Every row drafts in the same
         forwards; with ``early_exit`` (CPUs, where reading a number back costs nothing)
@@ -154,25 +156,20 @@ class SelfSpeculative(Strategy):
         dev, size = model.device, pending.shape[0]
         rows = slice(0, size)
         tok = pending
-        drafts, probs, confs = [], [], []
+        drafts, confs = [], []
         for i in range(gamma):
             logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip)[:, -1]
-            q = probabilities(logits, sampling)
-            d = logits.argmax(dim=-1) if sampling.greedy else \
-                torch.multinomial(q, 1, generator=gen).squeeze(-1)
+            d = choose(logits, sampling, seeds, None if steps is None else steps + i)
             drafts.append(d)
-            probs.append(q)
-            confs.append(q.amax(dim=-1))
+            confs.append(probabilities(logits, sampling).amax(dim=-1))
             tok = d[:, None]
             if early_exit and bool((torch.stack(confs) < self.tau_conf).any(dim=0).all()):
                 break
         room_t = torch.tensor(room, device=dev).clamp_min(0)
         if not drafts:
             return (torch.empty(size, 0, dtype=torch.long, device=dev),
-                    torch.empty(size, 0, model.cfg.vocab_size, device=dev),
                     torch.zeros(size, dtype=torch.long, device=dev))
         low = torch.stack(confs, dim=1) < self.tau_conf  # [B, g]
         g = low.shape[1]
         unsure = torch.where(low.any(dim=1), low.long().argmax(dim=1) + 1, g)
-        return (torch.stack(drafts, dim=1).long(), torch.stack(probs, dim=1),
-                torch.minimum(unsure, room_t))
+        return torch.stack(drafts, dim=1).long(), torch.minimum(unsure, room_t)
