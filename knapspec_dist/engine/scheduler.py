@@ -86,6 +86,7 @@ class Scheduler:
         self.waiting: deque[Row] = deque()
         self.timer = Clock(model.device)
         self.throughput = Throughput()
+        self.emitted = 0  # tokens emitted so far by every row, finished or not (progress)
         self._first: float | None = None
         strategy.start(model)
 
@@ -148,7 +149,9 @@ class Scheduler:
             end = timer.mark()
             timer.sync()  # a round ends with its read-back: nothing is left to wait for
             elapsed = timer.seconds(start, end)
-            b.progress += (sum(len(r.out) for r in b.rows) - emitted) / size
+            after = sum(len(r.out) for r in b.rows)
+            b.progress += (after - emitted) / size
+            self.emitted += after - emitted
             tp = self.throughput
             tp.rounds += 1
             tp.row_rounds += size
@@ -186,6 +189,7 @@ class Scheduler:
                            torch.tensor([row.seed], device=dev),
                            torch.zeros(1, dtype=torch.int64, device=dev)).tolist()
             row.out, row.reason = finish(first, row.limit, self.model, self.config)
+            self.emitted += len(row.out)
             if row.reason is None:
                 b.join()
                 self.strategy.admitted(row.rid)

@@ -298,10 +298,13 @@ class JobRun:
         interrupted)."""
         c, result = self.config, self.result
         inflight = c.max_inflight or _max_num_seqs(engine, c) + 2
-        dispatcher = Dispatcher(self.backend_factory(engine), c.generation_config(),
-                                max_inflight=inflight, max_attempts=c.max_attempts,
-                                row_timeout=c.row_timeout)
-        progress = Progress(len(todo), c.progress_seconds, label, c.progress_bar)
+        backend = self.backend_factory(engine)
+        dispatcher = Dispatcher(backend, c.generation_config(), max_inflight=inflight,
+                                max_attempts=c.max_attempts, row_timeout=c.row_timeout)
+        progress = Progress(len(todo), c.progress_seconds, label, c.progress_bar,
+                            max_new_tokens=c.max_new_tokens,
+                            live=getattr(backend, "tokens_emitted", None),
+                            slots=_max_num_seqs(engine, c) * engine.num_replicas)
 
         def on_result(outcome: Outcome) -> None:
             p = self.by_id[outcome.task.key]

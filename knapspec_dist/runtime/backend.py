@@ -33,6 +33,10 @@ class EngineBackend:
                key: object = None) -> Any:
         return self.engine.submit(replica, prompt_ids, config, key)
 
+    def tokens_emitted(self) -> int | None:
+        """Tokens generated so far, finished rows or not (None: not known right now)."""
+        return self.engine.tokens_emitted()
+
     def wait(self, handles: list, timeout: float) -> list:
         ready, _ = ray.wait(handles, num_returns=1, timeout=timeout)
         if ready:  # collect everything else that is ready too

@@ -67,6 +67,7 @@ class Coordinator:
         self._tokenizer = None
         self._tokenizer_tried = False
         self.served = 0
+        self.tokens_emitted = 0  # by every row, finished or not: the job's live progress
         self.grace_s = 10.0  # how long other ranks may take to fail like the first one
 
     # ------------------------------------------------------------------ startup
@@ -172,7 +173,8 @@ class Coordinator:
                 self._active.clear()
                 self._queue.clear()
                 return
-            finished, refused, elapsed, busy = outs[0]
+            finished, refused, elapsed, busy, emitted = outs[0]
+            self.tokens_emitted += emitted
             if not busy and len(finished) + len(refused) < len(self._active):
                 lost = RuntimeError(f"replica {self.replica}: the shards dropped rows")
                 for rid, future in self._active.items():
@@ -238,6 +240,10 @@ class Coordinator:
         if self._tokenizer is None:
             return ""
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def emitted(self) -> int:
+        """Tokens this replica's rows have emitted so far, finished or not."""
+        return self.tokens_emitted
 
     def info(self) -> dict:
         described = self.profile_description

@@ -170,6 +170,19 @@ class Engine:
                 for s in self._replicas[replica].shards]
         return ray.get(refs)[0]
 
+    def tokens_emitted(self, timeout_s: float = 2.0) -> int | None:
+        """Tokens the replicas' rows have emitted so far (finished or not), for progress;
+        None when a replica does not answer within ``timeout_s``."""
+        refs = [rep.coordinator.emitted.remote() for rep in self._replicas
+                if rep is not None and rep.coordinator is not None]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            return None
+        try:
+            return sum(ray.get(ready))
+        except ray.exceptions.RayError:  # a dead replica: the dispatcher will notice
+            return None
+
     def replica_info(self, replica: int) -> dict:
         rep = self._replicas[replica]
         return dict(rep.info) if rep and rep.info else {}

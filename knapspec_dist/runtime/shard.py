@@ -134,7 +134,7 @@ class Shard:
         then run scheduler steps until a row finishes or ``max_rounds`` have run.
 
         Returns (finished rows as (id, GenerationResult), refused rows as (id, message), this
-        call's wall seconds, whether rows remain). A row's time split is its share of each
+        call's wall seconds, whether rows remain, tokens emitted by all rows in this call). A row's time split is its share of each
         call it took part in (the call's split divided among its rows), so the rows of a job
         add up to the replica's time."""
         if self.strategy is None:
@@ -157,6 +157,7 @@ class Shard:
         self.meter.seconds = 0.0
         start = time.perf_counter()
         finished = []
+        emitted = sched.emitted
         for _ in range(max_rounds):
             if not sched.busy:
                 break
@@ -176,4 +177,4 @@ class Shard:
                                                          share.ray_s, share.other_s)
             s.comm_calls = round(share.comm_calls)
             out.append((row.rid, r))
-        return out, refused, elapsed, sched.busy
+        return out, refused, elapsed, sched.busy, sched.emitted - emitted
