@@ -58,7 +58,8 @@ _KINDS = [
     (re.compile(r"prompt has \d+ tokens and cannot be cut"), "prompt too long to truncate"),
     (re.compile(r"replica failed \d+ time"), "replica failed while generating"),
     (re.compile(r"('[^']*') is (null|empty)$"), None),  # the message is its kind
-    (re.compile(r"([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)):"), "exception"),
+    (re.compile(r"('[^']*' is not valid UTF-8)"), "group"),
+    (re.compile(r"([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)):"), "group"),
 ]
 
 
@@ -69,7 +70,7 @@ def error_kind(message: str) -> str:
     for pattern, kind in _KINDS:
         m = pattern.match(message)
         if m:
-            return m.group(1) if kind == "exception" else (kind or message)
+            return m.group(1) if kind == "group" else (kind or message)
     return re.sub(r"\d+", "N", message.split(";")[0].split(":")[0])[:120]
 
 
