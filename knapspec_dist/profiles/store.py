@@ -9,6 +9,13 @@ its measured contexts reach the longest context the run needs (when that is know
 does, one is measured (never guessed) and kept in the cache, so the next job, and the other
 replicas of a cluster sharing the cache, load it instead of measuring again.
 
+A measured profile is kept only when its repeated timings agree: the median over its
+measured points of each point's relative spread ``(max - min) / median`` of the repeats
+(``LatencyProfile.spread``) must be at most ``SPREAD_LIMIT`` = 0.5
+(``KNAPSPEC_PROFILE_MAX_SPREAD`` overrides it). A profile measured while the machine was
+busy disagrees with itself far more than that; it prices the run that measured it, with a
+warning, and is not cached, so it never prices a later job.
+
 ``--profile PATH`` names one file; it is checked completely when loaded and refused (one
 error line) when it is malformed or was measured for another model shape.
 """
@@ -30,6 +37,12 @@ from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import MODEL_KEYS, LatencyProfile
 
 log = logging.getLogger(__name__)
+
+#: The largest ``LatencyProfile.spread`` (median over the measured points of the repeats'
+#: ``(max - min) / median``) of a profile that is cached: above it the machine was busy.
+#: Repeats on an idle machine agree within a few percent; under contention from other
+#: processes they differ by their median or more.
+SPREAD_LIMIT = 0.5
 
 #: Context lengths a measurement covers, up to the longest the run needs (that one included).
 CONTEXT_STEPS = (64, 256, 1024, 4096, 16384, 65536)
@@ -145,10 +158,39 @@ def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
     return [found[b] for b in sorted(found)]
 
 
+def spread_limit() -> float:
+    """``SPREAD_LIMIT``, or ``KNAPSPEC_PROFILE_MAX_SPREAD`` when set (``inf``: keep every
+    measured profile)."""
+    env = os.environ.get("KNAPSPEC_PROFILE_MAX_SPREAD")
+    if not env:
+        return SPREAD_LIMIT
+    try:
+        return float(env)
+    except ValueError:
+        raise UserError(f"KNAPSPEC_PROFILE_MAX_SPREAD={env!r} is not a number") from None
+
+
+def steady(profile: LatencyProfile) -> bool:
+    """Whether the profile's repeated timings agree within ``spread_limit()`` (a profile
+    that does not record its spread counts as steady)."""
+    spread = profile.spread()
+    return spread is None or spread <= spread_limit()
+
+
 def keep(profile: LatencyProfile) -> str | None:
-    """Save a measured profile in the cache (atomically); its path, or None if that fails
-    (a read-only cache only costs a measurement next time)."""
+    """Save a measured profile in the cache (atomically); its path, or None when it is not
+    kept: its repeats disagree (the machine was busy; a WARNING says so, and the profile
+    still prices this run), or the cache cannot be written (a read-only cache only costs a
+    measurement next time)."""
     path = cache_profiles_dir() / f"{profile.key()}.json"
+    if not steady(profile):
+        log.warning("the latency profile measured now is used for this run but not kept in %s: "
+                    "its repeated timings disagree (relative spread %.2f, median over the "
+                    "points, > %.2f), so the machine was busy while measuring. Measure again "
+                    "on an idle machine (`knapspec profile`) for later runs",
+                    path.parent, profile.spread(), spread_limit())
+        return None
+
     try:
         profile.save(path)
     except OSError as e:
@@ -206,7 +248,8 @@ def resolve(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, 
     if found is None:
         if len(names) == 1:
             log.warning("no latency profile in %s matches device %r, model %s, %s, batch 1, "
-                        "tp %d, %s%s: measuring one now (kept in %s for later runs)",
+                        "tp %d, %s%s: measuring one now (kept in %s for later runs if its repeats "
+                        "agree)",
                         " or ".join(map(str, search_dirs())), device.get("name"), shape, dtype,
                         tp, mode, f", contexts up to {need}" if need else "",
                         cache_profiles_dir())
