@@ -43,8 +43,8 @@ def profile(batch: int = 1, spread: float | None = None, **samples) -> LatencyPr
     (lambda d: d.update(head=0.0), None),  # a zero head (all outside the sublayers) is fine
     (lambda d: d.update(mlp=-1e-4), "'mlp' must be > 0"),
     (lambda d: d.update(allreduce=-1e-6), "'allreduce' is a cost"),
-    (lambda d: d["attention"].update(intercept=-1.0), "'attention' gives a time <= 0"),
-    (lambda d: d["verify"]["2"].update(intercept=-1.0), "'verify.2' gives a negative time"),
+    (lambda d: d["attention"].update(intercept=-0.1), "'attention' gives a time <= 0"),
+    (lambda d: d["verify"]["2"].update(intercept=-0.1), "'verify.2' gives a negative time"),
     (lambda d: d["samples"]["head"].__setitem__(0, -5e-4), "'samples.head' is a cost"),
     (lambda d: d["samples"]["attention"][0].__setitem__(1, -2e-4),
      "'samples.attention seconds' is a cost"),

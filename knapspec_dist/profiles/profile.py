@@ -279,8 +279,8 @@ def _parse(d: Any) -> LatencyProfile:
         allreduce=number("allreduce", d.get("allreduce", 0.0), cost=True),
         mode=mode,
     )
-    # A fit is linear: checking both ends of the contexts it prices checks every one between.
-    lo, hi = 1, profile.max_context
+    # A fit is linear: checking both ends of the measured contexts checks every one between.
+    lo, hi = int(min(n for n, _ in attention_samples)), profile.max_context
     if min(profile.attention_time(lo), profile.attention_time(hi)) <= 0:
         raise ValueError(f"'attention' gives a time <= 0 at the measured contexts "
                          f"(n = {lo} .. {hi}: slope {profile.attention.slope}, intercept "
