@@ -23,7 +23,8 @@ SHAPE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4,
          "intermediate": 16, "vocab": 32}
 
 
-def profile(batch: int = 1, spread: float | None = None, **samples) -> LatencyProfile:
+def profile(batch: int = 1, spread: float | None = None, load: list | None = None,
+            **samples) -> LatencyProfile:
     raw = {"attention": [[64, 2e-4], [256, 3e-4]], "mlp": [1e-4, 1e-4], "head": [5e-4, 5e-4],
            "verify": [[1, 64, 2e-3], [1, 256, 3e-3], [2, 64, 3e-3], [2, 256, 4e-3]], **samples}
     if spread is not None:  # what the profiler records: each point's (max - min) / median
@@ -31,7 +32,10 @@ def profile(batch: int = 1, spread: float | None = None, **samples) -> LatencyPr
                          "mlp": [[64, spread], [256, spread]],
                          "head": [[64, spread], [256, spread]],
                          "verify": [[q, n, spread] for q in (1, 2) for n in (64, 256)]}
-    return fit_profile(raw, device={"name": "cpu-x", "kind": "cpu", "threads": 2},
+    device = {"name": "cpu-x", "kind": "cpu", "threads": 2, "logical_cpus": 2}
+    if load is not None:
+        device["load_average"] = load
+    return fit_profile(raw, device=device,
                        model=dict(SHAPE), dtype="float32", batch=batch, tp=1,
                        torch_version="2", created="2025-01-01")
 
@@ -76,7 +80,7 @@ def test_a_profile_measured_on_a_busy_machine_is_used_not_cached(tmp_path, monke
     monkeypatch.setenv("KNAPSPEC_PROFILES", str(tmp_path / "repo"))
     monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("KNAPSPEC_PROFILE_MAX_SPREAD", raising=False)
-    device = {"name": "cpu-x", "kind": "cpu", "threads": 2}
+    device = {"name": "cpu-x", "kind": "cpu", "threads": 2, "logical_cpus": 2}
     busy = profile(spread=1.5)  # repeats differed by 1.5x their median
     with caplog.at_level(logging.WARNING, logger="knapspec_dist.profiles.store"):
         choice = store.resolve(None, [device], SHAPE, "float32",
@@ -85,9 +89,17 @@ def test_a_profile_measured_on_a_busy_machine_is_used_not_cached(tmp_path, monke
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
     warned = [r for r in caplog.records if "not kept" in r.getMessage()]
     assert len(warned) == 1 and "busy" in warned[0].getMessage()
-    assert "1.50" in warned[0].getMessage() and "0.50" in warned[0].getMessage()
+    assert "1.50" in warned[0].getMessage() and "0.25" in warned[0].getMessage()
 
-    steady = profile(spread=0.05)
+    loaded_cpu = profile(spread=0.05, load=[5.5, 5.9])  # steady repeats, but a busy CPU
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="knapspec_dist.profiles.store"):
+        choice = store.resolve(None, [device], SHAPE, "float32",
+                               measure=lambda contexts, mode: loaded_cpu, need=256)
+    assert choice.path is None and not (tmp_path / "cache").exists()
+    assert any("load average was 5.9 on 2 CPUs" in r.getMessage() for r in caplog.records)
+
+    steady = profile(spread=0.05, load=[0.2, 0.3])
     kept = store.resolve(None, [device], SHAPE, "float32",
                          measure=lambda contexts, mode: steady, need=256)
     assert kept.path and (tmp_path / "cache" / f"{steady.key()}.json").is_file()
@@ -110,7 +122,7 @@ def test_the_profiler_records_each_points_relative_spread():
 
 
 def test_the_batch_profile_note_is_logged_once_per_process_at_info(caplog, monkeypatch):
-    monkeypatch.setattr(batching, "_NOTED", set())
+    monkeypatch.setattr(batching, "_NOTED", set(), raising=False)  # (main: no such set)
     with caplog.at_level(logging.DEBUG, logger="knapspec_dist.profiles.batching"):
         for _ in range(3):  # every shard (and every job) builds its own pricing
             pricing = BatchPricing([profile(batch=1)])
