@@ -75,7 +75,8 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
                     label="baseline pass, ar" if i == 0 else None)
     ax1.set_title(data["title"], fontsize=10)
     ax1.set_ylabel("tokens/s per row")
-    ax1.set_ylim(bottom=0)
+    rates = [y for _, y in data["rows"]] + [y for p in data["pairs"] for y in p[1:]]
+    ax1.set_ylim(0, max(rates) * 1.15 if rates else 1)  # room for the markers
     if data["rows"] or data["pairs"]:
         ax1.legend(loc="best", fontsize=8)
     else:
