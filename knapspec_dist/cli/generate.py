@@ -59,13 +59,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def prompt_texts(prompts: list[str], files: list[str]) -> list[str]:
-    """The ``--prompt`` texts, then the ``--prompt-file`` contents; at least one."""
+    """The ``--prompt`` texts, then the ``--prompt-file`` contents (UTF-8); at least one."""
     texts = list(prompts)
     for path in files:
         try:
-            texts.append(Path(path).read_text())
+            raw = Path(path).read_bytes()
         except OSError as e:
             raise UserError(f"cannot read prompt file {path!r}: {e.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {path!r} is not valid UTF-8: {e.reason} (byte "
+                            f"0x{raw[e.start:e.start + 1].hex()} at offset {e.start}); "
+                            "save it as UTF-8") from None
+        texts.append(text.replace("\r\n", "\n").replace("\r", "\n"))  # as read_text() did
     if not texts:
         raise UserError("give --prompt or --prompt-file (each may repeat)")
     return texts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from knapspec_dist.cli.common import (
     add_engine_args,
@@ -23,6 +24,7 @@ from knapspec_dist.jobs import (
     report,
     run_job,
 )
+from knapspec_dist.jobs.termination import exit_code
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +43,14 @@ def cmd_job(args: argparse.Namespace) -> int:
         logging.getLogger("knapspec_dist.jobs").setLevel(logging.INFO)
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = run_job(config_from_args(args, "summarize"))  # UserError: handled by main
-    emit(report(result))
-    return 0
+    return _stoppable(args, "summarize")  # UserError: handled by cli/main.py
 
 
 def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
     """``jobs/summarize.py`` / ``jobs/generate.py``: exit 0 when done (rows may have errors),
-    2 on a user error (one ``error:`` line), 143 when terminated (SIGTERM), 1 when the job
-    could not finish otherwise; resubmit to continue in the last two cases."""
+    2 on a user error (one ``error:`` line), 143 when terminated (SIGTERM), 130 when
+    interrupted (SIGINT, Ctrl-C), 1 when the job could not finish otherwise; resubmit to
+    continue in the last three cases."""
     parser = argparse.ArgumentParser(
         prog=f"{mode}.py",
         description="Summarize documents from Parquet with KnapSpec on Ray" if mode == "summarize"
@@ -64,15 +65,30 @@ def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
 
 def _run(args: argparse.Namespace, mode: str) -> int:
     try:
-        result = run_job(config_from_args(args, mode))
+        return _stoppable(args, mode)
     except UserError as e:
         emit(f"error: {e}", error=True)
         return 2
-    except JobTerminated:
-        log.warning("terminated; the rows written so far are kept: resubmit to continue")
-        return 143
+
+
+def _stoppable(args: argparse.Namespace, mode: str) -> int:
+    """The job and its report; SIGTERM / SIGINT end it with one warning line (the rows
+    written so far are kept) and exit 143 / 130, as the shell reports a signal."""
+    try:
+        result = run_job(config_from_args(args, mode))
+    except JobTerminated as e:
+        return _stopped(e.signum)
+    except KeyboardInterrupt:  # Ctrl-C before the job's handler was in place, or a second one
+        return _stopped(signal.SIGINT)
     emit(report(result))
     return 0
+
+
+def _stopped(signum: int) -> int:
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    log.warning("%s (%s): the finished rows are written and kept; run the same job again to "
+                "continue", what, signal.Signals(signum).name)
+    return exit_code(signum)
 
 
 def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:

@@ -22,6 +22,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
+from knapspec_dist.profiles.store import unsteady
 from knapspec_dist.runtime.engine import Engine
 
 
@@ -141,6 +142,14 @@ def summary(profile: LatencyProfile, path: Path | str, seconds: float) -> str:
              f"  t_attn(n) = {a.slope * 1e6:.4f} us * n + {a.intercept * 1e3:.4f} ms",
              f"  t_mlp     = {profile.mlp * 1e3:.4f} ms",
              f"  t_head    = {profile.head * 1e3:.4f} ms"]
+    spread = profile.spread()
+    if spread is not None:
+        lines.append(f"  repeats' relative spread (max - min) / median: {spread:.2f}, median over "
+                     f"the points")
+    busy = unsteady(profile)
+    if busy:
+        lines.append(f"  busy machine: {busy}; a job would not cache this profile: measure "
+                     f"again on an idle machine")
     load = profile.device.get("load_average")
     if load:
         lines.append(f"  load average while measuring: {load[0]} -> {load[1]} "

@@ -8,8 +8,13 @@ a URI any pyarrow filesystem reads (``s3://``, ``gs://``, ``hdfs://``, ``file://
 File-level problems raise :class:`~knapspec_dist.errors.UserError` with a message that
 names the file and the fix: nothing found, a file that is not Parquet, a missing column, a
 column of the wrong type, a null id, duplicate ids, no rows.  Row-level problems (a null or
-empty text, a prompt too long for the context window) are not checked here: they become
-that row's ``error`` (see :mod:`.prompts`).
+empty text, a text that is not valid UTF-8, a prompt too long for the context window) are
+not checked here: they become that row's ``error`` (see :mod:`.prompts`).
+
+Text columns are strings, or binary columns holding UTF-8 text (decoded row by row).  A
+value that is not valid UTF-8 (Parquet does not check the bytes of a string column, so such
+files exist) is kept as its raw ``bytes``; :class:`~.prompts.PromptBuilder` turns it into
+that row's error and the other rows run.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class InputRows:
 
     files: list[str]
     ids: list  # python values of the id column, input order
-    texts: list  # str | None, same order
+    texts: list  # str | None, same order; bytes: a value that is not valid UTF-8
     id_type: pa.DataType
 
     def __len__(self) -> int:
@@ -51,7 +56,12 @@ class InputRows:
         digest = hashlib.sha256()
         for row_id, text in zip(self.ids, self.texts):
             digest.update(repr(row_id).encode())
-            digest.update(b"\0" if text is None else b"\1" + text.encode("utf-8", "replace"))
+            if text is None:
+                digest.update(b"\0")
+            elif isinstance(text, bytes):  # not valid UTF-8: hashed as it is
+                digest.update(b"\2" + text)
+            else:
+                digest.update(b"\1" + text.encode("utf-8", "replace"))
             digest.update(b"\n")
         fs, path = filesystem_and_path(spec)
         where = path if isinstance(fs, pafs.LocalFileSystem) else spec
@@ -175,7 +185,31 @@ def read_input(spec: str, id_column: str, text_column: str) -> InputRows:
                         f"{examples}: ids must be unique (they key checkpoints and resume)")
     log.info("input: %d rows from %d file(s)", table.num_rows, len(files))
     return InputRows(files=files, ids=ids.to_pylist(),
-                     texts=table.column(text_column).to_pylist(), id_type=ids.type)
+                     texts=_texts(table.column(text_column)), id_type=ids.type)
+
+
+def _texts(column: pa.ChunkedArray) -> list:
+    """The (binary, see ``_check_types``) text column as python values: str, None, or the raw
+    bytes of a value that is not valid UTF-8 (that row's error, not the job's)."""
+    out: list = []
+    for value in column.to_pylist():
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            out.append(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(bytes(value))
+    return out
+
+
+def _as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A string / binary column (large or not) as binary, its bytes unchecked: pyarrow does
+    not validate a string column's UTF-8 on read, and a cast or ``to_pylist`` would fail the
+    whole file on its first bad value; ``_texts`` decodes row by row instead."""
+    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+    chunks = [c.view(views[c.type]) if c.type in views else c for c in column.chunks]
+    return pa.chunked_array([c.cast(pa.binary()) for c in chunks], type=pa.binary())
 
 
 def _check_types(table: pa.Table, path: str, id_column: str, text_column: str) -> pa.Table:
@@ -197,11 +231,11 @@ def _check_types(table: pa.Table, path: str, id_column: str, text_column: str) -
         table = table.set_column(table.schema.get_field_index(text_column), text_column,
                                  table.column(text_column).cast(text_type))
     if pa.types.is_null(text_type):  # every value null: row-level errors, not a file error
-        table = table.set_column(table.schema.get_field_index(text_column), text_column,
-                                 table.column(text_column).cast(pa.string()))
-    elif pa.types.is_large_string(text_type):
-        table = table.set_column(table.schema.get_field_index(text_column), text_column,
-                                 table.column(text_column).cast(pa.string()))
-    elif not pa.types.is_string(text_type):
-        raise UserError(f"{path}: column {text_column!r} has type {text_type}; expected strings")
-    return table
+        column = table.column(text_column).cast(pa.binary())
+    elif (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
+          or pa.types.is_binary(text_type) or pa.types.is_large_binary(text_type)):
+        column = _as_binary(table.column(text_column))
+    else:
+        raise UserError(f"{path}: column {text_column!r} has type {text_type}; expected strings "
+                        "(or binary UTF-8 text)")
+    return table.set_column(table.schema.get_field_index(text_column), text_column, column)

@@ -1,4 +1,10 @@
-"""``speedup.png``: speedup and acceptance by context length, from the summary and the rows.
+"""``speedup.png``: what the job measured, by prompt length, from the summary and the rows.
+
+Top: every ok row of the main pass, its tokens per second (``tokens_per_s``: the row's
+generated tokens over its own wall time) against its prompt length, with the baseline
+pair(s) marked: the same row in the strategy's baseline pass and in ``ar``'s, joined by a
+line, and the measured speedup (labelled as noise when both passes decoded plainly) in the
+title.  Bottom: draft acceptance by prompt length.  :func:`plot_data` is what is drawn.
 
 The only module of the package that imports matplotlib (with its file-only Agg backend).
 """
@@ -17,44 +23,77 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
 
-def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
-               write_bytes: Callable[[bytes], None], again: pa.Table | None = None) -> None:
-    """``speedup.png``: speedup (baseline rows: the strategy's baseline pass against ar's)
-    and acceptance by context length."""
+def plot_data(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
+              again: pa.Table | None = None) -> dict:
+    """The series of ``speedup.png``: ``rows`` [(prompt tokens, tokens/s)] per ok main-pass
+    row; ``pairs`` [(prompt tokens, strategy tokens/s, ar tokens/s)] per baseline row ok in
+    both baseline passes; ``acceptance`` [(prompt tokens, rate)] per drafting row; the
+    per-bucket ``acceptance_buckets``; and the ``title``."""
     out = [r for r in rows.to_pylist() if r["error"] is None]
     base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
     rerun = [] if again is None else [r for r in again.to_pylist() if r["error"] is None]
-    xs = [r["num_input_tokens"] for r in rerun if r[id_column] in base
-          and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
-    ys = [r["tokens_per_s"] / base[r[id_column]]["tokens_per_s"] for r in rerun
-          if r[id_column] in base and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
-    ax1.scatter(xs, ys, s=24, alpha=0.7, label="baseline rows")
-    bx = [b["mean_input_tokens"] for b in summary["buckets"] if b["baseline"]["speedup"]]
-    by = [b["baseline"]["speedup"] for b in summary["buckets"] if b["baseline"]["speedup"]]
-    ax1.plot(bx, by, "s-", color="C1", label="per length bucket")
-    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    points = [(r["num_input_tokens"], r["tokens_per_s"]) for r in out
+              if r["num_input_tokens"] and r["tokens_per_s"]]
+    pairs = [(r["num_input_tokens"], r["tokens_per_s"], base[r[id_column]]["tokens_per_s"])
+             for r in rerun if r[id_column] in base and r["num_input_tokens"]
+             and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
     sp = summary["baseline"]
-    title = (f"speedup vs ar: {sp['speedup']:.2f}x on {sp['rows']} row(s)" if sp["speedup"]
-             else "speedup vs ar: no baseline rows")
-    ax1.set_title(f"{summary['job'].get('strategy')} on {summary['job'].get('model')}: {title}")
-    ax1.set_ylabel("speedup (tokens/s ratio)")
-    ax1.legend(loc="best", fontsize=8)
-    drafting = [r for r in out if r["drafted"]]  # acceptance is undefined without drafts
-    ax2.scatter([r["num_input_tokens"] for r in drafting],
-                [r["acceptance_rate"] for r in drafting], s=16, alpha=0.6, label="rows")
-    ax2.plot([b["mean_input_tokens"] for b in summary["buckets"]
-              if b["acceptance_rate"] is not None],
-             [b["acceptance_rate"] for b in summary["buckets"] if b["acceptance_rate"] is not None],
-             "s-", color="C1", label="per length bucket")
+    if sp["speedup"]:
+        title = f"speedup vs ar: {sp['speedup']:.2f}x on {sp['rows']} row(s)"
+        if sp.get("note"):
+            title += "\n(both passes decoded plainly: run-to-run noise, not a speedup)"
+    else:
+        title = "speedup vs ar: no baseline rows"
+    job = summary["job"]
+    return {
+        "rows": points,
+        "pairs": pairs,
+        "acceptance": [(r["num_input_tokens"], r["acceptance_rate"]) for r in out
+                       if r["drafted"] and r["num_input_tokens"]],
+        "acceptance_buckets": [(b["mean_input_tokens"], b["acceptance_rate"])
+                               for b in summary["buckets"] if b["acceptance_rate"] is not None],
+        "title": f"{job.get('strategy')} on {job.get('model')}: {title}",
+        "strategy": job.get("strategy"),
+        "note": summary["acceptance"].get("note"),
+    }
+
+
+def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
+               write_bytes: Callable[[bytes], None], again: pa.Table | None = None) -> dict:
+    """Draw :func:`plot_data` into ``speedup.png`` (through ``write_bytes``); returns the
+    data drawn."""
+    data = plot_data(summary, rows, baseline, id_column, again)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    if data["rows"]:
+        ax1.scatter(*zip(*data["rows"]), s=18, alpha=0.6, color="C0",
+                    label=f"rows, main pass ({data['strategy']})")
+    for i, (n, spec, ar) in enumerate(data["pairs"]):
+        ax1.plot([n, n], [spec, ar], color="grey", lw=0.8)
+        ax1.scatter([n], [spec], marker="^", s=60, color="C2", zorder=3,
+                    label=f"baseline pass, {data['strategy']}" if i == 0 else None)
+        ax1.scatter([n], [ar], marker="v", s=60, color="C3", zorder=3,
+                    label="baseline pass, ar" if i == 0 else None)
+    ax1.set_title(data["title"], fontsize=10)
+    ax1.set_ylabel("tokens/s per row")
+    rates = [y for _, y in data["rows"]] + [y for p in data["pairs"] for y in p[1:]]
+    ax1.set_ylim(0, max(rates) * 1.15 if rates else 1)  # room for the markers
+    if data["rows"] or data["pairs"]:
+        ax1.legend(loc="best", fontsize=8)
+    else:
+        ax1.text(0.5, 0.5, "no rows generated", transform=ax1.transAxes, ha="center",
+                 color="grey")
+    if data["acceptance"]:
+        ax2.scatter(*zip(*data["acceptance"]), s=16, alpha=0.6, label="rows")
+    if data["acceptance_buckets"]:
+        ax2.plot(*zip(*data["acceptance_buckets"]), "s-", color="C1", label="per length bucket")
+        ax2.legend(loc="best", fontsize=8)
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("draft acceptance rate")
     ax2.set_xlabel("prompt tokens")
-    ax2.legend(loc="best", fontsize=8)
-    if not drafting:
-        ax2.text(0.5, 0.5, "no drafted tokens", transform=ax2.transAxes, ha="center",
-                 color="grey")
-    lengths = [r["num_input_tokens"] for r in out if r["num_input_tokens"]]
+    if not data["acceptance"]:
+        ax2.text(0.5, 0.5, data["note"] or "no drafted tokens", transform=ax2.transAxes,
+                 ha="center", color="grey", fontsize=9, wrap=True)
+    lengths = [n for n, _ in data["rows"]] + [n for n, _, _ in data["pairs"]]
     if lengths:  # all panels share the x axis: the prompt lengths of the rows
         ax2.set_xscale("log", base=2)
         ax2.set_xlim(min(lengths) / 1.25, max(lengths) * 1.25)
@@ -66,3 +105,4 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     write_bytes(buf.getvalue())
+    return data

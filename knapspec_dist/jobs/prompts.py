@@ -65,6 +65,8 @@ class PromptBuilder:
     def build(self, index: int, row_id, text) -> Prompt:
         if text is None:
             return Prompt(index, row_id, None, error=f"{self.column!r} is null")
+        if isinstance(text, bytes):  # jobs/inputs.py keeps a value that is not UTF-8 as bytes
+            return Prompt(index, row_id, None, error=utf8_error(self.column, text))
         if not isinstance(text, str) or not text.strip():
             return Prompt(index, row_id, None, error=f"{self.column!r} is empty")
         ids = self.encode(text)
@@ -95,6 +97,17 @@ class PromptBuilder:
                 return ids
             keep -= max(len(ids) - self.limit, 1)
         return None
+
+
+def utf8_error(column: str, raw: bytes) -> str:
+    """The row error of a value that is not valid UTF-8: where the first bad byte is."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = raw[e.start:e.end]
+        return (f"{column!r} is not valid UTF-8: {e.reason} (byte 0x{bad[:1].hex()} at offset "
+                f"{e.start} of {len(raw)}); re-encode the text column as UTF-8")
+    return f"{column!r} is not valid UTF-8"
 
 
 def choose_baseline(prompts: list[Prompt], fraction: float) -> set:

@@ -22,8 +22,11 @@ def report(result: JobResult) -> str:
                      f"without prefill), mean batch {tp['mean_batch'] or 0:.1f} of "
                      f"{tp['max_num_seqs']}"
                      + (f", acceptance {acc:.2f}" if acc is not None else ""))
+    if s["acceptance"].get("note"):
+        lines.append(s["acceptance"]["note"])
     if base["speedup"]:
-        lines.append(f"speedup vs ar: {base['speedup']:.2f}x measured on {base['rows']} "
+        note = f" ({base['note']})" if base.get("note") else ""
+        lines.append(f"speedup vs ar: {base['speedup']:.2f}x{note}, measured on {base['rows']} "
                      f"baseline row(s), both passes at mean batch "
                      f"{base['strategy_mean_batch'] or 0:.1f} / {base['ar_mean_batch'] or 0:.1f} "
                      f"(identical tokens: {base['identical_tokens']}/{base['rows']})")

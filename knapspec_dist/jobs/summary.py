@@ -22,6 +22,10 @@ all its runs.  Definitions (all over rows without an error):
   baseline rows whose tokens *in the job's output* equal ``ar``'s (with greedy decoding every
   one must: the method is lossless).
 * buckets: rows grouped by prompt length (``num_input_tokens``) at powers of two.
+* notes, present only when they apply: ``acceptance.note`` when a drafting strategy drafted
+  no token in any ok row (it chose plain decoding throughout: no subnet paid on this
+  hardware); ``baseline.note`` when the strategy's baseline pass drafted nothing either, so
+  ``speedup`` compares two plain-decoding passes: run-to-run noise, not a speedup.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ _KINDS = [
     (re.compile(r"prompt has \d+ tokens and cannot be cut"), "prompt too long to truncate"),
     (re.compile(r"replica failed \d+ time"), "replica failed while generating"),
     (re.compile(r"('[^']*') is (null|empty)$"), None),  # the message is its kind
-    (re.compile(r"([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)):"), "exception"),
+    (re.compile(r"('[^']*' is not valid UTF-8)"), "group"),
+    (re.compile(r"([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)):"), "group"),
 ]
 
 
@@ -69,7 +74,7 @@ def error_kind(message: str) -> str:
     for pattern, kind in _KINDS:
         m = pattern.match(message)
         if m:
-            return m.group(1) if kind == "exception" else (kind or message)
+            return m.group(1) if kind == "group" else (kind or message)
     return re.sub(r"\d+", "N", message.split(";")[0].split(":")[0])[:120]
 
 
@@ -124,6 +129,24 @@ def _acceptance(rows: list[dict]) -> dict:
             "selections": sum(r["selections"] or 0 for r in rows)}
 
 
+#: ``baseline.note`` when both baseline passes decoded plainly.
+NOISE_NOTE = "both passes decoded plainly: this is run-to-run noise, not a speedup"
+
+
+def plain_note(strategy: str) -> str:
+    """``acceptance.note`` when a drafting strategy drafted nothing."""
+    return f"{strategy} chose plain decoding for every row: no subnet paid on this hardware"
+
+
+def _acceptance_of_job(ok: list[dict], strategy: str | None) -> dict:
+    """``_acceptance`` of the job's ok rows, with ``note`` when a drafting strategy drafted
+    nothing at all."""
+    acc = _acceptance(ok)
+    if ok and strategy not in (None, "ar") and not acc["drafted"]:
+        acc["note"] = plain_note(strategy)
+    return acc
+
+
 def _speedup(pairs: list[tuple[dict, dict]], lossless: list[tuple[dict, dict]]) -> dict:
     """pairs: (the job's strategy row from the baseline pass, ar row) of the same id, both
     ok; lossless: (the job's own row, ar row)."""
@@ -134,9 +157,13 @@ def _speedup(pairs: list[tuple[dict, dict]], lossless: list[tuple[dict, dict]]) 
     spec, ar = throughput([p[0] for p in pairs]), throughput([p[1] for p in pairs])
     per_row = [s["tokens_per_s"] / a["tokens_per_s"] for s, a in pairs
                if s["tokens_per_s"] and a["tokens_per_s"]]
+    speedup = _ratio(spec["tokens_per_s"], ar["tokens_per_s"])
+    noise = {"note": NOISE_NOTE} if speedup is not None and not any(
+        p[0]["drafted"] for p in pairs) else {}
     return {
         "rows": len(pairs),
-        "speedup": _ratio(spec["tokens_per_s"], ar["tokens_per_s"]),
+        "speedup": speedup,
+        **noise,
         "decode_speedup": _ratio(spec["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
         "strategy_tokens_per_s": spec["tokens_per_s"],
         "ar_tokens_per_s": ar["tokens_per_s"],
@@ -197,7 +224,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
         "row_tokens_per_s": _throughput(ok) if ok else None,
         "throughput": throughput(ok, run.get("max_num_seqs")),
         "generation_seconds": sum(r["time_taken_llm"] for r in ok),
-        "acceptance": _acceptance(ok),
+        "acceptance": _acceptance_of_job(ok, job.get("strategy")),
         "baseline": {"strategy": "ar", **_speedup(pairs, lossless)},
         "buckets": buckets,
         "run": run,

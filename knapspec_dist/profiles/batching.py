@@ -4,8 +4,9 @@ A batched round is priced at the batch it runs: on a GPU a decode step costs abo
 batch 1 and 32 (weights dominate) while KV reads grow with the batch; on a CPU the step is
 compute-bound and grows with it. Profiles are measured per batch size (``knapspec profile
 --batch B``); between two measured sizes every fitted coefficient is interpolated linearly.
-Outside the measured range the nearest measured size is used, and said once in the log
-(never extrapolated silently).
+Outside the measured range the nearest measured size is used, and said once per process
+in the log at INFO (never extrapolated silently; it is a fact about the stored profiles, not
+a fault of the job, and every shard and round would otherwise repeat it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from dataclasses import replace
 from knapspec_dist.profiles.profile import LatencyProfile, LinearFit
 
 log = logging.getLogger(__name__)
+
+#: (batch, measured batches) already noted in this process: each note is logged once.
+_NOTED: set[tuple[int, tuple[int, ...]]] = set()
 
 
 def _mix(a: float, b: float, w: float) -> float:
@@ -50,7 +54,6 @@ class BatchPricing:
         self.batches = sorted(by_batch)
         self.profiles = [by_batch[b] for b in self.batches]
         self._cache: dict[int, LatencyProfile] = {}
-        self._warned: set[int] = set()
 
     @property
     def base(self) -> LatencyProfile:
@@ -68,10 +71,11 @@ class BatchPricing:
             found = interpolate(self.profiles[i - 1], self.profiles[i], batch)
         else:
             found = self.profiles[0 if i == 0 else -1]
-            if batch not in self._warned:
-                self._warned.add(batch)
-                log.warning("no latency profile at batch %d (measured: %s); pricing it as "
-                            "batch %d. Measure one with `knapspec profile --batch %d`", batch,
-                            self.batches, found.batch, batch)
+            note = (batch, tuple(self.batches))
+            if note not in _NOTED:
+                _NOTED.add(note)
+                log.info("no latency profile at batch %d (measured: %s); pricing it as "
+                         "batch %d. Measure one with `knapspec profile --batch %d`", batch,
+                         self.batches, found.batch, batch)
         self._cache[batch] = found
         return found

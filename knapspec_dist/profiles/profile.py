@@ -4,6 +4,14 @@ The profile is the only source of the knapsack weights and of the TPT search's l
 so it keeps its raw samples next to the fitted coefficients: a stored profile can be refitted
 and audited. Measuring is done elsewhere; this module only fits, queries and (de)serializes.
 
+Every cost is refused when negative (the knapsack weights and the TPT model assume times
+>= 0): ``mlp`` and the attention cost at the measured contexts must be > 0, ``head``,
+``allreduce``, every raw sample and every verify fit over the measured contexts >= 0.
+
+``samples["spread"]`` (when the profiler recorded it) holds, per measured point, the
+relative spread ``(max - min) / median`` of its repeated timings; :meth:`LatencyProfile.spread`
+is the median of it over the points, what profiles/store.py checks before caching a profile.
+
 Conventions: all times are seconds. ``attention`` and ``mlp`` are the cost of one sublayer as
 run by the engine, including its all-reduce when tp > 1 (so a skipped sublayer saves it);
 ``allreduce`` is that all-reduce alone, kept for reporting and never added a second time.
@@ -62,6 +70,17 @@ class LatencyProfile:
     verify: dict[int, LinearFit]  # q -> t_verify(q, n), fit over n
     allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
     mode: str = "eager"  # execution mode of the measured forwards: "eager" or "graph"
+
+    def spread(self) -> float | None:
+        """How much the repeated timings of the measured points disagreed: the median over
+        the points (attention, mlp and head per context, verify per (q, context)) of each
+        point's relative spread ``(max - min) / median`` of its repeats; None when the
+        profile does not record it (made by hand, or measured before it was recorded)."""
+        recorded = self.samples.get("spread")
+        if not recorded:
+            return None
+        values = [row[-1] for rows in recorded.values() for row in rows]
+        return float(statistics.median(values)) if values else None
 
     @property
     def max_context(self) -> int:
@@ -174,12 +193,26 @@ def _parse(d: Any) -> LatencyProfile:
             raise ValueError(f"{key!r} must be an object, got {json.dumps(value)}")
         return value
 
-    def number(key: str, value: Any, positive: bool = False) -> float:
+    def number(key: str, value: Any, positive: bool = False, cost: bool = False) -> float:
+        """positive: > 0; cost: a time, >= 0 (a negative cost is as wrong as a zero mlp)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{key!r} must be a finite number, got {json.dumps(value)}")
         if positive and value <= 0:
             raise ValueError(f"{key!r} must be > 0, got {value}")
+        if cost and value < 0:
+            raise ValueError(f"{key!r} is a cost and must be >= 0, got {value}")
         return float(value)
+
+    def rows(key: str, value: Any, width: int) -> list:
+        """A list of ``width``-long rows of numbers, the last one a cost (seconds)."""
+        if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == width
+                                                  for r in value):
+            raise ValueError(f"{key!r} must be a list of {width}-number rows")
+        for row in value:
+            for x in row[:-1]:
+                number(f"{key} key", x)
+            number(f"{key} seconds", row[-1], cost=True)
+        return value
 
     def integer(key: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -210,7 +243,20 @@ def _parse(d: Any) -> LatencyProfile:
         raise ValueError("'samples.attention' must be a non-empty list of [n, seconds]")
     for n, t in attention_samples:
         number("samples.attention n", n, positive=True)
-        number("samples.attention seconds", t)
+        number("samples.attention seconds", t, cost=True)
+    for key in ("mlp", "head"):
+        if key in samples:
+            if not isinstance(samples[key], list):
+                raise ValueError(f"'samples.{key}' must be a list of seconds")
+            for t in samples[key]:
+                number(f"samples.{key}", t, cost=True)
+    for key, width in (("verify", 3), ("allreduce", 2)):
+        if key in samples:
+            rows(f"samples.{key}", samples[key], width)
+    if "spread" in samples:
+        spread = obj("samples.spread", samples["spread"])
+        for key, value in spread.items():
+            rows(f"samples.spread.{key}", value, 3 if key == "verify" else 2)
     mode = d.get("mode", "eager")
     if mode not in MODES:
         raise ValueError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}")
@@ -228,13 +274,21 @@ def _parse(d: Any) -> LatencyProfile:
         samples=dict(samples),
         attention=fit("attention", d["attention"]),
         mlp=number("mlp", d["mlp"], positive=True),
-        head=number("head", d["head"]),
+        head=number("head", d["head"], cost=True),
         verify=verify,
-        allreduce=number("allreduce", d.get("allreduce", 0.0)),
+        allreduce=number("allreduce", d.get("allreduce", 0.0), cost=True),
         mode=mode,
     )
-    if profile.attention_time(profile.max_context) <= 0:
-        raise ValueError("'attention' gives a time <= 0 at the measured contexts")
+    # A fit is linear: checking both ends of the measured contexts checks every one between.
+    lo, hi = int(min(n for n, _ in attention_samples)), profile.max_context
+    if min(profile.attention_time(lo), profile.attention_time(hi)) <= 0:
+        raise ValueError(f"'attention' gives a time <= 0 at the measured contexts "
+                         f"(n = {lo} .. {hi}: slope {profile.attention.slope}, intercept "
+                         f"{profile.attention.intercept})")
+    for q, f in verify.items():
+        if min(f(lo), f(hi)) < 0:
+            raise ValueError(f"'verify.{q}' gives a negative time at the measured contexts "
+                             f"(n = {lo} .. {hi}: slope {f.slope}, intercept {f.intercept})")
     return profile
 
 
@@ -300,6 +354,9 @@ def _normalize_samples(samples: dict[str, Any]) -> dict[str, Any]:
     for k in ("attention", "verify", "allreduce"):
         if k in samples:
             out[k] = [[float(v) for v in row] for row in samples[k]]
+    if samples.get("spread"):
+        out["spread"] = {k: [[float(v) for v in row] for row in rows]
+                         for k, rows in samples["spread"].items()}
     return out
 
 

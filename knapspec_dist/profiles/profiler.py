@@ -33,7 +33,10 @@ over all contexts instead of spoiling one), at each n:
   hooked sum above.
 
 Every shape is run ``warmup`` times first (allocator, oneDNN / cuBLAS kernel choice); the
-stored sample of each (kind, n[, q]) is the median of ``repeats`` timings. With a process
+stored sample of each (kind, n[, q]) is the median of ``repeats`` timings, and
+``samples["spread"]`` records each point's relative spread ``(max - min) / median`` of those
+timings (MAX over the ranks under TP): repeats that disagree mean the machine was busy, and
+profiles/store.py then uses the profile for the run but does not cache it (``SPREAD_LIMIT``). With a process
 group of more than one rank (tensor parallelism) every rank measures, samples are reduced
 with MAX (a replica runs at its slowest rank's pace), and ``measure_allreduce`` adds the
 all-reduce cost at the message sizes decoding uses.
@@ -315,24 +318,40 @@ def _timings(sampler: _Sampler, contexts: list[int], qs: list[int], warmup: int,
     return raw
 
 
+def relative_spread(timings: Sequence[float]) -> float:
+    """``(max - min) / median`` of one point's repeated timings (0 for one timing, or when
+    the median is 0)."""
+    med = _median(timings)
+    return float((max(timings) - min(timings)) / med) if med > 0 else 0.0
+
+
 def _samples(raw: dict[str, dict], contexts: list[int], qs: list[int], tp: int,
              group) -> dict[str, Any]:
     """``fit_profile``'s samples: the median of each point's timings, MAX over the ranks of
-    a tensor-parallel group."""
-    attn_s = [_median(raw["attention"][n]) for n in contexts]
-    mlp_s = [_median(raw["mlp"][n]) for n in contexts]
-    head_s = [_median(raw["head"][n]) for n in contexts]
+    a tensor-parallel group; ``spread``: each point's relative spread (MAX over the ranks)."""
     ver_keys = [(q, n) for n in contexts for q in qs]
-    ver_s = [_median(raw["verify"][k]) for k in ver_keys]
+    series = [raw["attention"][n] for n in contexts] + [raw["mlp"][n] for n in contexts] \
+        + [raw["head"][n] for n in contexts] + [raw["verify"][k] for k in ver_keys]
+    values = [_median(t) for t in series]
+    spreads = [relative_spread(t) for t in series]
     if tp > 1:
-        merged = _max_over_ranks(attn_s + mlp_s + head_s + ver_s, group)
-        k = len(contexts)
-        attn_s, mlp_s, head_s, ver_s = merged[:k], merged[k:2 * k], merged[2 * k:3 * k], merged[3 * k:]
+        merged = _max_over_ranks(values + spreads, group)
+        values, spreads = merged[:len(series)], merged[len(series):]
+    k = len(contexts)
+
+    def split(xs):
+        return xs[:k], xs[k:2 * k], xs[2 * k:3 * k], xs[3 * k:]
+    attn_s, mlp_s, head_s, ver_s = split(values)
+    attn_d, mlp_d, head_d, ver_d = split(spreads)
     return {
         "attention": [[n, s] for n, s in zip(contexts, attn_s)],
         "mlp": mlp_s,
         "head": head_s,
         "verify": [[q, n, s] for (q, n), s in zip(ver_keys, ver_s)],
+        "spread": {"attention": [[n, d] for n, d in zip(contexts, attn_d)],
+                   "mlp": [[n, d] for n, d in zip(contexts, mlp_d)],
+                   "head": [[n, d] for n, d in zip(contexts, head_d)],
+                   "verify": [[q, n, d] for (q, n), d in zip(ver_keys, ver_d)]},
     }
 
 
@@ -398,5 +417,6 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
                           dtype=dtype_name(dtype), batch=batch, tp=tp,
                           torch_version=torch.__version__,
                           created=datetime.date.today().isoformat(), mode=mode)
-    log.info("measured profile %s in %.1fs", profile.key(), time.perf_counter() - started)
+    log.info("measured profile %s in %.1fs (repeats' relative spread: median %.2f over the "
+             "points)", profile.key(), time.perf_counter() - started, profile.spread() or 0.0)
     return profile

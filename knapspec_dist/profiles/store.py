@@ -9,6 +9,15 @@ its measured contexts reach the longest context the run needs (when that is know
 does, one is measured (never guessed) and kept in the cache, so the next job, and the other
 replicas of a cluster sharing the cache, load it instead of measuring again.
 
+A measured profile is kept only when it was measured on a quiet machine: the median over
+its measured points of each point's relative spread ``(max - min) / median`` of the repeats
+(``LatencyProfile.spread``) must be at most ``SPREAD_LIMIT`` = 0.25, and on a CPU the
+1-minute load average the profiler recorded before and after must stay within
+``LOAD_LIMIT`` = 0.75 x the logical CPUs (the profiler's own busy-machine warning).
+``KNAPSPEC_PROFILE_MAX_SPREAD`` overrides the spread limit (``inf``: keep every measured
+profile, both checks off). A profile that fails either prices the run that measured it,
+with a WARNING, and is not cached, so it never prices a later job.
+
 ``--profile PATH`` names one file; it is checked completely when loaded and refused (one
 error line) when it is malformed or was measured for another model shape.
 """
@@ -30,6 +39,16 @@ from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import MODEL_KEYS, LatencyProfile
 
 log = logging.getLogger(__name__)
+
+#: The largest ``LatencyProfile.spread`` (median over the measured points of the repeats'
+#: ``(max - min) / median``) of a profile that is cached: above it the machine was busy.
+#: Repeats on an idle machine agree within a few percent; on a 2-core CPU shared with a
+#: load average of 5.5 they differed by 0.2 (median) and up to 0.7 of their median.
+SPREAD_LIMIT = 0.25
+
+#: A CPU profile measured at a 1-minute load average above this many times the logical
+#: CPUs is not cached (the same bound as the profiler's warning).
+LOAD_LIMIT = 0.75
 
 #: Context lengths a measurement covers, up to the longest the run needs (that one included).
 CONTEXT_STEPS = (64, 256, 1024, 4096, 16384, 65536)
@@ -145,10 +164,55 @@ def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
     return [found[b] for b in sorted(found)]
 
 
+def spread_limit() -> float:
+    """``SPREAD_LIMIT``, or ``KNAPSPEC_PROFILE_MAX_SPREAD`` when set (``inf``: keep every
+    measured profile)."""
+    env = os.environ.get("KNAPSPEC_PROFILE_MAX_SPREAD")
+    if not env:
+        return SPREAD_LIMIT
+    try:
+        return float(env)
+    except ValueError:
+        raise UserError(f"KNAPSPEC_PROFILE_MAX_SPREAD={env!r} is not a number") from None
+
+
+def unsteady(profile: LatencyProfile) -> str | None:
+    """Why the profile was measured on a busy machine, or None: its repeats' spread is above
+    ``spread_limit()``, or (a CPU) the load average it recorded is above ``LOAD_LIMIT`` x
+    the logical CPUs.  What a profile does not record counts as quiet."""
+    limit = spread_limit()
+    if limit == float("inf"):
+        return None
+    spread = profile.spread()
+    if spread is not None and spread > limit:
+        return (f"its repeated timings disagree (relative spread {spread:.2f}, median over the "
+                f"points, > {limit:.2f})")
+    load, cpus = profile.device.get("load_average"), profile.device.get("logical_cpus")
+    if (profile.device.get("kind") == "cpu" and isinstance(load, list) and load and cpus
+            and max(load) > LOAD_LIMIT * cpus):
+        return (f"the load average was {max(load):.1f} on {cpus} CPUs (> {LOAD_LIMIT} x the "
+                f"CPUs) while measuring")
+    return None
+
+
+def steady(profile: LatencyProfile) -> bool:
+    """Whether the profile was measured on a quiet machine (:func:`unsteady`)."""
+    return unsteady(profile) is None
+
+
 def keep(profile: LatencyProfile) -> str | None:
-    """Save a measured profile in the cache (atomically); its path, or None if that fails
-    (a read-only cache only costs a measurement next time)."""
+    """Save a measured profile in the cache (atomically); its path, or None when it is not
+    kept: its repeats disagree (the machine was busy; a WARNING says so, and the profile
+    still prices this run), or the cache cannot be written (a read-only cache only costs a
+    measurement next time)."""
     path = cache_profiles_dir() / f"{profile.key()}.json"
+    busy = unsteady(profile)
+    if busy:
+        log.warning("the latency profile measured now is used for this run but not kept in %s: "
+                    "%s, so the machine was busy. Measure again on an idle machine "
+                    "(`knapspec profile`) for later runs", path.parent, busy)
+        return None
+
     try:
         profile.save(path)
     except OSError as e:
@@ -206,7 +270,8 @@ def resolve(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, 
     if found is None:
         if len(names) == 1:
             log.warning("no latency profile in %s matches device %r, model %s, %s, batch 1, "
-                        "tp %d, %s%s: measuring one now (kept in %s for later runs)",
+                        "tp %d, %s%s: measuring one now (kept in %s for later runs if its repeats "
+                        "agree)",
                         " or ".join(map(str, search_dirs())), device.get("name"), shape, dtype,
                         tp, mode, f", contexts up to {need}" if need else "",
                         cache_profiles_dir())
