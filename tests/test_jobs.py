@@ -617,7 +617,7 @@ def test_output_dir_of_something_else_is_refused(tmp_path):
     write_input(tmp_path / "in.parquet", ["a"], docs_of([3]))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="not the output of a knapspec job"):
+    with pytest.raises(UserError, match="holds files but no job.json: not a knapspec job.s output"):
         run(job(tmp_path))
 
 
@@ -627,7 +627,7 @@ def test_part_writer_is_atomic_and_refuses_a_second_row_for_an_id(tmp_path):
     schema = output_schema("id", pa.string())
     w = PartWriter(out, "rows", schema, done_ids={"old"}, flush_rows=2, flush_seconds=1e9)
     w.add(result_row("id", "a", "ar", error="e"))
-    assert list((tmp_path / "o" / "rows").iterdir()) == []  # buffered
+    assert not list((tmp_path / "o").rglob("*.parquet"))  # buffered
     w.add(result_row("id", "b", "ar", error="e"))
     parts = list((tmp_path / "o" / "rows").iterdir())
     assert len(parts) == 1 and parts[0].name.startswith("part-")

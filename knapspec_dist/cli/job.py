@@ -152,6 +152,10 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                        help="... or this many seconds after the oldest unwritten one (default 10)")
     sched.add_argument("--stop-after", type=int, default=None,
                        help="stop after this run wrote N rows (resubmit to continue)")
+    sched.add_argument("--retry-failed", action="store_true",
+                       help="retry every failed row of the output (default: only the rows "
+                            "that failed for a retryable reason: out of memory, a lost or "
+                            "hung replica)")
     sched.add_argument("--progress-seconds", type=float, default=10.0,
                        help="seconds between progress log lines (default 10)")
     bar = sched.add_mutually_exclusive_group()
@@ -176,5 +180,6 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         max_num_seqs=args.max_num_seqs,
         max_attempts=args.max_attempts, row_timeout=args.row_timeout,
         checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
-        stop_after=args.stop_after, progress_seconds=args.progress_seconds,
+        stop_after=args.stop_after, retry_failed=args.retry_failed,
+        progress_seconds=args.progress_seconds,
         progress_bar=args.progress_bar)

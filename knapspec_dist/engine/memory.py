@@ -8,6 +8,12 @@ weights are loaded (CUDA: ``torch.cuda.mem_get_info``; CPU: half the available R
 being the process's working memory and the page cache), at least 1 and at most the cap: 256 on
 a GPU (vLLM's default), 16 on a CPU, where a step is compute-bound and larger batches add
 latency without throughput.
+
+A ``max_num_seqs`` the user gives is not capped at 16 or 256 (those are speed choices), but
+it must fit: ``rows_that_fit`` is the rule without the cap. The engine refuses a number
+that cannot fit even on an empty node before it starts a replica (runtime/setup.py's
+``check_batch_memory``, from the model config: ``kv_bytes_per_token_of``), and each shard
+caps what it was asked at what its free memory holds once its weights are loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ def kv_bytes_per_token(model) -> int:
     return 2 * model.cfg.num_layers * attn.num_kv_heads * attn.head_dim * elem
 
 
+def kv_bytes_per_token_of(config, tp: int, dtype: torch.dtype) -> int:
+    """``kv_bytes_per_token`` from a ModelConfig, before any weights are loaded (KV heads
+    split ``tp`` ways, at least one per rank)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * max(1, config.num_kv_heads // tp) * config.head_dim * elem
+
+
+def rows_that_fit(free: int, per_token: int, capacity: int) -> int:
+    """Rows whose caches of ``capacity`` positions fit in ``HEADROOM`` of ``free`` bytes
+    (no cap; 0 when not even one does)."""
+    return max(0, int(HEADROOM * free) // max(1, per_token * capacity))
+
+
 def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -35,11 +54,15 @@ def free_bytes(device: torch.device) -> int:
 
 def default_max_num_seqs(free: int, per_token: int, capacity: int, cap: int) -> int:
     """Rows whose caches of ``capacity`` positions fit in ``HEADROOM`` of ``free`` bytes."""
-    rows = int(HEADROOM * free) // max(1, per_token * capacity)
-    return max(1, min(cap, rows))
+    return max(1, min(cap, rows_that_fit(free, per_token, capacity)))
 
 
 def max_num_seqs_for(model, capacity: int) -> int:
     """``default_max_num_seqs`` for a loaded model on its device."""
     cap = GPU_CAP if model.device.type == "cuda" else CPU_CAP
     return default_max_num_seqs(free_bytes(model.device), kv_bytes_per_token(model), capacity, cap)
+
+
+def fitting_max_num_seqs(model, capacity: int) -> int:
+    """The most rows a loaded model's free memory holds (the rule without the cap; >= 1)."""
+    return max(1, rows_that_fit(free_bytes(model.device), kv_bytes_per_token(model), capacity))

@@ -10,8 +10,9 @@ Entry points: ``jobs/summarize.py`` and ``jobs/generate.py`` (for ``ray job subm
 The modules, bottom up: :mod:`.options` (JobConfig and the command-line options),
 :mod:`.inputs` (read and check the input files), :mod:`.prompts` (rows to prompt ids;
 row-level errors; truncation; baseline rows), :mod:`.output` (output schema, atomic part
-files, resume), :mod:`.dispatch` (rows over the engine's replicas, retries after replica
-failures), :mod:`.progress`, :mod:`.termination` (SIGTERM), :mod:`.summary` (summary.json),
+files, resume), :mod:`.lease` (one job per output directory),
+:mod:`.dispatch` (rows over the engine's replicas, retries after replica failures),
+:mod:`.progress`, :mod:`.termination` (SIGTERM), :mod:`.summary` (summary.json),
 :mod:`.plot` (speedup.png), :mod:`.report` (the lines a user reads) and :mod:`.runner` (the
 job from start to end, stage by stage). Its command line (``knapspec job``, and ``main`` of
 ``jobs/summarize.py`` / ``jobs/generate.py``) is cli/job.py.

@@ -20,6 +20,11 @@ that saw ``max_attempts`` replica failures is failed with an error instead of re
 forever (a poison row must not kill the job, nor take its neighbours with it).  A row's own
 error (a UserError from the strategy, any other exception from its generation) becomes its
 error row.  Each row is handed to ``on_result`` exactly once.
+
+Out of memory (a shard's torch.OutOfMemoryError or MemoryError, Ray's OOM killer) is a
+replica failure too: the replica is restarted with a smaller batch (the backend halves its
+``max_num_seqs``) and its rows are retried.  A row that still fails is written with a
+retryable ``kind`` (``oom``, ``replica``, ``timeout``), which a rerun retries.
 """
 
 from __future__ import annotations
@@ -49,9 +54,12 @@ class Backend(Protocol):
 
     def result(self, handle) -> Any: ...
 
-    def restart(self, replica: int) -> None: ...
+    def restart(self, replica: int, smaller: bool = False) -> None: ...
+    # smaller: after an out-of-memory failure, with a smaller batch if it can
 
     def is_replica_failure(self, exc: BaseException) -> bool: ...
+
+    def is_out_of_memory(self, exc: BaseException) -> bool: ...  # optional (False)
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Outcome:
     result: Any = None  # GenerationResult on success
     error: str | None = None
     replica: int | None = None
+    kind: str | None = None  # of the error: row | oom | replica | timeout
 
 
 @dataclass
@@ -151,7 +160,7 @@ class Dispatcher:
                         self._restart(flight.replica, flight.epoch, exc)
                     else:
                         self._emit(Outcome(flight.task, error=describe_error(exc),
-                                           replica=flight.replica))
+                                           replica=flight.replica, kind="row"))
                     continue
                 self._emit(Outcome(flight.task, result=result, replica=flight.replica))
             self._check_timeouts()
@@ -196,17 +205,24 @@ class Dispatcher:
             self.load[replica] += 1
             self.alone[replica] = suspect
 
+    def _oom(self, exc: BaseException) -> bool:
+        check = getattr(self.backend, "is_out_of_memory", None)
+        return bool(check is not None and check(exc))
+
     def _retry_or_fail(self, flight: _Flight, exc: BaseException) -> None:
-        """A row whose replica failed: back to the front of the queue, or failed for good."""
+        """A row whose replica failed: back to the front of the queue, or failed (with a
+        retryable kind: a rerun tries it again)."""
         task = flight.task
         task.failures += 1
         task.last_failure = describe_error(exc)
         if task.failures >= self.max_attempts:
-            log.error("row %r failed: its replica failed %d time(s) while generating it (%s)",
-                      task.key, task.failures, task.last_failure)
+            kind = ("oom" if self._oom(exc) else
+                    "timeout" if isinstance(exc, TimeoutError) else "replica")
+            log.error("row %r failed: its replica failed %d time(s) while generating it (%s); "
+                      "a rerun retries it", task.key, task.failures, task.last_failure)
             self._emit(Outcome(task, error=(
                 f"replica failed {task.failures} time(s) while generating this row; "
-                f"last: {task.last_failure}"), replica=flight.replica))
+                f"last: {task.last_failure}"), replica=flight.replica, kind=kind))
         else:
             self.retried_rows += 1
             self.queue.appendleft(task)
@@ -214,12 +230,16 @@ class Dispatcher:
     def _restart(self, replica: int, epoch: int, exc: BaseException) -> None:
         if epoch != self.epoch[replica] or not self.alive[replica]:
             return  # this incarnation was already replaced (or given up)
-        log.warning("replica %d failed (%s); restarting it and retrying its rows",
-                    replica, describe_error(exc))
+        oom = self._oom(exc)
+        log.warning("replica %d failed (%s); restarting it%s and retrying its rows",
+                    replica, describe_error(exc), " with a smaller batch" if oom else "")
         for attempt in range(1, self.restart_tries + 1):
             try:
                 t0 = time.monotonic()
-                self.backend.restart(replica)
+                if oom:
+                    self.backend.restart(replica, smaller=True)
+                else:
+                    self.backend.restart(replica)
                 self.epoch[replica] += 1
                 self.restarts += 1
                 log.warning("replica %d restarted in %.1f s", replica, time.monotonic() - t0)

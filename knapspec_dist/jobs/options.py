@@ -47,6 +47,7 @@ class JobConfig:
     checkpoint_rows: int = 64  # flush a part file at this many finished rows ...
     checkpoint_seconds: float = 10.0  # ... or this long after the first unflushed one
     stop_after: int | None = None  # stop after this many rows were written by this run
+    retry_failed: bool = False  # retry every failed row (default: the retryable kinds only)
     progress_seconds: float = 10.0
     progress_bar: bool | None = None  # None: a tqdm bar when stderr is a terminal
 
@@ -101,7 +102,7 @@ class JobConfig:
         adds the input's identity (path, row count, content hash: ``InputRows.fingerprint``).
 
         Not in it: where and how fast the job runs (tp, replicas, address, scheduling,
-        checkpointing, --stop-after) and the baseline share.
+        checkpointing, --stop-after, --retry-failed) and the baseline share.
         """
         return {
             "id_column": self.id_column,

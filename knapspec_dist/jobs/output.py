@@ -19,7 +19,17 @@ after it finished, and a resumed job skips every id found in the parts.  A crash
 most the finished rows not yet flushed (``--checkpoint-rows`` / ``--checkpoint-seconds``),
 which the next run computes again.  Leftover temporary files are removed on resume; a part
 that cannot be read (a filesystem without atomic renames, a disk error) is moved aside to a
-hidden ``.corrupt-`` name and its rows are computed again.  One job at a time per directory.
+hidden ``.corrupt-`` name and its rows are computed again.
+
+One job at a time per directory: the job holds ``DIR/.lease.json`` (jobs/lease.py) while it
+runs.  Exactly once on read too: should an id appear in more than one row (a part file copied
+by hand, a rerun that retried a failed row), :meth:`OutputDir.read_rows` keeps one row per id
+(see :func:`keep_one_per_id`) and warns with the count it dropped.
+
+Error kinds (``error_kind``): ``input`` (the row's text or prompt), ``row`` (its generation
+failed), and the retryable ``oom``, ``replica`` (its replica failed ``--max-attempts`` times)
+and ``timeout``: a rerun retries the rows that failed for a retryable reason, and
+``--retry-failed`` every failed row.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ SUBDIRS = (ROWS, BASELINE, BASELINE_STRATEGY)
 JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "speedup.png"
+RETRYABLE = ("oom", "replica", "timeout")  # error kinds a rerun retries
 
 
 def output_schema(id_column: str, id_type: pa.DataType) -> pa.Schema:
@@ -79,16 +90,52 @@ def output_schema(id_column: str, id_type: pa.DataType) -> pa.Schema:
         ("generation_end", pa.timestamp("us", tz="UTC")),
         ("mean_batch", pa.float64()),
         ("error", pa.string()),  # null when the row succeeded
+        ("error_kind", pa.string()),  # input | row | oom | replica | timeout (null: ok)
     ])
+
+
+def is_retryable(row: dict) -> bool:
+    """Whether a failed row failed for a reason a rerun may not meet again (out of memory, a
+    lost or hung replica).  Rows written before ``error_kind`` existed: by their message."""
+    if row.get("error") is None:
+        return False
+    kind = row.get("error_kind")
+    if kind is not None:
+        return kind in RETRYABLE
+    message = row["error"]
+    return (message.startswith("replica failed ") or "OutOfMemoryError" in message
+            or message.startswith("MemoryError"))
+
+
+def keep_one_per_id(rows: list[dict], id_column: str) -> tuple[list[int], int]:
+    """Indices of the rows to keep (one per id, in the given order) and how many were dropped.
+
+    Which row of an id: a success over an error; among successes the earliest commit (by
+    ``finished_at``, then the order given: part file names); among errors only the latest
+    (the last attempt's kind decides whether a rerun retries the row)."""
+    best: dict = {}
+    for i, r in enumerate(rows):
+        at = r.get("finished_at")
+        at = at.timestamp() if at is not None else float("inf")
+        ok = r.get("error") is None
+        key = (0, at, i) if ok else (1, -at if at != float("inf") else float("inf"), -i)
+        row_id = r[id_column]
+        if row_id not in best or key < best[row_id][0]:
+            best[row_id] = (key, i)
+    keep = sorted(i for _, i in best.values())
+    return keep, len(rows) - len(keep)
 
 
 def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str | None = None,
                num_input_tokens: int | None = None, truncated: bool = False,
-               replica: int | None = None, attempts: int = 0) -> dict:
-    """An output row from a GenerationResult (success) or an error message."""
+               replica: int | None = None, attempts: int = 0,
+               error_kind: str | None = None) -> dict:
+    """An output row from a GenerationResult (success) or an error message (of the kind
+    ``error_kind``: default ``row``)."""
     row = {name: None for name in output_schema(id_column, pa.string()).names}
     row.update({id_column: row_id, "strategy": strategy, "truncated": truncated,
                 "replica": replica, "attempts": attempts, "error": error,
+                "error_kind": None if error is None else (error_kind or "row"),
                 "num_input_tokens": num_input_tokens,
                 "finished_at": dt.datetime.now(dt.timezone.utc)})
     if result is not None and error is None:
@@ -117,6 +164,8 @@ class OutputDir:
         self.fs, self.path = filesystem_and_path(uri_or_path)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self._job: bytes | None = None  # job.json, until the first rows are written
+        self.created = False  # the directory was created by this job (create)
+        self._warned: set[str] = set()  # subdirectories whose duplicates were reported
 
     def join(self, *parts: str) -> str:
         return "/".join([self.path.rstrip("/"), *parts])
@@ -128,8 +177,14 @@ class OutputDir:
         return "/".join([self.uri.rstrip("/"), *parts])
 
     def prepare(self, fingerprint: dict) -> bool:
-        """Create the directory (checking that it can be written), or check that it belongs to
-        this job.  True when resuming (rows of this job are there).
+        """:meth:`check`, then :meth:`create`. True when resuming."""
+        resuming = self.check(fingerprint)
+        self.create()
+        return resuming
+
+    def check(self, fingerprint: dict) -> bool:
+        """Check, reading only, that the directory is new, empty or this job's: True when
+        resuming (rows of this job are there).
 
         ``job.json`` is not written here but with the job's first rows (:meth:`commit_job`):
         a job that failed before writing a row leaves no identity behind, so the corrected
@@ -150,8 +205,8 @@ class OutputDir:
             elif [i for i in self.fs.get_file_info(pafs.FileSelector(self.path))
                   if not os.path.basename(i.path).startswith((".", "_"))
                   and os.path.basename(i.path) not in SUBDIRS] or has_rows:
-                raise UserError(f"--output {self.uri!r} holds files but no {JOB_FILE}: it is not "
-                                "the output of a knapspec job; choose an empty or new directory")
+                raise UserError(f"--output {self.uri!r} holds files but no {JOB_FILE}: not a "
+                                "knapspec job's output; choose an empty or new folder")
         self._job = json.dumps({"fingerprint": fingerprint, "created": _now_iso()},
                                indent=2).encode() + b"\n"
         if existing is not None and has_rows:
@@ -167,13 +222,26 @@ class OutputDir:
             return True
         if existing is not None:
             log.info("%s holds no rows yet: starting over with this job's options", self.uri)
-        for sub in ("", *SUBDIRS):
-            self._call(lambda sub=sub: self.fs.create_dir(self.join(sub) if sub else self.path,
-                                                          recursive=True))
-        probe = f".write-test-{uuid.uuid4().hex[:8]}"
-        self.write_bytes(probe, b"")
-        self._call(lambda: self.fs.delete_file(self.join(probe)))
         return False
+
+    def create(self) -> None:
+        """Create the directory (not its subdirectories: they come with the first rows, so a
+        failed start leaves no empty folders); remembers whether it was created here."""
+        info = self._call(lambda: self.fs.get_file_info(self.path))
+        if info.type == pafs.FileType.File:
+            raise UserError(f"--output {self.uri!r} is a file, not a directory")
+        if info.type == pafs.FileType.NotFound:
+            self._call(lambda: self.fs.create_dir(self.path, recursive=True))
+            self.created = True
+
+    def remove_if_unused(self) -> None:
+        """Remove the directory this job created when nothing was written into it (a failed
+        start leaves nothing behind). Local directories only."""
+        if self.created and self._job is not None and self.local:
+            try:
+                os.rmdir(self.path)  # only when empty
+            except OSError:
+                pass
 
     def has_rows(self) -> bool:
         """Whether any part file of a job is there (rows or baseline)."""
@@ -187,8 +255,15 @@ class OutputDir:
     def commit_job(self) -> None:
         """Write ``job.json`` before the job's first rows (once)."""
         if self._job is not None:
-            data, self._job = self._job, None
+            data = self._job
+            for sub in SUBDIRS:
+                self._call(lambda sub=sub: self.fs.create_dir(self.join(sub), recursive=True))
             self.write_bytes(JOB_FILE, data)
+            self._job = None
+
+    def call(self, fn):
+        """A filesystem call; OSError (no permission, a file in the path, ...) -> UserError."""
+        return self._call(fn)
 
     def _call(self, fn):
         """A filesystem call; OSError (no permission, a file in the path, ...) -> UserError."""
@@ -206,6 +281,8 @@ class OutputDir:
         final = self.join(name)
         head, tail = final.rsplit("/", 1)
         tmp = f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp"
+        if self.fs.get_file_info(head).type == pafs.FileType.NotFound:
+            self.fs.create_dir(head, recursive=True)
         if self.local:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -219,7 +296,9 @@ class OutputDir:
         return final
 
     def read_rows(self, sub: str, schema: pa.Schema) -> pa.Table:
-        """Every readable part of ``DIR/sub``, as one table (empty when none).
+        """Every readable part of ``DIR/sub``, as one table (empty when none), one row per
+        id (:func:`keep_one_per_id`; the duplicates dropped are counted in a warning, once
+        per directory).  Columns a part lacks (written by an older version) read as nulls.
 
         Temporary leftovers of a crashed writer are deleted; unreadable parts are moved aside.
         """
@@ -239,6 +318,10 @@ class OutputDir:
             try:
                 with self.fs.open_input_file(info.path) as f:
                     table = pq.read_table(f)
+                for field_ in schema:
+                    if field_.name not in table.column_names and field_.nullable:
+                        table = table.append_column(field_.name,
+                                                    pa.nulls(len(table), field_.type))
                 tables.append(table.select(schema.names).cast(schema))
             except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError) as e:
                 aside = f"{base}/.corrupt-{name}"
@@ -247,7 +330,18 @@ class OutputDir:
                 self.fs.move(info.path, aside)
         if not tables:
             return schema.empty_table()
-        return pa.concat_tables(tables)
+        table = pa.concat_tables(tables)
+        id_column = schema.names[0]
+        keep, dropped = keep_one_per_id(
+            table.select([id_column, "error", "finished_at"]).to_pylist(), id_column)
+        if dropped:
+            if sub not in self._warned:
+                self._warned.add(sub)
+                log.warning("%s: %d duplicate row(s) dropped on reading (an id in more than "
+                            "one row: a copied part file?); kept one row per id, a success "
+                            "over an error, then the earliest", self.display(sub), dropped)
+            table = table.take(pa.array(keep, pa.int64()))
+        return table
 
 
 class PartWriter:

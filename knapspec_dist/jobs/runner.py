@@ -3,8 +3,10 @@
 Order matters for users: everything that can be checked without a model (options, the
 input files, the output directory) is checked first, so a malformed job fails in seconds
 with one clear line; the tokenizer and config (small files) come next, to turn rows into
-prompts and fail bad rows; only then does the Engine start its actors and load weights,
-and only when there is a row left to generate.
+prompts and fail bad rows; then the job takes the output directory's lease (jobs/lease.py:
+one job per output; a second one is refused before it writes anything) and reads the rows
+written already; only then does the Engine start its actors and load weights, and only
+when there is a row left to generate.
 
 The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` calls them.
 """
@@ -12,6 +14,7 @@ The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` c
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ import pyarrow as pa
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.dispatch import Dispatcher, Outcome, Task
 from knapspec_dist.jobs.inputs import InputRows, read_input
+from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import (
     BASELINE,
@@ -31,6 +35,7 @@ from knapspec_dist.jobs.output import (
     SUMMARY_FILE,
     OutputDir,
     PartWriter,
+    is_retryable,
     output_schema,
     result_row,
 )
@@ -126,9 +131,20 @@ class JobRun:
         self.t_start = time.monotonic()
 
     def run(self) -> JobResult:
-        self.open_output()
+        self.check_output()
         self.build_prompts()
-        self.open_writers()
+        self.lease = Lease(self.out)
+        self.lease.acquire()  # LeaseHeld (a UserError) when another job writes there
+        try:
+            self.open_output()
+            self.open_writers()
+            self.generate_all()
+            return self.write_summary()
+        finally:
+            self.lease.release()
+            self.out.remove_if_unused()
+
+    def generate_all(self) -> None:
         previous = install_sigterm()
         owns_ray = False
         try:
@@ -153,25 +169,44 @@ class JobRun:
             restore_sigterm(previous)
             if owns_ray:
                 disconnect()
-        return self.write_summary()
 
     # ------------------------------------------------------------------ 1. files
 
-    def open_output(self) -> None:
-        """Input and output directory, before any model is touched: the rows, and the ids
-        an earlier run of this job wrote already."""
+    def check_output(self) -> None:
+        """Input and output directory, before any model is touched, reading only: the rows,
+        and whether the directory is new, empty or this job's."""
         c = self.config
         self.rows: InputRows = read_input(c.input, c.id_column, c.input_column)
         self.out = OutputDir(c.output)
-        self.resuming = self.out.prepare({**c.fingerprint(), **self.rows.fingerprint(c.input)})
+        self.fingerprint = {**c.fingerprint(), **self.rows.fingerprint(c.input)}
+        self.resuming = self.out.check(self.fingerprint)
         self.schema = output_schema(c.id_column, self.rows.id_type)
+
+    def open_output(self) -> None:
+        """Under the lease: the ids an earlier run of this job wrote already (one row per
+        id), less the failed rows to retry (a retryable kind, or all with --retry-failed)."""
+        c = self.config
+        self.resuming = self.out.check(self.fingerprint)  # again: nobody wrote meanwhile
+        self.previous = self._previous_summary()
         self.existing = self.out.read_rows(ROWS, self.schema)
-        self.done_ids = set(self.existing.column(c.id_column).to_pylist())
-        self.base_done, self.again_done = (
-            set(self.out.read_rows(sub, self.schema).column(c.id_column).to_pylist())
+        inputs = set(self.rows.ids)
+
+        def done_and_retry(table: pa.Table) -> tuple[set, set]:
+            rows = table.select([c.id_column, "error", "error_kind"]).to_pylist()
+            retry = {r[c.id_column] for r in rows if r["error"] is not None
+                     and r[c.id_column] in inputs and (c.retry_failed or is_retryable(r))}
+            return {r[c.id_column] for r in rows} - retry, retry
+
+        self.done_ids, self.retry_ids = done_and_retry(self.existing)
+        (self.base_done, _), (self.again_done, _) = (
+            done_and_retry(self.out.read_rows(sub, self.schema))
             for sub in (BASELINE, BASELINE_STRATEGY))
         self.pending = [i for i, row_id in enumerate(self.rows.ids)
                         if row_id not in self.done_ids]
+        if self.retry_ids:
+            log.info("retrying %d failed row(s) (%s)", len(self.retry_ids),
+                     "--retry-failed" if c.retry_failed
+                     else "out of memory, a lost or hung replica")
         if self.resuming:
             log.info("resuming into %s: %d of %d rows already written, %d to go",
                      self.out.display(), len(self.rows) - len(self.pending), len(self.rows),
@@ -218,8 +253,9 @@ class JobRun:
                               c.checkpoint_seconds)
 
         self.writer = writer(ROWS, self.done_ids)
-        self.writer.failed.update(r[c.id_column] for r in self.existing.to_pylist()
-                                  if r["error"] is not None)
+        self.writer.failed.update(r[c.id_column] for r in self.existing.select(
+            [c.id_column, "error"]).to_pylist() if r["error"] is not None
+            and r[c.id_column] in self.done_ids)
         self.base_writer = writer(BASELINE, self.base_done)
         self.again_writer = writer(BASELINE_STRATEGY, self.again_done)
         self.result = JobResult(output=self.out.display(), rows_path=self.out.display(ROWS),
@@ -240,6 +276,10 @@ class JobRun:
             with self.engine_factory(c, c.strategy, c.replicas) as engine:
                 self.result.profile = _profile_report(engine, c.replicas)
                 self.result.max_num_seqs = _max_num_seqs(engine, c)
+                if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
+                    log.warning("--max-num-seqs %d capped to %d: what the memory left after "
+                                "the weights holds (engine/memory.py)", c.max_num_seqs,
+                                self.result.max_num_seqs)
                 self.write_prompt_errors(failed)
                 limit = None if c.stop_after is None else c.stop_after - self._written()
                 self.generate(engine, c.strategy.name, todo, self.writer, "rows", limit,
@@ -259,7 +299,7 @@ class JobRun:
         for p in failed:
             if c.stop_after is None or self._written() < c.stop_after:
                 row = result_row(c.id_column, p.id, c.strategy.name, error=p.error,
-                                 num_input_tokens=p.num_input_tokens)
+                                 num_input_tokens=p.num_input_tokens, error_kind="input")
                 self.writer.add(row)
                 if self.on_row:
                     self.on_row(row)
@@ -310,7 +350,8 @@ class JobRun:
             p = self.by_id[outcome.task.key]
             row = result_row(c.id_column, p.id, strategy, outcome.result, error=outcome.error,
                              num_input_tokens=p.num_input_tokens, truncated=p.truncated,
-                             replica=outcome.replica, attempts=outcome.task.attempts)
+                             replica=outcome.replica, attempts=outcome.task.attempts,
+                             error_kind=outcome.kind)
             if outcome.result is not None and outcome.error is None:
                 setattr(result, counter, getattr(result, counter) + 1)
             writer.add(row)
@@ -320,6 +361,7 @@ class JobRun:
 
         def on_tick() -> None:
             check_terminate()
+            self.lease.check()
             writer.maybe_flush()
             progress.tick()
 
@@ -345,6 +387,9 @@ class JobRun:
         c, result = self.config, self.result
         tables: dict[str, pa.Table] = {sub: self.out.read_rows(sub, self.schema)
                                        for sub in (ROWS, BASELINE, BASELINE_STRATEGY)}
+        if result.max_num_seqs is None:  # no engine ran now: the batch of the earlier runs
+            result.max_num_seqs = ((self.previous.get("throughput") or {}).get("max_num_seqs")
+                                   or (self.previous.get("run") or {}).get("max_num_seqs"))
         job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
                "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
@@ -369,11 +414,22 @@ class JobRun:
         return result
 
 
+    def _previous_summary(self) -> dict:
+        """The summary.json of an earlier run (empty when none or unreadable)."""
+        try:
+            with self.out.fs.open_input_stream(self.out.join(SUMMARY_FILE)) as f:
+                data = json.loads(f.read().decode())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            return {}
+
+
 def _max_num_seqs(engine, config: JobConfig) -> int:
-    """Rows one replica decodes at once: as asked, else what the replicas reported."""
+    """Rows one replica decodes at once: what the replicas reported (the asked number, or
+    less where memory capped it), else as asked."""
     info = getattr(engine, "replica_info", None)
     seqs = info(0).get("max_num_seqs") if info is not None else None
-    return config.max_num_seqs or seqs or 1
+    return seqs or config.max_num_seqs or 1
 
 
 def _profile_report(engine, replicas: int) -> dict | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+import torch
 from ray import exceptions as rx
 
 from knapspec_dist.engine.generation import GenerationConfig
@@ -19,7 +20,15 @@ from knapspec_dist.runtime.engine import Engine
 REPLICA_FAILURES = tuple(getattr(rx, n) for n in (
     "RayActorError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError",
     "OwnerDiedError", "ObjectFetchTimedOutError", "LocalRayletDiedError",
-    "RaySystemError") if hasattr(rx, n))
+    "RaySystemError", "OutOfMemoryError") if hasattr(rx, n))
+
+#: Out of memory: Ray's OOM killer stopped the worker (ray.exceptions.OutOfMemoryError), or a
+#: shard or coordinator ran out (torch's OutOfMemoryError, Python's MemoryError). A replica
+#: failure: the replica restarts with a smaller batch and its rows are retried.
+OUT_OF_MEMORY = tuple(t for t in (getattr(rx, "OutOfMemoryError", None),
+                                  getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None), MemoryError)
+                      if isinstance(t, type))
 
 
 class EngineBackend:
@@ -47,23 +56,41 @@ class EngineBackend:
     def result(self, handle) -> Any:
         return ray.get(handle)
 
-    def restart(self, replica: int) -> None:
-        self.engine.restart_replica(replica)
+    def restart(self, replica: int, smaller: bool = False) -> None:
+        """Restart ``replica``; ``smaller`` (after out of memory): at half its batch."""
+        seqs = None
+        if smaller:
+            current = self.engine.replica_info(replica).get("max_num_seqs")
+            if current and current > 1:
+                seqs = max(1, current // 2)
+        self.engine.restart_replica(replica, max_num_seqs=seqs)
 
     def is_replica_failure(self, exc: BaseException) -> bool:
         return is_replica_failure(exc)
 
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        return is_out_of_memory(exc)
 
-def is_replica_failure(exc: BaseException) -> bool:
-    """True when ``exc`` says the replica (not the row) failed: a dead actor or worker."""
+
+def _chain(exc: BaseException | None):
+    """``exc`` and what it wraps: RayTaskError's ``cause`` (what the coordinator saw, e.g. a
+    shard's error), then ``__cause__``."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, REPLICA_FAILURES):
-            return True
-        # RayTaskError wraps what the coordinator saw, e.g. a shard's RayActorError.
+        yield exc
         exc = getattr(exc, "cause", None) or exc.__cause__
-    return False
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when ``exc`` is (or wraps) an out-of-memory failure."""
+    return any(isinstance(e, OUT_OF_MEMORY) for e in _chain(exc))
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """True when ``exc`` says the replica (not the row) failed: a dead actor or worker, or
+    out of memory."""
+    return any(isinstance(e, REPLICA_FAILURES + OUT_OF_MEMORY) for e in _chain(exc))
 
 
 def describe_error(exc: BaseException) -> str:

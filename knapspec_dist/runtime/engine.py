@@ -42,11 +42,12 @@ from knapspec_dist.runtime.replica import (
     ReplicaSpec,
     StartupError,
     check_resources,
+    node_memory,
     prepare_replicas,
     start_replicas,
     stop_replica,
 )
-from knapspec_dist.runtime.setup import check_setup
+from knapspec_dist.runtime.setup import check_batch_memory, check_setup
 from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.spec.options import StrategyOptions
 
@@ -102,10 +103,15 @@ class Engine:
             self.tokenizer = None
         self.last_job: dict | None = None
 
+        self._batch_of: dict[int, int] = {}  # replicas restarted at a smaller batch
         self._owns_ray = connect(address)
         self._replicas: list[Replica | None] = [None] * replicas
         try:
             check_resources(self.spec, replicas)
+            check_batch_memory(self.config, tp, dtype, device, max_num_seqs,
+                               self.batching["capacity"]
+                               or row_capacity(self.config.max_position_embeddings, 0),
+                               node_memory(device))
             self._replicas = start_replicas(self.spec, list(range(replicas)), self.options,
                                             self.measure, self.batching)
         except BaseException:
@@ -120,14 +126,23 @@ class Engine:
 
     # ------------------------------------------------------------------ replicas
 
-    def restart_replica(self, replica: int) -> None:
-        """Kill a replica's actors and placement group, and start it again."""
+    def restart_replica(self, replica: int, max_num_seqs: int | None = None) -> None:
+        """Kill a replica's actors and placement group, and start it again; with
+        ``max_num_seqs`` (after out of memory: a smaller batch), that replica keeps that
+        batch from now on."""
         self._check_replica(replica)
-        log.warning("restarting replica %d", replica)
+        if max_num_seqs is not None:
+            self._batch_of[replica] = max_num_seqs
+        log.warning("restarting replica %d%s", replica,
+                    f" at max_num_seqs {max_num_seqs}" if max_num_seqs is not None else "")
         stop_replica(self._replicas[replica])
         self._replicas[replica] = None
         self._replicas[replica] = start_replicas(self.spec, [replica], self.options,
-                                                 self.measure, self.batching)[0]
+                                                 self.measure, self._batching(replica))[0]
+
+    def _batching(self, replica: int) -> dict:
+        seqs = self._batch_of.get(replica)
+        return self.batching if seqs is None else {**self.batching, "max_num_seqs": seqs}
 
     def reconfigure(self, strategy: StrategyOptions | str) -> None:
         """Switch every replica to another strategy / options without reloading weights

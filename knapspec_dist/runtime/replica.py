@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+import torch
 from ray._private import state
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -82,6 +83,20 @@ def check_resources(spec: ReplicaSpec, replicas: int) -> None:
             raise StartupError(
                 f"tp {spec.tp} needs {per_rank * spec.tp:g} {k}(s) on one node (a replica's "
                 f"ranks share a node); the largest node of the Ray cluster has {node_max[k]:g}")
+
+
+def node_memory(device: str) -> int | None:
+    """Bytes of memory of the cluster's largest node (Ray's ``memory`` plus object store:
+    about what was available when it started); on cuda, the first local GPU's (None when
+    this process sees no GPU: the shards still cap the batch)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    sizes = [n.get("Resources", {}).get("memory", 0)
+             + n.get("Resources", {}).get("object_store_memory", 0)
+             for n in ray.nodes() if n.get("Alive")]
+    return int(max(sizes)) if sizes and max(sizes) > 0 else None
 
 
 def start_replicas(spec: ReplicaSpec, indices: list[int], options: StrategyOptions,

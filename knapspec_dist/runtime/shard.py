@@ -19,7 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from knapspec_dist.engine.memory import max_num_seqs_for
+from knapspec_dist.engine.memory import fitting_max_num_seqs, max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
@@ -115,9 +115,17 @@ class Shard:
         coordinator's profile and of those at other batch sizes (None for ar and static).
         ``capacity``: cache positions per row (default: the model's window);
         ``max_num_seqs``: rows decoding at once (default: what this rank's free memory holds,
-        engine/memory.py). Returns this rank's max_num_seqs."""
+        engine/memory.py; one that does not fit is capped, with a warning). Returns this rank's
+        max_num_seqs."""
         self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
         self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
+        if max_num_seqs:  # asked for: not capped at 16 / 256, but it must fit
+            fits = fitting_max_num_seqs(self.model, self.capacity)
+            if max_num_seqs > fits:
+                log.warning("replica %d rank %d: max_num_seqs %d capped to %d, what the free "
+                            "memory holds next to the weights (engine/memory.py)",
+                            self.replica, self.rank, max_num_seqs, fits)
+                self.max_num_seqs = fits
         self.scheduler = None
         priced = None if profiles is None else [LatencyProfile.from_json(p) for p in profiles]
         strategy = spmd_strategy(build_strategy(options, self.model, priced), self.model)
