@@ -65,10 +65,7 @@ def test_seeded_job_rows_do_not_depend_on_batching_replicas_or_resume(docs, tmp_
     run(*job, "--output", str(tmp_path / "c"), *JOB, "--max-num-seqs", "4", "--stop-after", "2")
     assert len(rows(tmp_path / "c")) == 2
     run(*job, "--output", str(tmp_path / "c"), *JOB, "--max-num-seqs", "4")  # resumed
-    assert rows(tmp_path / "c") == first
-    other = ["8" if a == "7" else a for a in JOB]  # another seed: other samples
-    run(*job, "--output", str(tmp_path / "d"), *other, "--max-num-seqs", "4")
-    assert rows(tmp_path / "d") != first
+    assert rows(tmp_path / "c") == first  # the same job again, resumed mid-job
 
 
 def test_seeded_generate_of_a_prompt_ignores_the_prompts_beside_it():
