@@ -8,7 +8,9 @@ generate ``per_row`` tokens (the mean of the finished rows once there are some,
 ``max_new_tokens`` before); the rows in flight (``slots`` of them, the replicas' batch) need
 what they have left, and the rows still queued follow in waves of ``slots``, each as long as
 one row, at the rate one row has decoded so far (the token rate over the rows decoding
-together). Without ``slots`` it is the tokens left over the token rate.
+together). Without ``slots`` it is the tokens left over the token rate. Until every row of
+the first wave has its first token (prefill, which the token rate does not measure) the ETA
+is unknown ("?").
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class Progress:
     def eta(self) -> float | None:
         """Seconds left (None before any token): see the module docstring."""
         rate = self.tokens_per_s
-        if rate <= 0:
+        if rate <= 0 or self.tokens < min(self.slots or 1, self.total):
             return None
         ok = self.done - self.failed
         per_row = self.finished_tokens / ok if ok else self.max_new_tokens

@@ -37,7 +37,8 @@ from knapspec_dist.spec.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 
-ROUNDS_PER_CALL = 16  # scheduler steps per shard call when no row finishes
+ROUNDS_PER_CALL = 16  # scheduler steps per shard call at most (a row finishing ends it)
+CALL_SECONDS = 1.0  # ... and about this long: steps of long prefill chunks are fewer per call
 
 
 async def _awaitable(ref):
@@ -150,8 +151,11 @@ class Coordinator:
     async def _drive(self) -> None:
         """Feed the shards' schedulers: each call admits queued rows into free slots (rows of
         one generation config at a time) and returns when a row finishes or after
-        ``ROUNDS_PER_CALL`` rounds, so a freed slot is refilled within one Ray round trip."""
-        config, busy = None, False
+        ``ROUNDS_PER_CALL`` rounds, so a freed slot is refilled within one Ray round trip.
+        Rounds per call shrink so that a call lasts about ``CALL_SECONDS`` (the live token
+        count, i.e. the job's progress, moves at least that often); the coordinator decides
+        it, so every rank runs the same steps."""
+        config, busy, rounds = None, False, 1
         while self._queue or self._active:
             if not self._active:
                 config = self._queue[0][2]
@@ -163,7 +167,7 @@ class Coordinator:
                 self._active[rid] = future
             start = time.perf_counter()
             refs = [s.step.remote(config, [(rid, ids, key) for rid, ids, _, _, key in admit],
-                                  ROUNDS_PER_CALL, self.max_num_seqs) for s in self.shards]
+                                  rounds, self.max_num_seqs) for s in self.shards]
             try:
                 outs = await self._gather(refs)
             except BaseException as e:  # a dead or failing shard: every row here fails with it
@@ -173,8 +177,10 @@ class Coordinator:
                 self._active.clear()
                 self._queue.clear()
                 return
-            finished, refused, elapsed, busy, emitted = outs[0]
+            finished, refused, elapsed, busy, emitted, steps = outs[0]
             self.tokens_emitted += emitted
+            if steps and elapsed > 0:  # the next call's rounds, from its seconds per step
+                rounds = max(1, min(ROUNDS_PER_CALL, int(CALL_SECONDS * steps / elapsed)))
             if not busy and len(finished) + len(refused) < len(self._active):
                 lost = RuntimeError(f"replica {self.replica}: the shards dropped rows")
                 for rid, future in self._active.items():

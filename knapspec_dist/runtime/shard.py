@@ -142,7 +142,8 @@ class Shard:
         then run scheduler steps until a row finishes or ``max_rounds`` have run.
 
         Returns (finished rows as (id, GenerationResult), refused rows as (id, message), this
-        call's wall seconds, whether rows remain, tokens emitted by all rows in this call). A row's time split is its share of each
+        call's wall seconds, whether rows remain, tokens emitted by all rows in this call,
+        scheduler steps run). A row's time split is its share of each
         call it took part in (the call's split divided among its rows), so the rows of a job
         add up to the replica's time."""
         if self.strategy is None:
@@ -165,10 +166,11 @@ class Shard:
         self.meter.seconds = 0.0
         start = time.perf_counter()
         finished = []
-        emitted = sched.emitted
+        emitted, steps = sched.emitted, 0
         for _ in range(max_rounds):
             if not sched.busy:
                 break
+            steps += 1
             finished += sched.step()
             if finished:
                 break
@@ -185,4 +187,4 @@ class Shard:
                                                          share.ray_s, share.other_s)
             s.comm_calls = round(share.comm_calls)
             out.append((row.rid, r))
-        return out, refused, elapsed, sched.busy, sched.emitted - emitted
+        return out, refused, elapsed, sched.busy, sched.emitted - emitted, steps
