@@ -177,6 +177,87 @@ class LatencyProfile:
             return cls.from_json(json.load(f))
 
 
+def _obj(key: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{key!r} must be an object, got {json.dumps(value)}")
+    return value
+
+
+def _number(key: str, value: Any, positive: bool = False, cost: bool = False) -> float:
+    """positive: > 0; cost: a time, >= 0 (a negative cost is as wrong as a zero mlp)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key!r} must be a finite number, got {json.dumps(value)}")
+    if positive and value <= 0:
+        raise ValueError(f"{key!r} must be > 0, got {value}")
+    if cost and value < 0:
+        raise ValueError(f"{key!r} is a cost and must be >= 0, got {value}")
+    return float(value)
+
+
+def _rows(key: str, value: Any, width: int) -> list:
+    """A list of ``width``-long rows of numbers, the last one a cost (seconds)."""
+    if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == width
+                                              for r in value):
+        raise ValueError(f"{key!r} must be a list of {width}-number rows")
+    for row in value:
+        for x in row[:-1]:
+            _number(f"{key} key", x)
+        _number(f"{key} seconds", row[-1], cost=True)
+    return value
+
+
+def _integer(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key!r} must be an integer >= 1, got {json.dumps(value)}")
+    return value
+
+
+def _fit(key: str, value: Any) -> LinearFit:
+    value = _obj(key, value)
+    return LinearFit(_number(f"{key}.slope", value.get("slope")),
+                     _number(f"{key}.intercept", value.get("intercept")))
+
+
+def _check_samples(samples: dict) -> list:
+    """Every raw sample well-formed, every cost >= 0; the attention samples [[n, seconds]]."""
+    attention_samples = samples.get("attention")
+    if (not isinstance(attention_samples, list) or not attention_samples
+            or not all(isinstance(row, list) and len(row) == 2 for row in attention_samples)):
+        raise ValueError("'samples.attention' must be a non-empty list of [n, seconds]")
+    for n, t in attention_samples:
+        _number("samples.attention n", n, positive=True)
+        _number("samples.attention seconds", t, cost=True)
+    for key in ("mlp", "head"):
+        if key in samples:
+            if not isinstance(samples[key], list):
+                raise ValueError(f"'samples.{key}' must be a list of seconds")
+            for t in samples[key]:
+                _number(f"samples.{key}", t, cost=True)
+    for key, width in (("verify", 3), ("allreduce", 2)):
+        if key in samples:
+            _rows(f"samples.{key}", samples[key], width)
+    if "spread" in samples:
+        spread = _obj("samples.spread", samples["spread"])
+        for key, value in spread.items():
+            _rows(f"samples.spread.{key}", value, 3 if key == "verify" else 2)
+    return attention_samples
+
+
+def _check_fits(profile: LatencyProfile, verify: dict, attention_samples: list) -> None:
+    """The fitted times are >= 0 over the measured contexts (a fitted slope alone may be
+    negative from noise)."""
+    # A fit is linear: checking both ends of the measured contexts checks every one between.
+    lo, hi = int(min(n for n, _ in attention_samples)), profile.max_context
+    if min(profile.attention_time(lo), profile.attention_time(hi)) <= 0:
+        raise ValueError(f"'attention' gives a time <= 0 at the measured contexts "
+                         f"(n = {lo} .. {hi}: slope {profile.attention.slope}, intercept "
+                         f"{profile.attention.intercept})")
+    for q, f in verify.items():
+        if min(f(lo), f(hi)) < 0:
+            raise ValueError(f"'verify.{q}' gives a negative time at the measured contexts "
+                             f"(n = {lo} .. {hi}: slope {f.slope}, intercept {f.intercept})")
+
+
 def _parse(d: Any) -> LatencyProfile:
     if not isinstance(d, dict):
         raise ValueError(f"expected a JSON object, got {type(d).__name__}")
@@ -188,75 +269,20 @@ def _parse(d: Any) -> LatencyProfile:
     if missing:
         raise ValueError(f"missing field(s) {', '.join(missing)}")
 
-    def obj(key: str, value: Any) -> dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{key!r} must be an object, got {json.dumps(value)}")
-        return value
-
-    def number(key: str, value: Any, positive: bool = False, cost: bool = False) -> float:
-        """positive: > 0; cost: a time, >= 0 (a negative cost is as wrong as a zero mlp)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{key!r} must be a finite number, got {json.dumps(value)}")
-        if positive and value <= 0:
-            raise ValueError(f"{key!r} must be > 0, got {value}")
-        if cost and value < 0:
-            raise ValueError(f"{key!r} is a cost and must be >= 0, got {value}")
-        return float(value)
-
-    def rows(key: str, value: Any, width: int) -> list:
-        """A list of ``width``-long rows of numbers, the last one a cost (seconds)."""
-        if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == width
-                                                  for r in value):
-            raise ValueError(f"{key!r} must be a list of {width}-number rows")
-        for row in value:
-            for x in row[:-1]:
-                number(f"{key} key", x)
-            number(f"{key} seconds", row[-1], cost=True)
-        return value
-
-    def integer(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key!r} must be an integer >= 1, got {json.dumps(value)}")
-        return value
-
-    def fit(key: str, value: Any) -> LinearFit:
-        value = obj(key, value)
-        return LinearFit(number(f"{key}.slope", value.get("slope")),
-                         number(f"{key}.intercept", value.get("intercept")))
-
-    model = obj("model", d["model"])
+    model = _obj("model", d["model"])
     for k in MODEL_KEYS:  # absent keys never match a model's shape (profiles/store.py)
         if k in model:
-            integer(f"model.{k}", model[k])
-    verify_raw = obj("verify", d["verify"])
+            _integer(f"model.{k}", model[k])
+    verify_raw = _obj("verify", d["verify"])
     if not verify_raw:
         raise ValueError("'verify' is empty")
     verify = {}
     for q, f in verify_raw.items():
         if not str(q).isdigit() or int(q) < 1:
             raise ValueError(f"'verify' keys must be query lengths >= 1, got {q!r}")
-        verify[int(q)] = fit(f"verify.{q}", f)
-    samples = obj("samples", d["samples"])
-    attention_samples = samples.get("attention")
-    if (not isinstance(attention_samples, list) or not attention_samples
-            or not all(isinstance(row, list) and len(row) == 2 for row in attention_samples)):
-        raise ValueError("'samples.attention' must be a non-empty list of [n, seconds]")
-    for n, t in attention_samples:
-        number("samples.attention n", n, positive=True)
-        number("samples.attention seconds", t, cost=True)
-    for key in ("mlp", "head"):
-        if key in samples:
-            if not isinstance(samples[key], list):
-                raise ValueError(f"'samples.{key}' must be a list of seconds")
-            for t in samples[key]:
-                number(f"samples.{key}", t, cost=True)
-    for key, width in (("verify", 3), ("allreduce", 2)):
-        if key in samples:
-            rows(f"samples.{key}", samples[key], width)
-    if "spread" in samples:
-        spread = obj("samples.spread", samples["spread"])
-        for key, value in spread.items():
-            rows(f"samples.spread.{key}", value, 3 if key == "verify" else 2)
+        verify[int(q)] = _fit(f"verify.{q}", f)
+    samples = _obj("samples", d["samples"])
+    attention_samples = _check_samples(samples)
     mode = d.get("mode", "eager")
     if mode not in MODES:
         raise ValueError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}")
@@ -264,31 +290,22 @@ def _parse(d: Any) -> LatencyProfile:
         if not isinstance(d[key], str):
             raise ValueError(f"{key!r} must be a string, got {json.dumps(d[key])}")
     profile = LatencyProfile(
-        device=dict(obj("device", d["device"])),
+        device=dict(_obj("device", d["device"])),
         model=dict(model),
         dtype=d["dtype"],
-        batch=integer("batch", d["batch"]),
-        tp=integer("tp", d["tp"]),
+        batch=_integer("batch", d["batch"]),
+        tp=_integer("tp", d["tp"]),
         torch_version=d["torch_version"],
         created=d["created"],
         samples=dict(samples),
-        attention=fit("attention", d["attention"]),
-        mlp=number("mlp", d["mlp"], positive=True),
-        head=number("head", d["head"], cost=True),
+        attention=_fit("attention", d["attention"]),
+        mlp=_number("mlp", d["mlp"], positive=True),
+        head=_number("head", d["head"], cost=True),
         verify=verify,
-        allreduce=number("allreduce", d.get("allreduce", 0.0), cost=True),
+        allreduce=_number("allreduce", d.get("allreduce", 0.0), cost=True),
         mode=mode,
     )
-    # A fit is linear: checking both ends of the measured contexts checks every one between.
-    lo, hi = int(min(n for n, _ in attention_samples)), profile.max_context
-    if min(profile.attention_time(lo), profile.attention_time(hi)) <= 0:
-        raise ValueError(f"'attention' gives a time <= 0 at the measured contexts "
-                         f"(n = {lo} .. {hi}: slope {profile.attention.slope}, intercept "
-                         f"{profile.attention.intercept})")
-    for q, f in verify.items():
-        if min(f(lo), f(hi)) < 0:
-            raise ValueError(f"'verify.{q}' gives a negative time at the measured contexts "
-                             f"(n = {lo} .. {hi}: slope {f.slope}, intercept {f.intercept})")
+    _check_fits(profile, verify, attention_samples)
     return profile
 
 
