@@ -12,6 +12,7 @@ import torch
 from conftest import random_prompt
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.errors import UserError
+from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.engine.sequence import Batch, Row
@@ -102,7 +103,8 @@ def test_a_row_that_cannot_fit_is_refused_alone(engine_model):
     assert [r.rid for r in done] == [0] and len(done[0].out) == 8
 
 
-def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplog):
+def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplog,
+                                                             monkeypatch):
     model = engine_model(NAME)
     one = synthetic_profile(model, LINEAR_ATTENTION)
     eight = synthetic_profile(model, LINEAR_ATTENTION, verify_scale=3.0)
@@ -112,7 +114,8 @@ def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplo
     assert at4.batch == 4 and at4.mlp == pytest.approx(one.mlp * (1 + 2 * 3 / 7))
     assert at4.verify_time(2, 500) == pytest.approx(
         one.verify_time(2, 500) + (eight.verify_time(2, 500) - one.verify_time(2, 500)) * 3 / 7)
-    with caplog.at_level(logging.WARNING):
+    monkeypatch.setattr(batching, "_NOTED", set())  # the note is logged once per process
+    with caplog.at_level(logging.INFO, logger="knapspec_dist.profiles.batching"):
         assert pricing.at(32) is eight
     assert "no latency profile at batch 32" in caplog.text
 
