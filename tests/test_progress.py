@@ -79,3 +79,18 @@ def test_eta_is_within_30_percent_from_a_tenth_of_the_job_on(case):
         lengths, limit = [rng.randint(40, 120) for _ in range(200)], 128
     errors = eta_errors(lengths, slots=16, max_new_tokens=limit)
     assert errors and max(errors) <= 0.30, max(errors)
+
+
+def test_rows_that_stopped_early_do_not_make_the_others_short():
+    """Two rows stopped at EOS after 5 tokens; ten still decode with 8 each: the ETA still
+    expects at least half of their remaining budget (it showed 0 s in a demo before)."""
+    now, live = [0.0], [0]
+    progress = Progress(total=12, every=0.0, label="rows", bar_enabled=False, max_new_tokens=96,
+                        live=lambda: live[0], slots=16, clock=lambda: now[0])
+    for _ in range(2):
+        stats = SimpleNamespace(new_tokens=5)
+        progress.update(SimpleNamespace(error=None, result=SimpleNamespace(stats=stats)))
+    now[0], live[0] = 100.0, 2 * 5 + 10 * 8
+    progress.tick()
+    row_rate = progress.tokens_per_s / 12
+    assert progress.eta() == pytest.approx((96 - 8) / 2 / row_rate)

@@ -10,7 +10,8 @@ what they have left, and the rows still queued follow in waves of ``slots``, eac
 one row, at the rate one row has decoded so far (the token rate over the rows decoding
 together). Without ``slots`` it is the tokens left over the token rate. Until every row of
 the first wave has its first token (prefill, which the token rate does not measure) the ETA
-is unknown ("?").
+is unknown ("?"). A row still decoding is expected to need at least half of what its
+``max_new_tokens`` leaves (rows that stopped early at EOS do not make the others short).
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ class Progress:
             return 0.0
         row_rate = rate / min(self.slots, self.total)  # one decoding row's tokens per second
         waves = -(-(rows_left - flying) // self.slots)
-        steps = max(0.0, per_row - generated / flying) + waves * per_row
+        done_each = generated / flying
+        # A row still decoding has outlived the early finishers: expect at least half of what
+        # its budget leaves, not the finished rows' mean (which early EOS rows pull down).
+        ahead = max(per_row - done_each, (self.max_new_tokens - done_each) / 2, 0.0)
+        steps = ahead + waves * per_row
         return steps / row_rate
 
     def tick(self, force: bool = False) -> None:
