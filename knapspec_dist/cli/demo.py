@@ -46,7 +46,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                temperature=args.temperature, top_p=DEMO_TOP_P, seed=args.seed,
                                cpus_per_rank=max(1, min(4, os.cpu_count() or 1))))
     rows = pq.read_table(result.rows_path, columns=["id", "generated_text", "error"]).to_pylist()
-    first = next((r for r in sorted(rows, key=lambda r: r["id"]) if r["error"] is None), None)
+    first = next((r for r in sorted(rows, key=lambda r: r["id"])
+                  if r["error"] is None and r["generated_text"].strip()), None)
     if first is not None:
         print(f"--- {first['id']}:\n{first['generated_text'].strip()}\n---")
     print(report(result))
