@@ -108,3 +108,13 @@ def corpus_prompt(smollm2) -> list[int]:
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (length,), generator=g).tolist()  # never the EOS id 1
+
+
+def subprocess_env() -> dict:
+    """The environment of a user's command run by a test: this checkout's package, one torch
+    thread per process, no inherited Ray address (each command starts its own Ray)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    repo = str(Path(__file__).resolve().parent.parent)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=repo + os.pathsep + env.get("PYTHONPATH", ""))
+    return env

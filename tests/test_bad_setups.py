@@ -19,27 +19,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 C = ["--strategy", "ar", "--max-new-tokens", "8", "--baseline-fraction", "0"]
 PROFILE = next((REPO / "profiles").glob("*layers30-hidden576*__eager.json"))
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
 def summarize(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "jobs/summarize.py", *args], cwd=REPO, env=_env(),
+    return subprocess.run([sys.executable, "jobs/summarize.py", *args], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
 def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "knapspec_dist.cli.main", *args], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def one_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -35,17 +35,11 @@ from knapspec_dist.jobs.dispatch import Dispatcher, Task  # noqa: E402
 from knapspec_dist.jobs.lease import LEASE_FILE, Lease, LeaseHeld  # noqa: E402
 from knapspec_dist.jobs.output import OutputDir  # noqa: E402
 from knapspec_dist.runtime import backend as rb  # noqa: E402
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 J = ["--model", "smollm2", "--max-new-tokens", "4", "--baseline-fraction", "0", "--strategy",
      "ar", "--no-progress-bar"]
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
 
 
 def knapspec_job(*args: str):
@@ -53,7 +47,7 @@ def knapspec_job(*args: str):
 
 
 def job_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(knapspec_job(*args), cwd=REPO, env=_env(), capture_output=True,
+    return subprocess.run(knapspec_job(*args), cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -325,7 +319,7 @@ def two_jobs(twelve_rows, tmp_path_factory):
     out = tmp_path_factory.mktemp("two") / "O"
     args = ["--input", str(twelve_rows), "--output", str(out), *J, "--checkpoint-rows", "1",
             "--address", "local"]
-    first = subprocess.Popen(knapspec_job(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+    first = subprocess.Popen(knapspec_job(*args), cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (out / LEASE_FILE).exists() and first.poll() is None:

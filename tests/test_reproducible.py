@@ -10,7 +10,6 @@ to measure), whose sampled tokens are also plain sampling's (engine/sampling.py)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLED = ["--temperature", "0.8", "--seed", "7", "--max-new-tokens", "12"]
@@ -28,16 +28,9 @@ DOCS = ["The rain fell on the old town all night.", "A letter came for Miss Benn
         "Nobody in the village knew the stranger's name.", "The ball ended after midnight."]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
 def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "knapspec_dist.cli.main", *args], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

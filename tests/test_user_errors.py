@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 AR = ["--model", "smollm2", "--strategy", "ar", "--baseline-fraction", "0", "--no-progress-bar"]
@@ -23,19 +24,12 @@ SHORT = ["The cat sat on the mat. It was a sunny day.", "Rain fell all night on 
          "Bread was baked at dawn in the old oven.", "Snow covered every roof by noon."]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
 def knapspec_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "knapspec_dist.cli.main", *args]
 
 
 def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(knapspec_cmd(*args), cwd=REPO, env=_env(), capture_output=True,
+    return subprocess.run(knapspec_cmd(*args), cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -81,7 +75,7 @@ def _start_and_stop(inp: Path, out: Path, sig: int) -> subprocess.CompletedProce
                        "--max-new-tokens", "32", "--max-num-seqs", "1", "--max-inflight", "1",
                        "--checkpoint-rows", "1")
     before = set((out / "rows").glob("part-*.parquet"))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     while not set((out / "rows").glob("part-*.parquet")) - before:
