@@ -19,6 +19,7 @@ drafts a round made, i.e. on the batch.)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -67,13 +68,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+@functools.lru_cache(maxsize=8)
+def _token_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """The per-token half of the noise's hash: the same for every row and step, so made once."""
+    return _mix(torch.arange(vocab, device=device, dtype=torch.int64))
+
+
 def gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise [B, T, vocab] (fp32) for rows with ``seeds`` [B] at output indices
     ``steps`` [B, T]: a pure function of (seed, step, token), the same on every device."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     base = _mix(lo[:, None] ^ _mix(hi[:, None] ^ _mix(steps & _M32)))  # [B, T]
-    tokens = _mix(torch.arange(vocab, device=seeds.device, dtype=torch.int64))
-    h = _mix(base[..., None] ^ tokens)
+    h = _mix(base[..., None] ^ _token_hashes(vocab, seeds.device))
     u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -torch.log(-torch.log(u))
 
