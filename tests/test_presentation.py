@@ -18,6 +18,7 @@ from knapspec_dist.jobs.summary import summarize
 from knapspec_dist.profiles import batching, store
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.profile import LatencyProfile, fit_profile
+from knapspec_dist.runtime import cluster
 
 SHAPE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4,
          "intermediate": 16, "vocab": 32}
@@ -201,3 +202,17 @@ def test_speedup_png_shows_every_main_pass_row_and_marks_the_baseline_pair():
     written = []
     assert write_plot(summary, main, base, "id", written.append, again=again) == data
     assert written and written[0][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("message, level", [
+    ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...",
+     logging.INFO),
+    ("Token authentication is disabled for this Ray cluster. Anyone with network ...",
+     logging.WARNING),
+])
+def test_rays_token_auth_default_is_info_and_its_disabled_warning_stays(message, level):
+    """The demo printed Ray's "Token authentication is enabled" as its one WARNING line."""
+    record = logging.LogRecord(cluster.RAY_AUTH_LOG, logging.WARNING, __file__, 1, message,
+                               None, None)
+    cluster._AUTH_FILTER.filter(record)
+    assert record.levelno == level and record.levelname == logging.getLevelName(level)

@@ -343,8 +343,10 @@ class JobRun:
                                 max_attempts=c.max_attempts, row_timeout=c.row_timeout)
         progress = Progress(len(todo), c.progress_seconds, label, c.progress_bar,
                             max_new_tokens=c.max_new_tokens,
-                            live=getattr(backend, "tokens_emitted", None),
-                            slots=_max_num_seqs(engine, c) * engine.num_replicas)
+                            live=getattr(backend, "work", None),
+                            slots=_max_num_seqs(engine, c) * engine.num_replicas,
+                            replicas=engine.num_replicas,
+                            prompt_tokens=sum(len(p.ids or ()) for p in todo[:limit]))
 
         def on_result(outcome: Outcome) -> None:
             p = self.by_id[outcome.task.key]
