@@ -22,7 +22,8 @@ captures, then replays.
 
 On a CPU there are no graphs and the runner calls the model (``graphs=False``); tests run the
 same static-shape path on a CPU through ``EagerGraph``, which re-runs the recorded forward on
-replay.
+replay (fast), or ``engine.capture.EmulatedGraph``, which captures as CUDA does: nothing runs
+during a capture and its outputs hold poison until the first replay.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ CAPACITY_STEP = 256  # capacities round up to this (two flex key blocks), not to
 
 
 class EagerGraph:
-    """A graph stand-in: records the forward and re-runs it on replay (CPU tests)."""
+    """A graph stand-in: records the forward and re-runs it on replay (CPU tests). It runs the
+    forward while "capturing", unlike CUDA: tests of capture order use ``EmulatedGraph``."""
 
     def __init__(self, fn: Callable[[], object]):
         self.fn = fn
@@ -212,6 +214,9 @@ class ModelRunner:
             return run
 
         first = self._factory(prologue)
+        # A capture runs nothing: the step's tensors and h hold garbage until the prologue is
+        # replayed, and each piece's warm-up reads them (out-of-range cache writes otherwise).
+        first.replay()
         items = [self._factory(piece(i)) for i in range(model.cfg.num_items)]
         last = self._factory(lambda: model.logits(shared["h"]))
         self.captures += len(items) + 2
