@@ -5,9 +5,8 @@ writes K/V only for the attention sublayers it runs), stopping early once every 
 a token whose draft top-1 probability falls below ``tau_conf`` (the runner's ``early_exit``);
 verify the pending token and all drafts in one full forward (which overwrites every layer's K/V
 at those positions); keep the longest agreeing prefix plus one target token, and roll the cache
-back by moving its length. A ``Selector``
-chooses the plan: fixed (``static``), or re-chosen from the full model's hidden states
-(``knapspec``, ``clasp``).
+back by moving its length. A ``Selector`` chooses the plan: fixed (``static``), or re-chosen
+from the full model's hidden states (``knapspec``, ``clasp``).
 """
 
 from __future__ import annotations
