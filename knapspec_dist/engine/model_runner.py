@@ -22,7 +22,8 @@ captures, then replays.
 
 On a CPU there are no graphs and the runner calls the model (``graphs=False``); tests run the
 same static-shape path on a CPU through ``EagerGraph``, which re-runs the recorded forward on
-replay.
+replay (fast), or ``engine.capture.EmulatedGraph``, which captures as CUDA does: nothing runs
+during a capture and its outputs hold poison until the first replay.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.model.step import make_step
+from knapspec_dist.model.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ CAPACITY_STEP = 256  # capacities round up to this (two flex key blocks), not to
 
 
 class EagerGraph:
-    """A graph stand-in: records the forward and re-runs it on replay (CPU tests)."""
+    """A graph stand-in: records the forward and re-runs it on replay (CPU tests). It runs the
+    forward while "capturing", unlike CUDA: tests of capture order use ``EmulatedGraph``."""
 
     def __init__(self, fn: Callable[[], object]):
         self.fn = fn
@@ -99,9 +102,10 @@ class ModelRunner:
             self._factory = lambda fn: CudaGraph(fn, self._pool)
         else:
             self._factory = EagerGraph
-        # Stop drafting once every row has an unsure draft: one read-back per draft token,
-        # free on a CPU; on CUDA all gamma are drafted and cut on the device (no host wait).
-        self.early_exit = model.device.type != "cuda"
+        # Stop drafting once every row has an unsure draft (spec/selfspec.py): one read-back
+        # per draft token, microseconds against a millisecond-scale step. False: all gamma are
+        # drafted with no host wait (``knapspec gpu-check`` times both).
+        self.early_exit = True
         self.captures = 0  # graphs captured so far (stats, gpu-check)
         self.draft_graphs = "plan"  # or "pieces": see the module docstring
         self._piece_sets: dict[tuple, tuple] = {}
@@ -122,34 +126,36 @@ class ModelRunner:
 
     def __call__(self, tokens: torch.Tensor, starts: Sequence[int], cache: KVCache,
                  rows: slice | None = None, skip: frozenset[int] = frozenset(),
-                 last_only: bool = False, capture: Capture | None = None) -> torch.Tensor:
-        """``Transformer.forward``, replayed from a graph where one applies."""
+                 last_only: bool = False, capture: Capture | None = None,
+                 starts_dev: torch.Tensor | None = None) -> torch.Tensor:
+        """``Transformer.forward``, replayed from a graph where one applies. ``starts_dev``:
+        ``starts`` already on the device (the round's one upload); else they are uploaded."""
         t = tokens.shape[1]
         if (not self.graphs or cache is not self.cache or last_only or t > self.max_graph_tokens
                 or min(starts) == 0):  # prefills stay eager: one per request, long, varied
-            return self.model(tokens, starts, cache, rows, skip, last_only, capture)
+            return self.model(tokens, starts, cache, rows, skip, last_only, capture, starts_dev)
         rows = rows if rows is not None else slice(0, tokens.shape[0])
+        if starts_dev is None:
+            starts_dev = upload(list(starts), self.model.device)
         if skip and self.draft_graphs == "pieces" and capture is None:
-            return self._pieces(tokens, starts, cache, rows, skip)
+            return self._pieces(tokens, starts_dev, cache, rows, skip)
         key = (rows.start, rows.stop, t, skip, self.model.backend)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(key, tokens, starts, cache, rows, skip)
+            entry = self._capture(key, tokens, starts_dev, cache, rows, skip)
         else:
             self._graphs.move_to_end(key)
         static_tokens, static_starts, graph, states = entry
         static_tokens.copy_(tokens)
-        static_starts.copy_(torch.as_tensor(list(starts), device=static_starts.device))
+        static_starts.copy_(starts_dev)
         graph.replay()
         logits, hidden = graph.output
         if capture is not None:
             capture.extend(states)
         return logits
 
-    def _capture(self, key, tokens, starts, cache, rows, skip):
-        dev = self.model.device
-        static_tokens = tokens.clone()
-        static_starts = torch.as_tensor(list(starts), device=dev, dtype=torch.long)
+    def _capture(self, key, tokens, starts_dev, cache, rows, skip):
+        static_tokens, static_starts = tokens.clone(), starts_dev.clone()
         states = Capture()
 
         def forward():
@@ -167,17 +173,17 @@ class ModelRunner:
                   key[0], key[1], key[2], len(skip))
         return entry
 
-    def _pieces(self, tokens, starts, cache: KVCache, rows: slice, skip: frozenset[int]):
+    def _pieces(self, tokens, starts_dev, cache: KVCache, rows: slice, skip: frozenset[int]):
         """A draft step replayed from per-sublayer graphs: the prologue, the executed
         sublayers in order, the epilogue; all share one static hidden-state buffer."""
         key = (rows.start, rows.stop, tokens.shape[1], self.model.backend)
         entry = self._piece_sets.get(key)
         if entry is None:
-            entry = self._capture_pieces(tokens, starts, cache, rows)
+            entry = self._capture_pieces(tokens, starts_dev, cache, rows)
             self._piece_sets[key] = entry
         static_tokens, static_starts, prologue, items, epilogue = entry
         static_tokens.copy_(tokens)
-        static_starts.copy_(torch.as_tensor(list(starts), device=static_starts.device))
+        static_starts.copy_(starts_dev)
         prologue.replay()
         for i, piece in enumerate(items):
             if i not in skip:
@@ -185,10 +191,9 @@ class ModelRunner:
         epilogue.replay()
         return epilogue.output
 
-    def _capture_pieces(self, tokens, starts, cache: KVCache, rows: slice):
-        model, dev = self.model, self.model.device
-        static_tokens = tokens.clone()
-        static_starts = torch.as_tensor(list(starts), device=dev, dtype=torch.long)
+    def _capture_pieces(self, tokens, starts_dev, cache: KVCache, rows: slice):
+        model = self.model
+        static_tokens, static_starts = tokens.clone(), starts_dev.clone()
         shared: dict = {}
 
         def prologue():
@@ -212,6 +217,9 @@ class ModelRunner:
             return run
 
         first = self._factory(prologue)
+        # A capture runs nothing: the step's tensors and h hold garbage until the prologue is
+        # replayed, and each piece's warm-up reads them (out-of-range cache writes otherwise).
+        first.replay()
         items = [self._factory(piece(i)) for i in range(model.cfg.num_items)]
         last = self._factory(lambda: model.logits(shared["h"]))
         self.captures += len(items) + 2
@@ -223,7 +231,7 @@ def prefill(model: Transformer, cache, row: int, tokens: list[int], start: int =
     """Run ``tokens`` into cache row ``row`` from position ``start`` (padding-free) and commit
     them; the last position's logits [V]. ``capture`` (model.Capture) gets the hidden states."""
     with torch.inference_mode():
-        logits = model(torch.tensor([tokens], device=model.device), [start], cache,
+        logits = model(upload([tokens], model.device), [start], cache,
                        slice(row, row + 1), last_only=True, capture=capture)
     cache.commit(row, start + len(tokens))
     return logits[0, -1]

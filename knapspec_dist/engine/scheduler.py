@@ -36,6 +36,7 @@ from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.cache import kv_heads
 from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.model.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class Scheduler:
         if row.prefilled == len(row.prompt):
             dev = logits.device
             first = choose(logits[None], self.config.sampling,
-                           torch.tensor([row.seed], device=dev),
+                           upload([row.seed], dev),
                            torch.zeros(1, dtype=torch.int64, device=dev)).tolist()
             row.out, row.reason = finish(first, row.limit, self.model, self.config)
             self.work.emitted += len(row.out)

@@ -5,7 +5,9 @@ slice ``0:B`` (no gather, no padding). A row being prefilled sits at slot B unti
 in, then joins. A finished row leaves by moving the last decoding row into its slot (K/V up
 to that row's length, once per finished row: cheap next to decoding it); a row being
 prefilled then moves down too. Lengths live on the host (``cache.lengths``): the decode loop
-knows them from the one read-back per round, and builds every forward's positions from them.
+knows them from the one read-back per round, and uploads them with the pending tokens, seeds
+and output indices in one copy per round (``Batch.inputs``); every forward's positions are
+made from that on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from knapspec_dist.engine.generation import GenerationStats
 from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.transfer import upload
 
 MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
 
@@ -41,6 +44,18 @@ class Row:
     finished_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class RoundInputs:
+    """A round's per-row numbers on the device, [B] int64 each (one pinned, non-blocking copy:
+    the round's only upload; everything else it needs is made on the device)."""
+
+    pending: torch.Tensor  # [B, 1] the last emitted token, not yet in the cache
+    starts: torch.Tensor  # the cache length: where the pending token goes
+    seeds: torch.Tensor  # the row's randomness (sampling.row_seed)
+    steps: torch.Tensor  # the output index of the row's next token
+    room: torch.Tensor  # drafts the row can still use before its limit
+
+
 @dataclass
 class Batch:
     cache: KVCache
@@ -56,13 +71,11 @@ class Batch:
     def lengths(self) -> list[int]:
         return self.cache.lengths[:len(self.rows)]
 
-    def seeds(self, device) -> torch.Tensor:
-        """Each decoding row's seed, [B] int64 on ``device``."""
-        return torch.tensor([r.seed for r in self.rows], dtype=torch.int64, device=device)
-
-    def steps(self, device) -> torch.Tensor:
-        """Each decoding row's output index of its next token, [B] int64 on ``device``."""
-        return torch.tensor([len(r.out) for r in self.rows], dtype=torch.int64, device=device)
+    def inputs(self, device) -> RoundInputs:
+        """What a round needs of each decoding row on ``device``, in one upload."""
+        packed = upload([[r.out[-1], n, r.seed, len(r.out), max(r.limit - len(r.out) - 1, 0)]
+                         for r, n in zip(self.rows, self.lengths)], device)
+        return RoundInputs(packed[:, :1], *packed[:, 1:].unbind(1))
 
     def join(self) -> None:
         """The prefilled row starts decoding (it already sits at slot len(rows))."""

@@ -173,11 +173,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int] | torch.Tensor, cache: KVCache,
                 rows: slice | None = None, skip: frozenset[int] = frozenset(),
-                last_only: bool = False,
-                capture: Capture | None = None) -> torch.Tensor:
-        """Logits (fp32) for ``tokens`` [B, T] at positions ``starts[b] ..``, writing their K/V."""
+                last_only: bool = False, capture: Capture | None = None,
+                starts_dev: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (fp32) for ``tokens`` [B, T] at positions ``starts[b] ..``, writing their K/V
+        (``starts_dev``: host ``starts`` already on the device, see ``make_step``)."""
         rows = rows if rows is not None else slice(0, tokens.shape[0])
-        step = make_step(self, starts, tokens.shape[1], cache, rows)
+        step = make_step(self, starts, tokens.shape[1], cache, rows, starts_dev)
         h = self.forward_items(self.embed(tokens), step, cache, skip, capture)
         if last_only:
             h = h[:, -1:]

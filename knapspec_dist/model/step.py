@@ -14,6 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from knapspec_dist.model.attention import FLEX_BLOCK, default_backend
+from knapspec_dist.model.transfer import upload
 
 
 @dataclass
@@ -78,13 +79,14 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
 
 
 def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
-              rows: slice) -> Step:
+              rows: slice, starts_dev: torch.Tensor | None = None) -> Step:
     """Everything the layers share for ``t`` new tokens per row at ``starts[b] ..``.
 
     Host ``starts`` (eager forwards) give the largest key count, a common start and a fresh
     prefill for free; a device tensor (CUDA-graph capture) gives none of them, and attention
-    then reads all ``cache.capacity`` keys with the lengths on the device. Nothing here
-    reads a device tensor back.
+    then reads all ``cache.capacity`` keys with the lengths on the device. ``starts_dev``: the
+    host ``starts`` already on the device (the round's upload), else they are uploaded here.
+    Nothing here reads a device tensor back.
     """
     backend = model.backend or default_backend(model.device)
     if isinstance(starts, torch.Tensor):
@@ -100,7 +102,8 @@ def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
         # A fresh prefill says is_causal instead of passing a mask: only then does the CPU
         # kernel skip the masked-out blocks (-39% prefill time at 4k).
         causal = start == 0 and t > 1
-        starts_dev = torch.tensor(starts, device=model.device)
+        if starts_dev is None:
+            starts_dev = upload(starts, model.device)
         if backend == "flex" and not causal:
             kv_len = cache.capacity  # static shapes: one compiled kernel per (B, T)
     positions = starts_dev[:, None] + torch.arange(t, device=model.device)[None]

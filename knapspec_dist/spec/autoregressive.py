@@ -22,12 +22,11 @@ class Autoregressive(Strategy):
         start = timer.mark()
         rows, cache = batch.rows, batch.cache
         lengths = batch.lengths
-        tokens = torch.tensor([[r.out[-1]] for r in rows], device=model.device)
-        logits = forward(tokens, lengths, cache, slice(0, len(rows)))
-        seeds = steps = None
-        if not config.sampling.greedy:
-            seeds, steps = batch.seeds(model.device), batch.steps(model.device)
-        nxt = choose(logits[:, 0], config.sampling, seeds, steps).tolist()  # the one read-back
+        inputs = batch.inputs(model.device)  # the one upload
+        logits = forward(inputs.pending, lengths, cache, slice(0, len(rows)),
+                         starts_dev=inputs.starts)
+        nxt = choose(logits[:, 0], config.sampling, inputs.seeds,
+                     inputs.steps).tolist()  # the one read-back
         end = timer.mark()
         timer.sync()  # after the read-back: free
         elapsed = timer.seconds(start, end)

@@ -1,12 +1,12 @@
 """Self-speculative decoding: the model drafts with a subset of its sublayers, then verifies.
 
 One round: draft up to gamma tokens with the sublayers in ``plan.skip`` skipped (the draft
-writes K/V only for the attention sublayers it runs), stopping early after a token whose
-draft top-1 probability falls below ``tau_conf``; verify the pending token and all drafts in
-one full forward (which overwrites every layer's K/V at those positions); keep the longest agreeing
-prefix plus one target token, and roll the cache back by moving its length. A ``Selector``
-chooses the plan: fixed (``static``), or re-chosen from the full model's hidden states
-(``knapspec``, ``clasp``).
+writes K/V only for the attention sublayers it runs), stopping early once every row has drafted
+a token whose draft top-1 probability falls below ``tau_conf`` (the runner's ``early_exit``);
+verify the pending token and all drafts in one full forward (which overwrites every layer's K/V
+at those positions); keep the longest agreeing prefix plus one target token, and roll the cache
+back by moving its length. A ``Selector`` chooses the plan: fixed (``static``), or re-chosen
+from the full model's hidden states (``knapspec``, ``clasp``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, finish
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.sampling import accept, choose, probabilities
-from knapspec_dist.engine.sequence import Batch
+from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
 
@@ -73,10 +73,8 @@ class StaticSelector(Selector):
 class SelfSpeculative(Strategy):
     """Draft with a subnet of the model, verify with the whole model; every row at once."""
 
-    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static",
-                 early_exit: bool | None = None):
+    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static"):
         self.selector, self.tau_conf, self.name = selector, tau_conf, name
-        self.early_exit = early_exit  # None: as the runner says for its device
 
     def start(self, model: Transformer) -> None:
         self.selector.start(model)
@@ -97,20 +95,14 @@ class SelfSpeculative(Strategy):
         plan = sel.plan(model, batch)
         t1 = timer.mark()
         lengths = batch.lengths
-        room = [r.limit - len(r.out) - 1 for r in rows]  # drafts a row can still use
-        gamma = min(plan.gamma, max(room))
-        early_exit = self.early_exit if self.early_exit is not None else forward.early_exit
-        pending = torch.tensor([[r.out[-1]] for r in rows], device=dev)
-        seeds = steps = None
-        if not sampling.greedy:  # each row's randomness: drafts and verify share its noise
-            seeds, steps = batch.seeds(dev), batch.steps(dev)
-        drafts, cap = self._draft(forward, cache, plan.skip, pending, lengths, gamma, sampling,
-                                  seeds, steps, early_exit, room)
+        gamma = min(plan.gamma, max(r.limit - len(r.out) - 1 for r in rows))
+        inputs = batch.inputs(dev)  # the round's one upload; drafts and verify share its noise
+        drafts, cap = self._draft(forward, cache, plan.skip, inputs, lengths, gamma, sampling)
         t2 = timer.mark()
         capture = Capture() if sel.wants_reference() else None
-        logits = forward(torch.cat([pending, drafts], dim=1), lengths, cache, slice(0, size),
-                         capture=capture)
-        n, nxt = accept(drafts, logits, sampling, seeds, steps, cap)
+        logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
+                         slice(0, size), capture=capture, starts_dev=inputs.starts)
+        n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.steps, cap)
         # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
         back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
         accepted, verified = [x[0] for x in back], [x[2] for x in back]
@@ -139,37 +131,32 @@ class SelfSpeculative(Strategy):
             s.attention_skipped += verified[b] * attn  # the scheduler divides by drafted
             s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
 
-    def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], pending: torch.Tensor,
-               lengths: list[int], gamma: int, sampling, seeds, steps, early_exit: bool,
-               room: list[int]):
+    def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], inputs: RoundInputs,
+               lengths: list[int], gamma: int, sampling):
         """Up to ``gamma`` draft tokens per row [B, g], on the device (sampled ones with the
-        row's noise at their output index, ``steps`` [B] being the first's), and how many of
-        each row's drafts to verify [B]: up to and including its
-        first whose top-1 probability is below ``tau_conf`` (an unsure draft is still worth a
-        verify slot), and no more than the row has room for. Every row drafts in the same
-        forwards; with ``early_exit`` (CPUs, where reading a number back costs nothing)
-        drafting stops once every row has an unsure draft, and on a GPU all ``gamma`` are
-        drafted and each row's cut is made on the device, so the round never waits on the
-        host (the verify carries the extra drafts, never accepted). Which of the two a device
-        gets is the runner's ``early_exit``."""
+        row's noise at their output index), and how many of each row's drafts to verify [B]:
+        all it drafted, up to its room. Every row drafts in the same forwards. With the
+        runner's ``early_exit``, drafting stops once every row has a draft whose top-1
+        probability is below ``tau_conf`` (one read-back per draft token); without it all
+        ``gamma`` are drafted and the round never waits on the host. Either way each row's
+        drafts are verified up to its first mismatch, an unsure one included: acceptance is
+        lossless whatever is verified, and a later draft that matches is a token gained."""
         model = forward.model
-        dev, size = model.device, pending.shape[0]
+        dev, size = model.device, inputs.pending.shape[0]
         rows = slice(0, size)
-        tok = pending
-        drafts, confs = [], []
+        tok, drafts = inputs.pending, []
+        unsure = torch.zeros(size, dtype=torch.bool, device=dev)
         for i in range(gamma):
-            logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip)[:, -1]
-            d = choose(logits, sampling, seeds, None if steps is None else steps + i)
+            logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip,
+                             starts_dev=inputs.starts + i)[:, -1]
+            d = choose(logits, sampling, inputs.seeds, inputs.steps + i)
             drafts.append(d)
-            confs.append(probabilities(logits, sampling).amax(dim=-1))
             tok = d[:, None]
-            if early_exit and bool((torch.stack(confs) < self.tau_conf).any(dim=0).all()):
-                break
-        room_t = torch.tensor(room, device=dev).clamp_min(0)
+            if forward.early_exit:
+                unsure |= probabilities(logits, sampling).amax(dim=-1) < self.tau_conf
+                if bool(unsure.all()):
+                    break
         if not drafts:
             return (torch.empty(size, 0, dtype=torch.long, device=dev),
                     torch.zeros(size, dtype=torch.long, device=dev))
-        low = torch.stack(confs, dim=1) < self.tau_conf  # [B, g]
-        g = low.shape[1]
-        unsure = torch.where(low.any(dim=1), low.long().argmax(dim=1) + 1, g)
-        return torch.stack(drafts, dim=1).long(), torch.minimum(unsure, room_t)
+        return torch.stack(drafts, dim=1).long(), inputs.room.clamp(max=len(drafts))

@@ -1,0 +1,81 @@
+"""CUDA graph capture semantics on the CPU (engine/capture.py): the emulation itself, and every
+strategy's graph path under it, which must give plain eager ``ar``'s tokens. ``EagerGraph`` runs
+the function while "capturing", so only these tests see a graph's output read before a replay
+has written it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompt
+from test_knapspec import LINEAR_ATTENTION, synthetic_profile
+
+from knapspec_dist.engine.capture import CaptureError, EmulatedGraph
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.spec.options import StrategyOptions
+
+NAME = "llama-gqa"
+CONFIG = GenerationConfig(max_new_tokens=20, stop_at_eos=False)
+
+
+def test_capture_runs_no_mutation_and_poisons_fresh_outputs():
+    static = torch.tensor([1.0, 2.0])
+    buffer = torch.zeros(2)
+    index = torch.tensor([0, 1])
+
+    def fn():
+        doubled = static * 2
+        buffer.copy_(doubled)
+        return doubled, index + 1
+
+    graph = EmulatedGraph(fn)
+    buffer.zero_()  # undo the warm-up, which runs as CUDA's does
+    doubled, shifted = graph.output
+    assert doubled.isnan().all() and (shifted == torch.iinfo(torch.long).max).all()
+    assert (buffer == 0).all()  # the copy was recorded, not run
+    static.copy_(torch.tensor([3.0, 4.0]))  # a replay reads the static input as it is then
+    graph.replay()
+    assert doubled.tolist() == [6.0, 8.0] and buffer.tolist() == [6.0, 8.0]
+    assert shifted.tolist() == [1, 2]
+
+
+def test_a_host_read_during_capture_raises():
+    x = torch.ones(3)
+    with pytest.raises(CaptureError):
+        EmulatedGraph(lambda: x * float(x.sum()))
+    with pytest.raises(CaptureError):
+        EmulatedGraph(lambda: x.tolist())
+
+
+def _strategy(name: str, model):
+    options = {"ar": {}, "static": {"skip": "a1,m2", "gamma": 4},
+               "knapspec": {"interval": 8}, "clasp": {"interval": 8, "gamma": 3}}[name]
+    profiles = ([synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)]
+                if name in ("knapspec", "clasp") else None)
+    return build_strategy(StrategyOptions(name=name, tau_conf=0.0, **options), model, profiles)
+
+
+@pytest.mark.parametrize("name,draft_graphs", [
+    ("ar", "plan"), ("static", "plan"), ("static", "pieces"), ("clasp", "plan"),
+    ("clasp", "pieces"), ("knapspec", "plan"), ("knapspec", "pieces")])
+def test_emulated_capture_gives_the_tokens_of_eager_ar(engine_model, name, draft_graphs):
+    """Decode, verify and draft graphs captured as CUDA captures them, replayed for rounds of
+    two rows, then one (three prompts, two at a time): eager ``ar``'s tokens."""
+    model = engine_model(NAME)
+    prompts = [random_prompt(n, model.cfg.vocab_size, seed=60 + n) for n in (9, 40, 75)]
+    expected = generate(Autoregressive(), model, prompts, CONFIG,
+                        runner=ModelRunner(model, graphs=False))
+    runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)
+    runner.draft_graphs = draft_graphs
+    got = generate(_strategy(name, model), model, prompts, CONFIG, max_num_seqs=2,
+                   runner=runner)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert runner.captures > 0
+    if name != "ar":
+        assert sum(r.stats.drafted for r in got) > 0, "speculation never ran"
+    if draft_graphs == "pieces":
+        assert runner._piece_sets, "the per-sublayer draft graphs never ran"
