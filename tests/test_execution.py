@@ -5,9 +5,12 @@ under CUDA graphs on a GPU (tests/test_gpu.py, ``knapspec gpu-check``)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import random_prompt
+from torch.nn.attention.flex_attention import BlockMask
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
@@ -15,7 +18,7 @@ from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.cache import KVCache
-from knapspec_dist.model.step import length_block_mask
+from knapspec_dist.model.step import block_mask_ops, length_block_mask
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
 
@@ -142,6 +145,21 @@ def test_length_block_mask_covers_exactly_the_visible_keys(starts, t):
             assert covered[needed].all(), f"row {b} q-block {qb}: a visible key is skipped"
             last = int(needed.nonzero().max())
             assert not covered[(last // FLEX_BLOCK + 1) * FLEX_BLOCK:].any(), "reads past length"
+
+
+def test_block_mask_skips_the_backward_indices_where_torch_can():
+    """Where torch takes ``compute_q_blocks`` the mask has no q indices and fewer ops (about
+    92 -> 32 on torch 2.13); elsewhere both counts are the same build."""
+    supported = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    counts = block_mask_ops("cpu", batch=3, t=2, kv_len=512)
+    assert counts["compute_q_blocks_supported"] is supported
+    mask = length_block_mask(torch.tensor([4, 200, 300]), 2, 512)
+    if supported:
+        assert counts["without_q_blocks"] < counts["with_q_blocks"] / 2
+        assert mask.q_indices is None and mask.full_q_indices is None
+    else:
+        assert counts["without_q_blocks"] == counts["with_q_blocks"] > 0
+    assert length_block_mask(torch.tensor([4]), 2, 512, q_blocks=True).q_indices is not None
 
 
 @pytest.mark.slow

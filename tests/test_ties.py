@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from conftest import random_prompt
 
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.spec.ties import (BUG, TIE, check_divergence, classify,
-                                            first_difference, one_shot_logits, spacing, tolerance)
 from knapspec_dist.spec.factory import build_strategy
 from knapspec_dist.spec.options import StrategyOptions
-
-from conftest import random_prompt
-from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.spec.ties import (
+    BUG,
+    FP32_CUDA_ULPS,
+    TIE,
+    check_divergence,
+    classify,
+    first_difference,
+    one_shot_logits,
+    rule_ulps,
+    spacing,
+    tolerance,
+)
 
 BF16 = torch.bfloat16
 
@@ -75,6 +86,58 @@ def test_fp32_rule_is_exact_identity():
     for other in (19.75, 19.75 - 1e-6, 19.0):
         d = classify(logits_with({3: 19.75, 5: other}), 2, 3, 5, torch.float32)
         assert d.verdict == BUG and d.tolerance == 0.0
+
+
+FP32 = torch.float32
+
+
+def fp32_steps_below(x: float, k: int) -> float:
+    """The fp32 value k representable steps below x (torch.nextafter, one step at a time)."""
+    v = torch.tensor(x, dtype=FP32)
+    for _ in range(k):
+        v = torch.nextafter(v, torch.tensor(-math.inf, dtype=FP32))
+    return float(v)
+
+
+@pytest.mark.parametrize("x", [2.7, 16.0, 19.75, 35.8, 100.0])
+def test_spacing_is_the_fp32_step(x):
+    v = torch.tensor(x, dtype=FP32)
+    up = torch.nextafter(v, torch.tensor(math.inf, dtype=FP32))
+    assert spacing(float(v), FP32) == float(up) - float(v)
+
+
+def test_fp32_rule_is_64_ulps_on_cuda_and_identity_elsewhere():
+    assert rule_ulps(FP32, "cuda") == FP32_CUDA_ULPS == 64
+    assert rule_ulps(FP32, torch.device("cuda", 1)) == 64
+    assert rule_ulps(FP32, "cpu") == 0 and rule_ulps(torch.float64, "cuda") == 0
+    assert rule_ulps(BF16, "cuda") == rule_ulps(BF16, "cpu") == 4
+    # Worked: at 19.75 an fp32 ulp is 2**-19 (16 <= x < 32), so 64 ulps are 2**-13.
+    assert tolerance(19.75, FP32, "cuda") == 2.0 ** -13 == 64 * (2.0 ** -19)
+    assert tolerance(2.7, FP32, "cuda") == 64 * 2.0 ** -22  # 2 <= x < 4
+    assert tolerance(19.75, FP32, "cpu") == 0.0
+    assert tolerance(19.75, BF16, "cuda") == 0.5  # bf16 keeps its rule on every device
+
+
+@pytest.mark.parametrize("steps,verdict", [(0, TIE), (1, TIE), (64, TIE), (65, BUG),
+                                           (1000, BUG)])
+def test_fp32_cuda_near_tie_counts_ulps_of_the_top_logit(steps, verdict):
+    """Token 5 sits ``steps`` fp32 steps below the top logit 19.75 (token 3): a tie up to 64
+    steps on CUDA, a bug beyond; on a CPU every fp32 divergence is a bug."""
+    other = fp32_steps_below(19.75, steps)
+    d = classify(logits_with({3: 19.75, 5: other}), 4, 3, 5, FP32, "cuda")
+    assert d.gap == steps * 2.0 ** -19  # exact: both values lie in [16, 32)
+    assert d.tolerance == 2.0 ** -13 and d.device == "cuda" and d.verdict == verdict
+    assert "fp32 on cuda" in d.describe()
+    assert classify(logits_with({3: 19.75, 5: other}), 4, 3, 5, FP32, "cpu").verdict == BUG
+
+
+def test_fp32_cuda_tolerance_follows_the_largest_magnitude():
+    """Just below 16 the steps halve, but the tolerance is taken at the top logit (16): 128
+    steps of 2**-20 below 16 are 64 of its ulps, a tie; 129 are not."""
+    assert classify(logits_with({3: 16.0, 5: fp32_steps_below(16.0, 128)}), 0, 3, 5, FP32,
+                    "cuda").is_tie
+    assert not classify(logits_with({3: 16.0, 5: fp32_steps_below(16.0, 129)}), 0, 3, 5, FP32,
+                        "cuda").is_tie
 
 
 def test_length_differences_are_bugs():

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from knapspec_dist.engine.buckets import padded_forward
+from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.model.step import make_step
@@ -128,8 +130,15 @@ class ModelRunner:
                  rows: slice | None = None, skip: frozenset[int] = frozenset(),
                  last_only: bool = False, capture: Capture | None = None,
                  starts_dev: torch.Tensor | None = None) -> torch.Tensor:
-        """``Transformer.forward``, replayed from a graph where one applies. ``starts_dev``:
-        ``starts`` already on the device (the round's one upload); else they are uploaded."""
+        """``Transformer.forward``, replayed from a graph where one applies; under flex, over
+        the batch padded to its bucket (engine/buckets.py). ``starts_dev``: ``starts`` already
+        on the device (the round's one upload); else they are uploaded (a padded batch's
+        starts are, once per forward)."""
+        if (self.model.backend or default_backend(self.model.device)) == "flex":
+            out = padded_forward(self, tokens, starts, cache, rows, capture, skip=skip,
+                                 last_only=last_only)
+            if out is not None:
+                return out
         t = tokens.shape[1]
         if (not self.graphs or cache is not self.cache or last_only or t > self.max_graph_tokens
                 or min(starts) == 0):  # prefills stay eager: one per request, long, varied

@@ -17,7 +17,9 @@ Backends, one per device kind, pinned rather than left to a library default:
   one or two blocks at each row's causal edge are "partial", blocks past a row's length are
   never read. GQA without repeating K/V; flex-decoding splits long rows over thread blocks.
   Its shapes are static (all ``capacity`` keys, lengths in the block mask), so the same call
-  is captured in CUDA graphs. cuDNN attention, the CUDA default for bf16, rebuilt a plan for
+  is captured in CUDA graphs; the batch and head dims are integers in the compiled graph (the
+  flex-decoding kernel needs them), and the runner pads the batch to a power of two
+  (engine/buckets.py), so continuous batching compiles a few kernels, not one per batch size. cuDNN attention, the CUDA default for bf16, rebuilt a plan for
   every new key length: 2.75x slower decoding at 4k on an H200 (../shared/gpu).
 - ``sdpa`` also runs on CUDA (flash / memory-efficient kernels only, never cuDNN), as the
   fallback and the comparison that ``knapspec gpu-check`` measures.
@@ -26,6 +28,7 @@ Backends, one per device kind, pinned rather than left to a library default:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch._dynamo.config as dynamo_config
@@ -41,12 +44,31 @@ def default_backend(device: torch.device | str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
+def _flex_static_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask,
+                       enable_gqa: bool) -> torch.Tensor:
+    """flex_attention with the batch and head dims forced static: torch's lowering takes the
+    flex-decoding kernel (split-K, GQA-shared) only for an integer batch and head count, and
+    dynamo would otherwise make the batch symbolic at its second batch size. Marked inside the
+    compiled function, so calls pay nothing (dynamo specializes the dims; the lowering sees
+    integers); the mask_mod's closure (``starts``) is marked where it is made, in
+    ``length_block_mask``."""
+    for x in (q, keys, values):
+        torch._dynamo.mark_static(x, 0)
+        torch._dynamo.mark_static(x, 1)
+    for x in block_mask.as_tuple(flatten=False)[1:]:
+        if isinstance(x, torch.Tensor):
+            torch._dynamo.mark_static(x, 0)
+    return flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 @functools.cache
-def _compiled_flex():
-    """One compiled kernel per (batch, T, capacity, heads): decoding meets more shapes than
-    dynamo's default limit of 8 recompilations, past which it would fall back to unfused flex."""
+def compiled_flex(backend: str | Callable = "inductor") -> Callable:
+    """One compiled kernel per (batch bucket, T = 1 or T > 1, capacity, heads): the batch is
+    static and padded to a few buckets (engine/buckets.py). Decoding meets more shapes than
+    dynamo's default limit of 8 recompilations, past which it would fall back to unfused flex.
+    ``backend``: tests pass a counting one (torch._dynamo.testing)."""
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-    return torch.compile(flex_attention, fullgraph=True)
+    return torch.compile(_flex_static_batch, fullgraph=True, backend=backend)
 
 
 def _sdpa_backends():
@@ -59,7 +81,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> t
     b, h, t, hd = q.shape
     kv = keys.shape[1]
     if step.backend == "flex" and not step.causal:
-        o = _compiled_flex()(q, keys, values, block_mask=step.block_mask, enable_gqa=h != kv)
+        o = compiled_flex()(q, keys, values, step.block_mask, h != kv)
     elif q.device.type == "cuda":
         with _sdpa_backends():
             o = _sdpa(q, keys, values, step)

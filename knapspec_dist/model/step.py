@@ -7,14 +7,20 @@ count attention reads, and (flex) the block mask, so no layer rebuilds any of it
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapspec_dist.model.attention import FLEX_BLOCK, default_backend
 from knapspec_dist.model.transfer import upload
+
+# Torch 2.11 and later can skip the backward (q) indices of a BlockMask, which inference never
+# reads: about a third of the ops of building one (``block_mask_ops``).
+SKIP_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 @dataclass
@@ -48,7 +54,8 @@ class Step:
         return self._mask
 
 
-def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FLEX_BLOCK):
+def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FLEX_BLOCK, *,
+                      q_blocks: bool = not SKIP_Q_BLOCKS):
     """flex_attention's BlockMask for T queries per row aligned to the end of each row's keys,
     computed on the device from ``starts`` [B] (no host sync, capturable in a CUDA graph).
 
@@ -56,9 +63,10 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
     last key is visible to the block's first query, ``(kb+1)*BS - 1 <= start + qb*BS``; the
     blocks from there up to the one holding the block's last visible key
     ``start + min((qb+1)*BS, T) - 1`` are partial (mask_mod decides); later blocks are skipped.
+    ``q_blocks``: also build the backward's indices (only ``block_mask_ops`` asks, to compare).
     """
-    q_blocks, kv_blocks = -(-t // block), -(-kv_len // block)
-    qb = torch.arange(q_blocks, device=starts.device)
+    q_blocks_n, kv_blocks = -(-t // block), -(-kv_len // block)
+    qb = torch.arange(q_blocks_n, device=starts.device)
     first_q = starts[:, None] + qb[None] * block  # [B, QB] position of each block's first query
     last_q = starts[:, None] + torch.clamp((qb[None] + 1) * block, max=t) - 1
     full = torch.clamp((first_q + 1) // block, max=kv_blocks)
@@ -67,15 +75,42 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
     idx = torch.arange(kv_blocks, device=starts.device)
     full_idx = idx.expand(*full.shape, kv_blocks)
     partial_idx = torch.clamp(full[..., None] + idx, max=kv_blocks - 1)
+    torch._dynamo.mark_static(starts, 0)  # the mask_mod's closure: an integer batch (attention)
 
     def causal_to_end(b, h, q_idx, kv_idx):
         return kv_idx <= starts[b] + q_idx
 
     i32 = torch.int32
+    skip = {"compute_q_blocks": False} if SKIP_Q_BLOCKS and not q_blocks else {}
     return BlockMask.from_kv_blocks(
         partial[:, None].to(i32), partial_idx[:, None].to(i32),
         full[:, None].to(i32), full_idx[:, None].to(i32),
-        BLOCK_SIZE=block, mask_mod=causal_to_end, seq_lengths=(t, kv_len))
+        BLOCK_SIZE=block, mask_mod=causal_to_end, seq_lengths=(t, kv_len), **skip)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (each one a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def block_mask_ops(device: torch.device | str, batch: int = 4, t: int = 1,
+                   kv_len: int = 4096) -> dict:
+    """Aten ops of one ``length_block_mask`` with and without the backward (q) indices: what
+    ``compute_q_blocks=False`` saves per forward (gpu-check reports it on the GPU)."""
+    starts = torch.arange(batch, device=device) * 37 % max(1, kv_len - t)
+    counts = {}
+    for name, q_blocks in (("with_q_blocks", True), ("without_q_blocks", not SKIP_Q_BLOCKS)):
+        with torch.inference_mode(), _OpCounter() as counter:
+            length_block_mask(starts, t, kv_len, q_blocks=q_blocks)
+        counts[name] = counter.ops
+    return {**counts, "compute_q_blocks_supported": SKIP_Q_BLOCKS}
 
 
 def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,

@@ -1,10 +1,10 @@
 """Near-tie classification: is a greedy divergence from ``ar`` a rounding tie, or a bug?
 
 Greedy self-speculative decoding is lossless in exact arithmetic: it emits plain decoding's
-tokens. In floating point it is bit-identical only where the 1-token decode step and the
-q-token verify forward compute the same numbers (fp32 on the CPU here). In bf16 they may use
-different GEMM / attention kernels, so where two logits nearly tie, the argmax can flip and the
-outputs diverge from then on. This module proves (or refutes) that a divergence is such a tie.
+tokens. In floating point the 1-token decode step and the q-token verify forward run different
+GEMM / attention kernels (bf16 anywhere, fp32 on CUDA's cuBLAS; even on the CPU fp32 logits
+differ in their last bits), so where two logits nearly tie, the argmax can flip and the outputs
+diverge from then on. This module proves (or refutes) that a divergence is such a tie.
 
 **Method.** At the first position ``i`` where a candidate's tokens differ from the reference's
 (plain ``ar``), run the full model once on ``prompt + reference[:i]`` (one causal prefill, a
@@ -16,13 +16,15 @@ both lie below a third token, which is evidence against a two-way tie.
 
 **Tolerance (the rule).** Let ``ulp(x) = eps(dtype) * 2**floor(log2|x|)`` be the spacing of
 the model's dtype at the top logit (bf16: ``eps = 2**-7``, 8 significant bits, so
-``ulp = 2**(floor(log2|x|) - 7)``: 0.125 for logits in [16, 32)). Then::
+``ulp = 2**(floor(log2|x|) - 7)``: 0.125 for logits in [16, 32); fp32: ``eps = 2**-23``,
+about 1.9e-6 at logits in [16, 32)). Then, with ``m = max(|z_top|, |z[r]|, |z[c]|)``::
 
-    tolerance = ULPS * ulp(max(|z_top|, |z[r]|, |z[c]|)),  ULPS = 4    (bf16, fp16)
-    tolerance = 0                                                      (fp32: exact identity)
+    tolerance = ULPS * ulp(m),            ULPS = 4              (bf16, fp16; any device)
+    tolerance = FP32_CUDA_ULPS * ulp(m),  FP32_CUDA_ULPS = 64   (fp32 on CUDA)
+    tolerance = 0                                               (fp32 on CPUs, fp64: identity)
 
 and the divergence is a near-tie iff ``gap <= tolerance`` and ``tolerance > 0``; anything else
-is a bug (so in fp32 every divergence is a bug, even at an exact fp32 tie).
+is a bug (so in fp32 on a CPU every divergence is a bug, even at an exact fp32 tie).
 Justification of ULPS = 4: let ``e_a = z_a - z`` be a decode path's logit error against the
 one-shot logits. If path a chose ``r`` and path b chose ``c``, then
 ``|z[r] - z[c]| <= max(|e_a[r] - e_a[c]|, |e_b[r] - e_b[c]|)``: the gap is bounded by how
@@ -34,8 +36,22 @@ the one-shot forward): that spread was 0-2 ulps at top logits 10-28, and up to 3
 top logits 4-12, where the top logit's ulp is small against the hidden-state rounding. Hence
 4 ulps. The shared gpu README's CPU ties had gaps 0 and 1 ulp (0.125 at logits 19-23); a wrong
 token is typically tens of ulps below the top.
-In fp32 the CPU kernels are
-batch-invariant here, so any divergence at all is a bug (tolerance 0).
+Justification of FP32_CUDA_ULPS = 64: on CUDA a 1-token decode and a q-token verify run
+different cuBLAS kernels (GEMV against GEMM, split-K or not), which sum in different orders, so
+their fp32 logits differ by accumulated rounding, far below any real disagreement but enough to
+flip an argmax at a near-tie. The same spread between two fp32 computations, measured on the
+CPU (SmolLM2 fp32, a 300-token document, its last 40 positions, top-5 tokens by an fp64
+forward, 1 thread; top logits 2.7-36): a causal prefill against 1-token decode steps 6.5
+ulps of the top logit median, 12 p90, 27 max (the max at top logit 2.7, 17 at top logits >= 8);
+4-token verify against 1-token decode 3 median, 15 max; each fp32 path against fp64, 32 max.
+GPU reductions are of the same kind, and wider and deeper models add terms: hence twice the
+largest measured, 64 ulps (1.2e-4 at logits in [16, 32)). A wrong token is typically 0.1 or
+more below the top, 50,000 fp32 ulps there, so the rule still tells the two apart. (TF32
+matmuls, off by torch's default, would round at 2**-10 and need a bf16-like rule.)
+On CPUs exact identity stays the rule, since there the greedy tokens of every strategy have
+been equal to ``ar``'s. The CPU logits of a verify and a decode are not bit-identical (above),
+so an fp32 argmax could flip at a near-tie within about 15 ulps (~3e-5): rare enough not to
+have happened in the tests and benchmarks, and a divergence there is a failure to look at.
 
 :func:`classify` is the pure core (logits in, :class:`Divergence` out);
 :func:`check_divergence` finds the first difference and runs the one-shot forward.
@@ -53,7 +69,8 @@ from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.weights import dtype_name
 
 TIE, BUG = "tie", "BUG"
-ULPS = 4  # tolerance in units of the dtype's spacing at the top logit (see the module doc)
+ULPS = 4  # bf16 / fp16 tolerance in units of the dtype's spacing at the top logit (module doc)
+FP32_CUDA_ULPS = 64  # fp32 on CUDA: its decode and verify run different cuBLAS kernels
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,7 @@ class Divergence:
     gap: float | None  # top_logit - min(reference_logit, candidate_logit); None: lengths differ
     tolerance: float
     dtype: str
+    device: str  # the device type the model ran on (its rule: see rule_ulps)
     verdict: str  # TIE or BUG
 
     @property
@@ -86,7 +104,8 @@ class Divergence:
         return (f"new token {self.position}: ar {self.reference_token} vs "
                 f"{self.candidate_token}, logits {self.reference_logit:.4g} vs "
                 f"{self.candidate_logit:.4g} (top {self.top_logit:.4g}), gap {self.gap:.4g} "
-                f"{'<=' if self.is_tie else '>'} tolerance {self.tolerance:.4g} ({self.dtype}): "
+                f"{'<=' if self.is_tie else '>'} tolerance {self.tolerance:.4g} ({self.dtype} on "
+                f"{self.device}): "
                 f"{'near-tie' if self.is_tie else 'BUG'}")
 
 
@@ -97,11 +116,20 @@ def spacing(x: float, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(x, tiny)))
 
 
-def tolerance(magnitude: float, dtype: torch.dtype, ulps: int = ULPS) -> float:
-    """The near-tie tolerance at logits of size ``magnitude`` (0 in fp32: exact identity)."""
+def rule_ulps(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """The near-tie tolerance in ulps of the top logit for a model of ``dtype`` on ``device``
+    (0: exact identity)."""
+    if dtype == torch.float32 and torch.device(device).type == "cuda":
+        return FP32_CUDA_ULPS
     if dtype in (torch.float32, torch.float64):
-        return 0.0
-    return ulps * spacing(magnitude, dtype)
+        return 0
+    return ULPS
+
+
+def tolerance(magnitude: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
+    """The near-tie tolerance at logits of size ``magnitude`` (0 in fp32 on a CPU)."""
+    ulps = rule_ulps(dtype, device)
+    return ulps * spacing(magnitude, dtype) if ulps else 0.0
 
 
 def first_difference(reference: list[int], candidate: list[int]) -> int | None:
@@ -113,20 +141,22 @@ def first_difference(reference: list[int], candidate: list[int]) -> int | None:
 
 
 def classify(logits: torch.Tensor, position: int, reference_token: int | None,
-             candidate_token: int | None, dtype: torch.dtype, ulps: int = ULPS) -> Divergence:
-    """Classify one divergence from the full model's one-shot ``logits`` [V] at ``position``."""
-    name = dtype_name(dtype)
+             candidate_token: int | None, dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> Divergence:
+    """Classify one divergence from the full model's one-shot ``logits`` [V] at ``position``,
+    by the rule for a model of ``dtype`` on ``device``."""
+    name, kind = dtype_name(dtype), torch.device(device).type
     if reference_token is None or candidate_token is None:
         # One output stops where the other goes on (e.g. EOS vs length): no tie explains it.
         return Divergence(position, reference_token, candidate_token, None, None, None, None,
-                          None, tolerance(0.0, dtype, ulps), name, BUG)
+                          None, tolerance(0.0, dtype, device), name, kind, BUG)
     logits = logits.detach().float().cpu()
     top_logit, top_token = (float(v) for v in logits.max(dim=-1))
     zr, zc = float(logits[reference_token]), float(logits[candidate_token])
     gap = top_logit - min(zr, zc)
-    tol = tolerance(max(abs(top_logit), abs(zr), abs(zc)), dtype, ulps)
+    tol = tolerance(max(abs(top_logit), abs(zr), abs(zc)), dtype, device)
     return Divergence(position, int(reference_token), int(candidate_token), zr, zc,
-                      int(top_token), top_logit, gap, tol, name,
+                      int(top_token), top_logit, gap, tol, name, kind,
                       TIE if tol > 0 and reference_token != candidate_token and gap <= tol else BUG)
 
 
@@ -138,16 +168,17 @@ def one_shot_logits(model, ids: list[int]) -> torch.Tensor:
     return prefill(model, cache, 0, list(ids))
 
 
-def check_divergence(model, prompt: list[int], reference: list[int], candidate: list[int],
-                     ulps: int = ULPS) -> Divergence | None:
+def check_divergence(model, prompt: list[int], reference: list[int],
+                     candidate: list[int]) -> Divergence | None:
     """None if ``candidate`` equals ``reference`` (both generated after ``prompt``), else the
-    classified first difference (one full forward of prompt + the common prefix)."""
+    classified first difference (one full forward of prompt + the common prefix), by the rule
+    for the model's dtype and device."""
     i = first_difference(reference, candidate)
     if i is None:
         return None
     r = reference[i] if i < len(reference) else None
     c = candidate[i] if i < len(candidate) else None
     if r is None or c is None:
-        return classify(torch.empty(0), i, r, c, model.dtype, ulps)
+        return classify(torch.empty(0), i, r, c, model.dtype, model.device)
     return classify(one_shot_logits(model, list(prompt) + list(reference[:i])), i, r, c,
-                    model.dtype, ulps)
+                    model.dtype, model.device)
