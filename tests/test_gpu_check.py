@@ -78,19 +78,20 @@ def test_skip_sets_and_step_bytes():
 def test_budget_sections_share_what_is_left():
     now = [0.0]
     budget = Budget(100, clock=lambda: now[0])
-    first = budget.section("correctness")
-    assert list(SHARES)[0] == "correctness" and list(SHARES)[-1] == "pieces"  # riskiest last
-    assert first.over() is None and first.seconds == pytest.approx(100 * SHARES["correctness"])
-    now[0] = 10.0  # correctness finished early: the rest share the 90 s left
     shapes = budget.section("shapes")
-    assert shapes.seconds == pytest.approx(90 * SHARES["shapes"] / (1 - SHARES["correctness"]))
-    half = shapes.part("x", 0.5)
-    assert half.seconds == pytest.approx(shapes.seconds / 2)
-    now[0] = 10.0 + shapes.seconds - 5  # 5 s left: a row whose first call took 8 s waits
-    assert shapes.over() is None and shapes.over(4.0) is None
-    assert "first call" in shapes.over(8.0)
+    assert list(SHARES)[0] == "shapes" and list(SHARES)[-1] == "pieces"  # riskiest last
+    assert shapes.over() is None and shapes.seconds == pytest.approx(100 * SHARES["shapes"])
+    now[0] = 20.0  # shapes finished early: the rest share the 80 s left
+    correctness = budget.section("correctness")
+    assert correctness.seconds == pytest.approx(80 * SHARES["correctness"]
+                                                / (1 - SHARES["shapes"]))
+    half = correctness.part("x", 0.5)
+    assert half.seconds == pytest.approx(correctness.seconds / 2)
+    now[0] = 20.0 + correctness.seconds - 5  # 5 s left: a row whose first call took 8 s waits
+    assert correctness.over() is None and correctness.over(4.0) is None
+    assert "first call" in correctness.over(8.0)
     now[0] = 90.0
-    assert "budget" in shapes.over()
+    assert "budget" in correctness.over()
 
 
 def test_a_row_that_raises_is_its_status_and_the_rows_go_on():
@@ -112,6 +113,7 @@ def test_a_row_that_raises_is_its_status_and_the_rows_go_on():
     with pytest.raises(DevicePoisoned, match="device-side assert"):
         rows.add(table, {"q": 5}, lambda: (_ for _ in ()).throw(RuntimeError(DEVICE_ASSERT)))
     assert table[-1]["status"].startswith("error: RuntimeError: CUDA error: device-side")
+    assert any("in boom" in w for w in table[1]["where"])  # the traceback's innermost frames
     assert saved[-1] == len(table)  # the failing row was saved before the raise
     assert (rows.tallies["s"].ok, rows.tallies["s"].failed) == (2, 3)
     assert poisons(RuntimeError("CUDA error: an illegal memory access was encountered"))
@@ -206,42 +208,51 @@ def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
 
 
 def test_a_failing_row_and_a_device_assert_keep_the_other_results(tmp_path, monkeypatch):
-    """One verify shape raises: only its rows fail. Then a draft row raises a device-side
-    assert: the rows before it stay in the JSON (written row by row) and the sections after
-    it are skipped with that reason."""
+    """One verify shape raises: only its rows fail. Then a bf16 correctness row raises a
+    device-side assert: the rows before it stay in the JSON (written row by row) and the
+    sections after it are skipped with that reason."""
     out = tmp_path / "gc"
-    original = ReplayTimer.time
+    original_time, original_compare = ReplayTimer.time, correct.compare
     on_disk = []
 
     def time(self, n, q, skip=frozenset()):
         if q == 4:
             on_disk.append(json.loads((out / "gpu-check.json").read_text()))
             raise RuntimeError("injected failure at q=4")
-        if skip and self.model.cfg.num_kv_heads == 1:  # tiny-kv1's first draft row
+        return original_time(self, n, q, skip)
+
+    def compare(subj, *args):
+        if subj.model.dtype == torch.bfloat16:
             raise RuntimeError(DEVICE_ASSERT)
-        return original(self, n, q, skip)
+        return original_compare(subj, *args)
 
     monkeypatch.setattr(ReplayTimer, "time", time)
+    monkeypatch.setattr(correct, "compare", compare)
     assert main(["gpu-check", "--device", "cpu", "--quick", "--budget", "600",
                  "--out", str(out)]) == 1
     doc = json.loads((out / "gpu-check.json").read_text())
-    verify = {(r["model"], r["context"], r["q"]): r["status"] for r in doc["verify"]}
-    assert verify[("tiny-gqa", 64, 4)] == "error: RuntimeError: injected failure at q=4"
-    assert verify[("tiny-gqa", 64, 2)] == "ok" and verify[("tiny-kv1", 64, 2)] == "ok"
-    assert sum(s == "ok" for s in verify.values()) == 3
+    verify = {(r["model"], r["context"], r["q"]): r for r in doc["verify"]}
+    assert len(verify) == 8 and sum(r["status"] == "ok" for r in verify.values()) == 4
+    failed = verify[("tiny-gqa", 64, 4)]
+    assert failed["status"] == "error: RuntimeError: injected failure at q=4"
+    assert any("test_gpu_check.py" in w for w in failed["where"])  # where it was raised
+    assert all(r["status"] == "ok" for key, r in verify.items() if key[2] == 2)
     first = on_disk[0]  # at the first failure, the rows before it were already written
     assert [r["status"] for r in first["decode"]] == ["ok"] and len(first["verify"]) == 1
-    assert all(r["status"] == "ok" for r in doc["decode"] if r["model"] == "tiny-gqa")
-    assert [r["status"] for r in doc["draft"] if r["model"] == "tiny-gqa"] == ["ok"] * 8
-    kv1 = [r for r in doc["draft"] if r["model"] == "tiny-kv1"]
-    assert len(kv1) == 1 and "device-side assert" in kv1[0]["status"]
-    assert len(doc["correctness"]["greedy"]) == 8  # the section before: all kept
+    assert all(r["status"] == "ok" for r in doc["decode"] + doc["draft"] + doc["captures"])
+    assert len(doc["draft"]) == 16
+    greedy = doc["correctness"]["greedy"]
+    assert [r["status"] for r in greedy if r["dtype"] == "fp32"] == ["ok"] * 4
+    bf16 = [r["status"] for r in greedy if r["dtype"] == "bf16"]
+    assert len(bf16) == 1  # the first bf16 row, then no more
+    assert bf16[0].startswith("error: RuntimeError: CUDA error: device-side assert triggered")
     sections = doc["sections"]
-    assert sections["correctness"]["status"] == "ok"
-    assert sections["shapes"]["status"].startswith("stopped: the CUDA context is poisoned")
+    assert sections["shapes"]["status"] == "ok" and sections["shapes"]["rows_failed"] == 4
+    assert sections["correctness"]["status"].startswith("stopped: the CUDA context is poisoned")
     for later in ("bench", "batched", "backends", "pieces"):
-        assert sections[later]["status"].startswith("skipped: a CUDA error in section shapes")
-    assert doc["bench"]["runs"] == [] and doc["pieces"] == []
+        assert sections[later]["status"].startswith(
+            "skipped: a CUDA error in section correctness")
+    assert doc["bench"]["runs"] == [] and doc["pieces"] == [] and doc["backends"] == []
     assert "device-side assert" in doc["meta"]["stopped"]
     assert "Stopped early" in (out / "gpu-check.md").read_text()
 

@@ -56,17 +56,21 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     doc = new_document(args, setup, device_info(device), budget, real)
     out = Path(args.out)
 
-    def save() -> str:
+    def save() -> Path:
+        doc["meta"]["wall_s"] = budget.elapsed()
+        return report.write_json(out, doc)
+
+    def save_all() -> str:
         doc["meta"]["wall_s"] = budget.elapsed()
         return report.write(out, doc)[2]
 
-    rows = Rows(save)
+    rows = Rows(save, save_all)
     log.info("gpu-check on %s, budget %.0f s", doc["meta"]["device_name"], budget.total_s)
     with torch.inference_mode():
         stopped = run_sections(steps(doc, setup, device, real, rows, args), budget, rows,
                                doc["sections"])
     doc["meta"]["stopped"] = stopped
-    emit(save())
+    emit(save_all())
     return verdict(doc, rows, stopped)
 
 
@@ -102,8 +106,8 @@ def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budg
 
 def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel, rows: Rows,
           args: argparse.Namespace) -> list[tuple[str, Callable[[Section], None] | str]]:
-    """The sections in the order they run (budget.SHARES has a share for each): the decoding
-    path first, the riskiest last. A string in place of a step is why the section is skipped."""
+    """The sections in the order they run (budget.SHARES has a share for each, and says why this
+    order). A string in place of a step is why the section is skipped."""
     limit = int(args.memory_gib * shapes.GIB) if args.memory_gib else None
     plan = measure.Plan(setup["contexts"], setup["batches"], setup["qs"], setup["ab_contexts"],
                         setup["iters"], args.bandwidth * 1e12, limit)
@@ -116,9 +120,9 @@ def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel,
     no_model = f"no real model ({real.reason})" if real.path is None and not real.stand_in \
         else None
     return [
+        ("shapes", on_shapes(measure.ShapeCheck.main)),
         ("correctness", lambda s: correct.run_correctness(device, real, s, doc["correctness"],
                                                           rows, **setup["correct"])),
-        ("shapes", on_shapes(measure.ShapeCheck.main)),
         ("bench", no_model or (lambda s: correct.run_bench(device, real, s, doc["bench"], rows,
                                                            **setup["bench"]))),
         ("batched", no_model or (lambda s: batched.run_batched(device, real, s, doc["batched"],

@@ -33,7 +33,7 @@ from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
-from knapspec_dist.tools.gpucheck.rows import Rows
+from knapspec_dist.tools.gpucheck.rows import Rows, error_line
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,12 @@ def real_model(quick: bool) -> RealModel:
         return RealModel(None, "--quick", stand_in=True)
     try:
         return RealModel(ensure_smollm2())
-    except (SmolLM2NotInstalledError, ImportError) as e:
+    except SmolLM2NotInstalledError as e:
         return RealModel(None, f"SmolLM2 not installed: {str(e).split(':')[0]}; bring it with "
                          "scripts/gpu_pack.py, README 'GPU check'")
+    except Exception as e:  # noqa: BLE001 - a failed conversion skips its sections, no more
+        log.warning("SmolLM2 could not be converted", exc_info=e)
+        return RealModel(None, f"SmolLM2 could not be converted: {error_line(e)}")
 
 
 def subject(dtype: str, device: torch.device, real: RealModel) -> Subject:

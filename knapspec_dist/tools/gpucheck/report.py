@@ -102,12 +102,19 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out: Path, doc: dict) -> tuple[Path, Path, str]:
+def write_json(out: Path, doc: dict) -> Path:
+    """gpu-check.json, replaced whole (a reader never sees half a file): after every row."""
     out.mkdir(parents=True, exist_ok=True)
-    js, md = out / "gpu-check.json", out / "gpu-check.md"
-    tmp = out / "gpu-check.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    js, tmp = out / "gpu-check.json", out / "gpu-check.json.tmp"
+    tmp.write_text(json.dumps(doc, default=str))
     tmp.replace(js)
+    return js
+
+
+def write(out: Path, doc: dict) -> tuple[Path, Path, str]:
+    """gpu-check.json and gpu-check.md: after every section."""
+    js = write_json(out, doc)
     text = markdown(doc)
+    md = out / "gpu-check.md"
     md.write_text(text)
     return js, md, text

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +48,13 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def where_from(e: BaseException, frames: int = 6) -> list[str]:
+    """The innermost frames of the traceback (file:line in function): where to look first,
+    kept in the JSON since the GPU session that saw it may be over."""
+    stack = traceback.extract_tb(e.__traceback__)[-frames:]
+    return [f"{f.filename}:{f.lineno} in {f.name}" for f in stack]
+
+
 def status_of(e: BaseException) -> str:
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return "out of memory"
@@ -58,8 +66,8 @@ def compile_stats() -> tuple[int, float]:
     Dynamo times each compile with nested timers, whose names vary between torch versions;
     the outermost one (the largest total) holds the whole compile, inductor included."""
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    seconds = max((sum(v) for v in dynamo_utils.compilation_time_metrics.values()), default=0.0)
-    return graphs, seconds
+    timers = getattr(dynamo_utils, "compilation_time_metrics", {})
+    return graphs, max((sum(v) for v in timers.values()), default=0.0)
 
 
 @dataclass
@@ -73,7 +81,8 @@ class Tally:
 class Rows:
     """Appends rows to the document's tables, one measurement at a time, and saves after each."""
 
-    save: Callable[[], object]
+    save: Callable[[], object]  # writes the results (the JSON) after every row
+    save_section: Callable[[], object] | None = None  # and after a section (the report too)
     section: str = ""
     tallies: dict[str, Tally] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # "section: row: error", for the summary
@@ -100,7 +109,8 @@ class Rows:
         try:
             fields = measure()
         except Exception as e:  # noqa: BLE001 - the point: a row's failure is its status
-            self._put(table, {**base, "status": status_of(e)}, "failed")
+            self._put(table, {**base, "status": status_of(e), "where": where_from(e)},
+                      "failed")
             self._failed(", ".join(f"{k} {v}" for k, v in base.items()
                                    if not isinstance(v, float)), e)
             return None
@@ -118,8 +128,7 @@ class Rows:
 
     def _failed(self, where: str, e: Exception) -> None:
         self.errors.append(f"{self.section}: {where}: {error_line(e)}")
-        log.warning("%s: %s failed: %s", self.section, where, error_line(e),
-                    exc_info=log.isEnabledFor(logging.DEBUG))
+        log.warning("%s: %s failed: %s", self.section, where, error_line(e), exc_info=e)
         if poisons(e):
             raise DevicePoisoned(f"{where}: {error_line(e)}") from e
 
@@ -134,21 +143,21 @@ def run_sections(steps: list[tuple[str, Callable[[Section], None] | str]], budge
     for name, step in steps:
         if stopped is not None or isinstance(step, str):
             record[name] = {"status": f"skipped: {stopped or step}"}
-            rows.save()
             continue
         rows.section = name
         section = budget.section(name)
         graphs, compile_s = compile_stats()
         start = time.perf_counter()
-        status = "ok"
+        status, where = "ok", None
         try:
             step(section)
         except Exception as e:  # noqa: BLE001 - a section's failure is its status
+            where = where_from(e.__cause__ if isinstance(e, DevicePoisoned) else e)
             if isinstance(e, DevicePoisoned) or poisons(e):
-                status = f"stopped: the CUDA context is poisoned ({error_line(e)})"
-                stopped = (f"a CUDA error in section {name} poisoned the device context "
-                           f"({error_line(e)})")
-                log.error("%s: %s; the sections after it are skipped", name, error_line(e))
+                detail = str(e) if isinstance(e, DevicePoisoned) else error_line(e)
+                status = f"stopped: the CUDA context is poisoned ({detail})"
+                stopped = f"a CUDA error in section {name} poisoned the device context ({detail})"
+                log.error("%s: %s; the sections after it are skipped", name, detail)
             else:
                 status = "error: " + error_line(e)
                 rows.errors.append(f"{name}: {error_line(e)}")
@@ -158,6 +167,7 @@ def run_sections(steps: list[tuple[str, Callable[[Section], None] | str]], budge
         record[name] = {"status": status, "wall_s": time.perf_counter() - start,
                         "budget_s": section.seconds, "compiles": now_graphs - graphs,
                         "compile_s": now_s - compile_s, "rows_ok": tally.ok,
-                        "rows_failed": tally.failed, "rows_skipped": tally.skipped}
-        rows.save()
+                        "rows_failed": tally.failed, "rows_skipped": tally.skipped,
+                        **({"where": where} if where else {})}
+        (rows.save_section or rows.save)()
     return stopped
