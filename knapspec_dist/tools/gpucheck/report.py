@@ -39,23 +39,32 @@ SECTIONS = [
         ("decode_ms", "decode ms"), ("ratio", "ratio"), ("status", "status")]),
     ("draft", "Draft step vs bytes skipped (batch 1)", [
         ("model", "model"), ("context", "context"), ("skip_set", "skip set"),
-        ("skipped", "sublayers"), ("ms", "draft ms (plan graph)"),
-        ("pieces_ms", "draft ms (sublayer pieces)"), ("time_ratio", "time ratio"),
+        ("skipped", "sublayers"), ("ms", "draft ms (plan graph)"), ("time_ratio", "time ratio"),
         ("bytes_ratio", "bytes ratio"), ("capture_ms", "capture ms"), ("status", "status")]),
+    ("captures", "Per-plan draft graph capture", [
+        ("model", "model"), ("context", "context"), ("draft_captures", "draft captures"),
+        ("runner_captures", "runner.captures"), ("ms_per_capture", "ms per capture"),
+        ("status", "status")]),
+]
+LATE = [
     ("backends", "Attention backend A/B (decode, batch 1)", [
         ("model", "model"), ("context", "context"), ("backend", "backend"), ("ms", "step ms"),
         ("vs_default", "vs default"), ("status", "status")]),
-    ("captures", "Per-plan draft graph capture", [
-        ("model", "model"), ("context", "context"), ("draft_captures", "draft captures"),
-        ("runner_captures", "runner.captures"), ("ms_per_capture", "ms per capture")]),
+    ("pieces", "Draft step from per-sublayer graph pieces (batch 1)", [
+        ("model", "model"), ("context", "context"), ("skip_set", "skip set"),
+        ("skipped", "sublayers"), ("ms", "draft ms (pieces)"), ("plan_ms", "plan graph ms"),
+        ("vs_plan", "vs plan graph"), ("first_call_ms", "first call ms"), ("status", "status")]),
 ]
+RUN = [("section", "section"), ("status", "status"), ("wall_s", "wall s"),
+       ("budget_s", "budget s"), ("compiles", "compiles"), ("compile_s", "compile s"),
+       ("rows_ok", "rows ok"), ("rows_failed", "failed"), ("rows_skipped", "skipped")]
 
 GREEDY = [("dtype", "dtype"), ("strategy", "strategy"), ("prompt", "prompt"),
           ("new_tokens", "tokens"), ("acceptance", "acceptance"), ("verdict", "vs ar"),
-          ("detail", "first divergence")]
+          ("detail", "first divergence"), ("status", "status")]
 SAMPLING = [("strategy", "strategy"), ("dtype", "dtype"), ("new_tokens", "tokens"),
             ("tokens_per_s", "tok/s"), ("acceptance", "acceptance"), ("in_vocab", "in vocab"),
-            ("repeats", "same seed, same tokens")]
+            ("repeats", "same seed, same tokens"), ("status", "status")]
 BENCH = [("context", "context"), ("strategy", "strategy"), ("prompts", "prompts"),
          ("tokens_per_s", "tok/s"), ("speedup", "speedup vs ar"), ("acceptance", "acceptance"),
          ("verdicts", "vs ar")]
@@ -63,12 +72,17 @@ BENCH = [("context", "context"), ("strategy", "strategy"), ("prompts", "prompts"
 
 def markdown(doc: dict) -> str:
     meta = doc["meta"]
-    lines = [f"# knapspec gpu-check ({meta['device_name']})", "",
+    lines = [f"# knapspec gpu-check ({meta['device_name']})", "", meta["headline"], "",
              f"`{meta['command']}` on {meta['date']}, torch {meta['torch']}, "
              f"{'quick (tiny shapes)' if meta['quick'] else 'full'}; {meta['wall_s']:.0f} s of a "
              f"{meta['budget_s']:.0f} s budget. Bound = (weight bytes + KV bytes read) / "
              f"{meta['bandwidth_tb_s']} TB/s; shapes in {meta['dtype']} with random weights.", ""]
-    for key, title, columns in SECTIONS:
+    if meta.get("stopped"):
+        lines += [f"**Stopped early: {meta['stopped']}.**", ""]
+    run = [{"section": name, **r} for name, r in doc["sections"].items()]
+    lines += ["## Sections (in the order run; compiles: graphs torch.compile made)", "",
+              *table(run, RUN), ""]
+    for key, title, columns in SECTIONS + LATE:
         lines += [f"## {title}", "", *table(doc[key], columns), ""]
     c = doc["correctness"]
     lines += [f"## Correctness ({c.get('model', '-')})", "", *table(c["greedy"], GREEDY), "",
@@ -80,18 +94,27 @@ def markdown(doc: dict) -> str:
     bt = doc.get("batched", {"runs": [], "notes": []})
     lines += [f"## Continuous batching, ar vs knapspec ({bt.get('model', '-')}, bf16)", "",
               *batched_table(bt), ""]
-    notes = doc["notes"] + c["notes"] + b["notes"] + bt["notes"]
+    unmeasured = [f"bench {r['strategy']} at context {r['context']} ({r['prompt']}): "
+                  f"{r['status']}" for r in b["runs"] if r["status"] != "ok"]
+    notes = doc["notes"] + c["notes"] + b["notes"] + unmeasured + bt["notes"]
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
 
 
-def write(out: Path, doc: dict) -> tuple[Path, Path, str]:
+def write_json(out: Path, doc: dict) -> Path:
+    """gpu-check.json, replaced whole (a reader never sees half a file): after every row."""
     out.mkdir(parents=True, exist_ok=True)
-    js, md = out / "gpu-check.json", out / "gpu-check.md"
-    tmp = out / "gpu-check.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    js, tmp = out / "gpu-check.json", out / "gpu-check.json.tmp"
+    tmp.write_text(json.dumps(doc, default=str))
     tmp.replace(js)
+    return js
+
+
+def write(out: Path, doc: dict) -> tuple[Path, Path, str]:
+    """gpu-check.json and gpu-check.md: after every section."""
+    js = write_json(out, doc)
     text = markdown(doc)
+    md = out / "gpu-check.md"
     md.write_text(text)
     return js, md, text
