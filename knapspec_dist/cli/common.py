@@ -9,6 +9,7 @@ options, so sharing it pulls in no command.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -26,6 +27,21 @@ def emit(text: str, *, error: bool = False) -> None:
     stream = sys.stderr if error else sys.stdout
     stream.write(f"{text}\n")
     stream.flush()
+
+
+def run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse and run a command: user errors (bad path, config, prompt, option) print one
+    ``error: ...`` line and exit 2, with no traceback; anything else is a bug and keeps its
+    traceback."""
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as e:
+        emit(f"error: {e}", error=True)
+        return 2
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
