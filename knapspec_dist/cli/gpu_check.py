@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from knapspec_dist.cli.common import emit
+from knapspec_dist.cli.common import emit, run
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.tools.gpucheck import batched, correct, late, measure, report, shapes
@@ -136,9 +137,12 @@ def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel,
 
 
 def register(sub) -> None:
-    p = sub.add_parser("gpu-check", help="measure the GPU path (decode vs memory bound, verify, "
-                       "draft, backends, correctness) into DIR/gpu-check.json and .md",
-                       description=(__doc__ or "").split("\n\n")[0])
+    add_args(sub.add_parser("gpu-check", help="measure the GPU path (decode vs memory bound, "
+                            "verify, draft, backends, correctness) into DIR/gpu-check.json and .md",
+                            description=(__doc__ or "").split("\n\n")[0]))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU CI), under a minute")
     p.add_argument("--out", required=True, help="output folder")
@@ -149,3 +153,16 @@ def register(sub) -> None:
     p.add_argument("--memory-gib", type=float, default=None,
                    help="treat the device as having at most this much free memory")
     p.set_defaults(func=cmd_gpu_check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m knapspec_dist.cli.gpu_check``: gpu-check without the other commands, whose
+    imports need Ray (the GPU image has none; the CI lane with its versions runs it so)."""
+    p = argparse.ArgumentParser(prog="python -m knapspec_dist.cli.gpu_check",
+                                description=(__doc__ or "").split("\n\n")[0])
+    add_args(p)
+    return run(p, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,14 +11,14 @@ from __future__ import annotations
 import signal
 import threading
 
+from knapspec_dist.errors import Stopped
 
-class JobTerminated(BaseException):
-    """SIGTERM (``ray job stop``) or SIGINT (Ctrl-C); a BaseException so that no row swallows
-    it as its error.  ``signum``: the signal that stopped the job."""
+
+class JobTerminated(Stopped):
+    """SIGTERM (``ray job stop``) or SIGINT (Ctrl-C) stopped the job."""
 
     def __init__(self, signum: int = signal.SIGTERM):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
+        super().__init__(signum)
 
 
 TERMINATE = threading.Event()
@@ -26,9 +26,7 @@ _SIGNAL = [int(signal.SIGTERM)]  # the first signal received (its exit code)
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
-def exit_code(signum: int) -> int:
-    """The shell's convention: 128 + the signal (SIGTERM 143, SIGINT 130)."""
-    return 128 + int(signum)
+exit_code = Stopped.exit_code
 
 
 def install_sigterm():
