@@ -154,3 +154,24 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
     assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert "| 96 | ar | 3 | 2 |" in capsys.readouterr().out
+
+
+def test_findings_preset_writes_the_four_findings(checkpoint, tmp_path, capsys):
+    """``--preset findings``: knapspec:paper and its ablations beside ar and knapspec, every
+    run token-identical to ar, the findings table and its plot (tiny sizes here)."""
+    from knapspec_dist.tools.bench.findings import STRATEGIES
+
+    code = main(["bench", "--model", str(checkpoint), "--preset", "findings", "--contexts",
+                 "96", "--new-tokens", "24", "--interval", "8", "--tau-conf", "0",
+                 "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert {r["strategy"] for r in doc["runs"]} == set(STRATEGIES.split(","))
+    assert all(r["matches_ar"] for r in doc["runs"])
+    paper = [r["stats"] for r in doc["runs"] if r["strategy"] == "knapspec:paper"]
+    assert sum(s["drafted"] for s in paper) > 0 and doc["prompts"] == 1
+    md = (tmp_path / "findings.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| 96 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1].endswith("%") and cells[3].endswith("x") and cells[-1] == "yes"
+    assert (tmp_path / "findings.png").read_bytes().startswith(PNG)

@@ -85,6 +85,7 @@ class Selection:
     alphas: list[float]
     choice: tpt.Choice
     plan: Plan
+    positions: int = 0  # reference positions the DP and the alphas judged on
 
 
 class KnapsackSelector(Selector):
@@ -105,9 +106,10 @@ class KnapsackSelector(Selector):
 
     # ------------------------------------------------------------------ what subclasses say
 
-    @abstractmethod
     def weights(self, n: int, num_layers: int) -> list[int]:
-        """The knapsack weight of every sublayer at context n."""
+        """The knapsack weight of every sublayer at context n: its measured latency, in
+        integer units (CLaSp weighs every layer alike)."""
+        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
 
     @abstractmethod
     def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
@@ -125,6 +127,8 @@ class KnapsackSelector(Selector):
     def calibrate(self, alphas: list[float]) -> list[float]:
         return list(alphas)
 
+    alpha_of = staticmethod(smoothed_alpha)  # (agree, total) -> a candidate's acceptance
+
     def selected(self, selection: Selection, raw: list[float], useful: int) -> None:
         """A selection was made (``raw``: its alphas before calibration)."""
 
@@ -139,7 +143,7 @@ class KnapsackSelector(Selector):
     # ------------------------------------------------------------------ Selector
 
     def start(self, model: Transformer) -> None:
-        self.states: dict[int, deque[torch.Tensor]] = {}  # per row: [2L+1, d] per position
+        self.states: dict[int, Sequence[torch.Tensor]] = {}  # per row: [2L+1, d] per position
         self.plan_now = PLAIN
         self.schedule.start()
         self.history = []
@@ -149,10 +153,14 @@ class KnapsackSelector(Selector):
         m positions per row), not in every round."""
         return self.schedule.wanting
 
+    def kept(self) -> deque[torch.Tensor]:
+        """A row's store of observed positions: its last m."""
+        return deque(maxlen=self.config.m)
+
     def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
         for b, rid in enumerate(rids):
             stacked = torch.stack([h[b, :valid[b]] for h in hidden], dim=1)  # [valid, 2L+1, d]
-            self.states.setdefault(rid, deque(maxlen=self.config.m)).extend(stacked.unbind(0))
+            self.states.setdefault(rid, self.kept()).extend(stacked.unbind(0))
 
     def retire(self, rid: int) -> None:
         self.states.pop(rid, None)
@@ -214,7 +222,8 @@ class KnapsackSelector(Selector):
         alphas = self.calibrate(raw)
         choice = self.choose(candidates, alphas, n, num_layers)
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
-        selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
+        selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma),
+                              positions)
         self.selected(selection, raw, useful)
         self.history.append(selection)
         self.selections += 1
@@ -230,7 +239,7 @@ class KnapsackSelector(Selector):
         reference = model.logits(states[-1]).argmax(dim=-1)  # [M]
         finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
         agree = (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
-        return [smoothed_alpha(a, states.shape[1]) for a in agree]
+        return [self.alpha_of(a, states.shape[1]) for a in agree]
 
 
 class KnapSpecSelector(KnapsackSelector):
@@ -263,9 +272,6 @@ class KnapSpecSelector(KnapsackSelector):
 
     def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
         self.guard.record(steps, verified, accepted, self.profile)
-
-    def weights(self, n: int, num_layers: int) -> list[int]:
-        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
 
     def nothing_pays(self, batch: Batch, n: int, num_layers: int, positions: int) -> bool:
         if not self.priced:
