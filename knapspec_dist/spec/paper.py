@@ -96,8 +96,8 @@ class PaperSelector(KnapsackSelector):
     def wants_reference(self) -> bool:
         return self.gathering
 
-    def kept(self) -> list[torch.Tensor]:
-        """A row's store: every position of the window's rounds."""
+    def kept(self) -> list[list[torch.Tensor]]:
+        """A row's store: every round of the window."""
         return []
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
@@ -123,8 +123,9 @@ class PaperSelector(KnapsackSelector):
             if states:
                 found.append((batch.cache.lengths[slot], slot, states))
         found = sorted(found, key=lambda f: -f[0])[:self.config.reference_rows]
+        flat = [(end, slot, [p for r in rounds for p in r]) for end, slot, rounds in found]
         return [Reference(slot, end - len(states), torch.stack(states, dim=1))
-                for end, slot, states in found]
+                for end, slot, states in flat]
 
     def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
                num_layers: int) -> tpt.Choice:

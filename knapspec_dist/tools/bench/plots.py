@@ -48,15 +48,9 @@ def plot_bench(out: Path, rows: list[dict]) -> None:
                 label=f"{label}: attention")
         ax.plot(xs, [r["mlp_skipped"] for r in pts], marker="s", linestyle="--", color=c,
                 label=f"{label}: MLP")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [str(c) for c in contexts])
-    ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("sublayers skipped per drafted token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "skipped.png", dpi=120)
-    plt.close(fig)
+    _context_axis(ax, contexts)
+    _save(fig, out / "skipped.png")
 
 
 def plot_throughput(path: Path, runs: list[dict]) -> None:
@@ -98,11 +92,20 @@ def plot_findings(path: Path, findings: list[dict]) -> None:
     ax.set_ylabel("decode tokens/s ratio")
     ax.set_title("(b)-(d) against the ablations")
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(contexts, [str(c) for c in contexts])
-        ax.set_xlabel("context length (tokens)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _context_axis(ax, contexts)
+    _save(fig, path)
+
+
+def _context_axis(ax, contexts: list[int]) -> None:
+    """Context lengths on a log-2 x axis, a grid and the legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context length (tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
