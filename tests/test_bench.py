@@ -175,3 +175,25 @@ def test_findings_preset_writes_the_four_findings(checkpoint, tmp_path, capsys):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1].endswith("%") and cells[3].endswith("x") and cells[-1] == "yes"
     assert (tmp_path / "findings.png").read_bytes().startswith(PNG)
+
+
+def test_run_findings_is_callable_without_the_cli(engine_model):
+    """What the gpu-check calls: the findings' strategies on given prompts, priced by the given
+    profiles, each run checked against ar, and the table's lines."""
+    from knapspec_dist.engine.generation import GenerationConfig
+    from knapspec_dist.tools.bench.findings import findings_markdown, run_findings
+    from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
+    from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
+
+    model = engine_model("llama-gqa")
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    prompts = build_prompts(ByteTokenizer(model.cfg.vocab_size), [64], 1,
+                            model.cfg.max_position_embeddings, 24, "continue")
+    result = run_findings(model, prompts, GenerationConfig.of(max_new_tokens=24,
+                                                              stop_at_eos=False),
+                          [profile], interval=8)
+    assert result["mismatches"] == [] and len(result["findings"]) == 1
+    f = result["findings"][0]
+    assert f["all_match_ar"] and 0 < f["attention_share"] + f["mlp_share"] <= 1
+    lines = findings_markdown(result)
+    assert lines[2].startswith("| 64 |") and "knapspec:paper+once" in "\n".join(lines)
