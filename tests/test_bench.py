@@ -154,3 +154,46 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
     assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert "| 96 | ar | 3 | 2 |" in capsys.readouterr().out
+
+
+def test_findings_preset_writes_the_four_findings(checkpoint, tmp_path, capsys):
+    """``--preset findings``: knapspec:paper and its ablations beside ar and knapspec, every
+    run token-identical to ar, the findings table and its plot (tiny sizes here)."""
+    from knapspec_dist.tools.bench.findings import STRATEGIES
+
+    code = main(["bench", "--model", str(checkpoint), "--preset", "findings", "--contexts",
+                 "96", "--new-tokens", "24", "--interval", "8", "--tau-conf", "0",
+                 "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert {r["strategy"] for r in doc["runs"]} == set(STRATEGIES.split(","))
+    assert all(r["matches_ar"] for r in doc["runs"])
+    paper = [r["stats"] for r in doc["runs"] if r["strategy"] == "knapspec:paper"]
+    assert sum(s["drafted"] for s in paper) > 0 and doc["prompts"] == 1
+    md = (tmp_path / "findings.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| 96 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1].endswith("%") and cells[3].endswith("x") and cells[-1] == "yes"
+    assert (tmp_path / "findings.png").read_bytes().startswith(PNG)
+
+
+def test_run_findings_is_callable_without_the_cli(engine_model):
+    """What the gpu-check calls: the findings' strategies on given prompts, priced by the given
+    profiles, each run checked against ar, and the table's lines."""
+    from knapspec_dist.engine.generation import GenerationConfig
+    from knapspec_dist.tools.bench.findings import findings_markdown, run_findings
+    from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
+    from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
+
+    model = engine_model("llama-gqa")
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    prompts = build_prompts(ByteTokenizer(model.cfg.vocab_size), [64], 1,
+                            model.cfg.max_position_embeddings, 24, "continue")
+    result = run_findings(model, prompts, GenerationConfig.of(max_new_tokens=24,
+                                                              stop_at_eos=False),
+                          [profile], interval=8)
+    assert result["mismatches"] == [] and len(result["findings"]) == 1
+    f = result["findings"][0]
+    assert f["all_match_ar"] and 0 < f["attention_share"] + f["mlp_share"] <= 1
+    lines = findings_markdown(result)
+    assert lines[2].startswith("| 64 |") and "knapspec:paper+once" in "\n".join(lines)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knapspec_dist.profiles.profile import fit_profile
-from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.attention import prefix_attention, reference_prefix_attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
-from knapspec_dist.model.attention import prefix_attention, reference_prefix_attention
-from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
+from knapspec_dist.profiles.profile import fit_profile
+from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.clasp import ClaspSelector
 from knapspec_dist.spec.guard import PlanRun
+from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
 from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.spec.schedule import SpareRule, smoothed_alpha
 from knapspec_dist.spec.selfspec import Plan, SelfSpeculative
-from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.scheduler import generate
 
 
 def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
@@ -48,10 +48,12 @@ def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
     # A full forward priced far above the sum of its sublayers makes any draft pay, so the
     # draft/verify path is exercised even with a random model's low acceptance.
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    # (no interval stretch: the DP's wall time on a loaded machine would decide the count)
+    every = dict(interval=8, overhead_budget=1e9)
     selector = {
-        "default": lambda: KnapSpecSelector(profile, KnapSpecConfig(interval=8)),
-        "coupled": lambda: KnapSpecSelector(profile, KnapSpecConfig(interval=8, coupled=True)),
-        "alpha": lambda: KnapSpecSelector(profile, KnapSpecConfig(interval=8, objective="alpha")),
+        "default": lambda: KnapSpecSelector(profile, KnapSpecConfig(**every)),
+        "coupled": lambda: KnapSpecSelector(profile, KnapSpecConfig(**every, coupled=True)),
+        "alpha": lambda: KnapSpecSelector(profile, KnapSpecConfig(**every, objective="alpha")),
         "once": lambda: KnapSpecSelector(profile, KnapSpecConfig(select_once=True)),
         "clasp": lambda: ClaspSelector(profile, gamma=3, skip_layers=0.25,
                                        config=KnapSpecConfig(interval=8))}[variant]()
@@ -124,32 +126,38 @@ def test_smoothed_alpha():
     assert smoothed_alpha(0, 5) == pytest.approx(1 / 7)
 
 
-def test_speculation_needs_a_predicted_margin(engine_model):
-    """A predicted gain under min_gain falls back to plain decoding; a larger one speculates."""
+def test_speculation_needs_its_estimate_less_its_noise_to_pay(engine_model):
+    """The margin is the estimate's own spread: a candidate drafts only where its acceptance
+    less ``noise_z`` standard deviations still beats plain decoding at the chosen gamma."""
     from knapspec_dist.spec import tpt
     from knapspec_dist.spec.knapsack import Candidate
 
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0)
     n, layers = 1000, model.cfg.num_layers
-    selector = KnapSpecSelector(profile, KnapSpecConfig(min_gain=1.05))
+    selector = KnapSpecSelector(profile)
     plain = 1 / profile.verify_time(1, n)
     candidate = [Candidate(frozenset({2, 4}), 2, 0.99)]
     draft = profile.draft_time(candidate[0].skipped, n, layers)
-    for alpha in (0.05, 0.3, 0.6, 0.9):
-        best = tpt.search([alpha], [draft], lambda q: profile.verify_time(q, n))
-        choice = selector.choose(candidate, [alpha], n, layers)
-        if best.candidate is not None and best.tokens_per_time >= 1.05 * plain:
-            assert choice == best
-        else:
-            assert choice.candidate is None and choice.gamma == 0
-    assert selector.choose(candidate, [0.9], n, layers).candidate == 0
-    assert selector.choose(candidate, [0.05], n, layers).candidate is None
+    verify = lambda q: profile.verify_time(q, n)  # noqa: E731
+    outcomes = set()
+    for agree, positions in ((5, 5), (30, 30), (50, 55), (2, 5), (400, 420)):
+        alphas = selector.calibrate(candidate, [agree], positions, [0.0])
+        assert alphas == [pytest.approx((agree + 1) / (positions + 2))]  # no run seen yet
+        lower = selector.lower[0]
+        assert lower < alphas[0]
+        best = tpt.search(alphas, [draft], verify)
+        choice = selector.choose(candidate, alphas, n, layers)
+        pays = (best.candidate is not None
+                and tpt.tokens_per_time(lower, best.gamma, draft, verify) >= plain)
+        assert choice == (best if pays else tpt.Choice(None, 0, plain))
+        outcomes.add(pays)
+    assert outcomes == {True, False}  # both sides of the margin are exercised
 
 
 def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, monkeypatch):
     """A plan whose drafts are rejected falls back to plain decoding after GUARD_ROUNDS rounds,
-    and the next selection's alphas are scaled by the realized/predicted acceptance."""
+    and the realized/predicted acceptance (what the spare rule prices) falls with it."""
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=10_000))
@@ -168,8 +176,9 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
 
     monkeypatch.setattr(selector, "select", select)
     batch = type("B", (), {"lengths": [n], "progress": 0.0, "size": 1,
+                           "cache": type("C", (), {"lengths": [n]})(),
                            "rows": [type("R", (), {"rid": 0})()]})()
-    selector.states = {0: [None] * selector.config.m}  # m positions observed: a DP can run
+    selector.states = {0: [[None]] * selector.config.m}  # m rounds observed: a DP can run
     assert selector.plan(model, batch) == Plan(skip, 3)
     for i in range(PlanRun.GUARD_ROUNDS):
         batch.progress = i + 1
@@ -260,7 +269,7 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
             model(prompt[:, -m:], [n - m], cache, slice(row, row + 1), capture=full)
             references.append(Reference(row, n - m, torch.stack([h[0] for h in full])))
     batch = Batch(cache, rows=[Row(0, [], 10), Row(1, [], 10)])
-    monkeypatch.setattr(KnapSpecSelector, "_alphas", lambda self, model, ev, candidates: [
+    monkeypatch.setattr(KnapSpecSelector, "calibrate", lambda self, candidates, *a: [
         smoothed_alpha(m, m) * c.value ** 4 for c in candidates])
     pruned_any = speculated = plain = slack = 0
     steep = [(60, 1e-3), (100, 4e-2)]  # attention 40x dearer 40 tokens on

@@ -32,8 +32,9 @@ from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.store import resolve_profile
 from knapspec_dist.spec.factory import build_strategy
 from knapspec_dist.spec.ties import Divergence
+from knapspec_dist.tools.bench import findings
 from knapspec_dist.tools.bench.compare import bugs, compare_strategies
-from knapspec_dist.tools.bench.plots import plot_bench
+from knapspec_dist.tools.bench.plots import plot_bench, plot_findings
 from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tokenizer
 from knapspec_dist.tools.bench.report import (
     command_line,
@@ -68,6 +69,11 @@ def register(sub) -> None:
     p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
     p.add_argument("--stop-at-eos", action="store_true", help="stop a run at EOS")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--preset", default=None, choices=["findings"],
+                   help="findings: the paper's four findings, knapspec:paper against its "
+                        "ablations (tools/bench/findings.py), with its own strategies, "
+                        "contexts, documents, tokens and interval where those are not given; "
+                        "also writes findings.md and findings.png")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_bench, parser=p))
 
@@ -84,7 +90,16 @@ class Setup:
     prompts: dict[int, list[Prompt]]
 
 
+def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The preset's values for the options left at their defaults."""
+    if args.preset == "findings":
+        for key, value in findings.PRESET.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+
+
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    apply_preset(args, parser)
     contexts = parse_ints(args.contexts, "--contexts")
     if args.new_tokens < 1 or args.prompts < 1:
         raise UserError("--new-tokens and --prompts must be >= 1")
@@ -107,7 +122,25 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     runs, mismatches = compare_strategies(setup.model, setup.strategies, setup.prompts, config,
                                           save, runner)
     save(runs, mismatches)
+    if args.preset == "findings":
+        write_findings(out, header, runs, mismatches, setup.model.cfg.num_layers)
     return report(out, header, runs, mismatches)
+
+
+def write_findings(out: Path, header: dict, runs: list[dict], mismatches: list[str],
+                   num_layers: int) -> None:
+    """findings.md and findings.png: the paper's four findings from these runs."""
+    rows = summarize(runs)
+    result = {"rows": rows, "mismatches": mismatches,
+              "findings": findings.findings(rows, num_layers)}
+    lines = ["# The paper's findings, measured", "", f"- command: `{header['command']}`",
+             f"- date: {header['date']}; {header['new_tokens']} new tokens, "
+             f"{header['prompts']} document(s) per context, greedy", "",
+             (findings.__doc__ or "").split("\n\n")[1].strip(), "",
+             *findings.findings_markdown(result)]
+    (out / "findings.md").write_text("\n".join(lines))
+    plot_findings(out / "findings.png", result["findings"])
+    emit(f"wrote {out / 'findings.md'}, {out / 'findings.png'}")
 
 
 def prepare(args: argparse.Namespace, contexts: list[int], specs: list[StrategySpec]) -> Setup:

@@ -12,6 +12,7 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from knapspec_dist.engine.generation import GenerationConfig
@@ -19,7 +20,7 @@ from knapspec_dist.errors import Stopped, UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
-from knapspec_dist.spec.options import NAMES, StrategyOptions
+from knapspec_dist.spec.options import NAMES, StrategyOptions, parse_strategy
 
 log = logging.getLogger("knapspec_dist.cli")
 
@@ -58,12 +59,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="knapspec", choices=NAMES)
+    p.add_argument("--strategy", default="knapspec",
+                   help=f"{', '.join(NAMES)}, with flags as in the bench: knapspec:paper, "
+                        f"knapspec:paper+coupled, static:a3,m5@4, clasp@4")
     p.add_argument("--skip", default="", help="static: skipped sublayers, e.g. a3,a5,m7 (0-based)")
     p.add_argument("--gamma", type=int, default=4, help="static / clasp draft length")
     p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
     p.add_argument("--profile", default=None, help="latency profile JSON (knapspec, clasp)")
-    p.add_argument("--interval", type=int, default=64, help="tokens between re-selections")
+    p.add_argument("--interval", type=int, default=64, help="tokens between re-selections (knapspec:paper: rounds)")
     p.add_argument("--coupled", action="store_true", help="skip attention+MLP of a layer together")
     p.add_argument("--objective", default="tpt", choices=["tpt", "alpha"])
     p.add_argument("--select-once", action="store_true", help="select after prefill only")
@@ -100,10 +103,14 @@ def uses_engine(args: argparse.Namespace) -> bool:
 
 def strategy_options(args: argparse.Namespace) -> StrategyOptions:
     """The one translation of :func:`add_strategy_args`' arguments into options."""
-    return StrategyOptions(name=args.strategy, skip=args.skip, gamma=args.gamma,
-                           tau_conf=args.tau_conf, profile=args.profile, interval=args.interval,
-                           coupled=args.coupled, objective=args.objective,
-                           select_once=args.select_once)
+    named = parse_strategy(args.strategy).options  # flags in the name add to the options'
+    default_gamma = StrategyOptions().gamma
+    return replace(named, skip=named.skip or args.skip,
+                   gamma=named.gamma if args.gamma == default_gamma else args.gamma,
+                   tau_conf=args.tau_conf, profile=args.profile, interval=args.interval,
+                   coupled=named.coupled or args.coupled,
+                   objective="alpha" if "alpha" in (named.objective, args.objective) else "tpt",
+                   select_once=named.select_once or args.select_once)
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

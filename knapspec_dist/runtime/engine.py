@@ -50,7 +50,7 @@ from knapspec_dist.runtime.replica import (
 )
 from knapspec_dist.runtime.setup import check_batch_memory, check_setup
 from knapspec_dist.runtime.shard import Shard
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.spec.options import StrategyOptions, parse_strategy
 
 __all__ = ["Engine", "StartupError"]
 
@@ -255,5 +255,5 @@ class Engine:
 
 
 def _options(strategy: StrategyOptions | str) -> StrategyOptions:
-    """A strategy's name means that strategy with its default options."""
-    return StrategyOptions(name=strategy) if isinstance(strategy, str) else strategy
+    """A strategy's name (``knapspec:paper``) means that strategy with its default options."""
+    return parse_strategy(strategy).options if isinstance(strategy, str) else strategy

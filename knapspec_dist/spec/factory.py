@@ -14,6 +14,7 @@ from knapspec_dist.spec.knapspec import (
     KnapSpecSelector,
 )
 from knapspec_dist.spec.options import StrategyOptions, check_options, parse_skip
+from knapspec_dist.spec.paper import PaperSelector
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
 
 CLASP_SKIP_LAYERS = 0.25  # the share of layers CLaSp's drafts skip
@@ -43,6 +44,6 @@ def build_selector(options: StrategyOptions, model: Transformer,
     if options.name == "clasp":
         return ClaspSelector(profiles, options.gamma, CLASP_SKIP_LAYERS,
                              KnapSpecConfig(interval=options.interval))
-    return KnapSpecSelector(profiles, KnapSpecConfig(
-        interval=options.interval, coupled=options.coupled, objective=options.objective,
-        select_once=options.select_once))
+    config = KnapSpecConfig(interval=options.interval, coupled=options.coupled,
+                            objective=options.objective, select_once=options.select_once)
+    return (PaperSelector if options.paper else KnapSpecSelector)(profiles, config)

@@ -4,8 +4,8 @@ and calibrate the next selection's acceptance estimates by what the drafts reali
 A plan's drafts are priced by the profile at the acceptance actually seen; once they yield
 fewer tokens per second than plain decoding the plan gives way to plain decoding until the
 next selection (the guard that keeps the engine from staying slower than ``ar`` on a bad alpha
-estimate). The DP's m-token estimate is biased, and the biased direction is what the draft
-rounds show: the realized/predicted acceptance ratio scales the next selection's alphas.
+estimate). The realized/predicted acceptance ratio scales the best acceptance the spare rule
+assumes a due DP could find (schedule.py); the candidates' own estimates are acceptance.py's.
 Everything here counts and prices, never reads the wall clock, so every TP rank reaches the
 same decision without a broadcast.
 """
@@ -59,9 +59,6 @@ class PlanGuard:
         """Realized over predicted acceptance of this run's drafts so far (1 before any;
         one pseudo-token on each side)."""
         return (self.accepted + 1.0) / (self.expected + 1.0)
-
-    def calibrate(self, alphas: list[float]) -> list[float]:
-        return [min(1.0, self.calibration * a) for a in alphas]
 
     def watch(self, run: PlanRun | None) -> None:
         """The plan now in force (None: plain decoding, nothing to guard)."""

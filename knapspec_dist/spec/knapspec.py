@@ -40,6 +40,7 @@ from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
 from knapspec_dist.spec import knapsack, tpt
+from knapspec_dist.spec.acceptance import AcceptanceBook
 from knapspec_dist.spec.guard import PlanGuard, PlanRun
 from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
 from knapspec_dist.spec.schedule import (
@@ -66,7 +67,9 @@ class KnapSpecConfig:
     reference_rows: int = 2  # rows of a batch whose positions the DP judges drafts on
     interval: int = 64  # generated tokens between selections (at least)
     overhead_budget: float = 0.025  # stretch the interval so selection stays under this share
-    min_gain: float = 1.05  # speculate only when predicted tokens/s beat plain decoding by this
+    min_gain: float = 1.05  # a due DP runs only where a subnet could beat plain decoding by this
+    noise_z: float = 1.0  # speculate only where the acceptance estimate less this many of its
+    # standard deviations still beats plain decoding (the margin: the estimate's own noise)
     weight_cap: float = 5.0
     max_skip_fraction: float = 0.5
     keep_first_last: bool = True  # always execute the first and the last layer
@@ -85,6 +88,7 @@ class Selection:
     alphas: list[float]
     choice: tpt.Choice
     plan: Plan
+    positions: int = 0  # reference positions the DP and the alphas judged on
 
 
 class KnapsackSelector(Selector):
@@ -105,9 +109,10 @@ class KnapsackSelector(Selector):
 
     # ------------------------------------------------------------------ what subclasses say
 
-    @abstractmethod
     def weights(self, n: int, num_layers: int) -> list[int]:
-        """The knapsack weight of every sublayer at context n."""
+        """The knapsack weight of every sublayer at context n: its measured latency, in
+        integer units (CLaSp weighs every layer alike)."""
+        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
 
     @abstractmethod
     def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
@@ -122,8 +127,13 @@ class KnapsackSelector(Selector):
         """The least skipped weight a candidate needs to be of use (knapsack.solve)."""
         return 1
 
-    def calibrate(self, alphas: list[float]) -> list[float]:
-        return list(alphas)
+    def calibrate(self, candidates: list[knapsack.Candidate], agree: list[int],
+                  positions: int, raw: list[float]) -> list[float]:
+        """The acceptance each candidate is chosen by (here: ``raw``, ``alpha_of`` the DP's
+        ``agree`` of ``positions``)."""
+        return list(raw)
+
+    alpha_of = staticmethod(smoothed_alpha)  # (agree, total) -> a candidate's acceptance
 
     def selected(self, selection: Selection, raw: list[float], useful: int) -> None:
         """A selection was made (``raw``: its alphas before calibration)."""
@@ -139,20 +149,29 @@ class KnapsackSelector(Selector):
     # ------------------------------------------------------------------ Selector
 
     def start(self, model: Transformer) -> None:
-        self.states: dict[int, deque[torch.Tensor]] = {}  # per row: [2L+1, d] per position
+        # per row, per round observed: its committed positions' [2L+1, d] states
+        self.states: dict[int, Sequence[list[torch.Tensor]]] = {}
         self.plan_now = PLAIN
         self.schedule.start()
         self.history = []
 
     def wants_reference(self) -> bool:
         """Hidden states are kept only in the rounds that feed the next selection (its last
-        m positions per row), not in every round."""
+        m rounds per row), not in every round."""
         return self.schedule.wanting
+
+    def kept(self) -> deque[list[torch.Tensor]]:
+        """A row's store of observed rounds: its last m."""
+        return deque(maxlen=self.config.m)
 
     def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
         for b, rid in enumerate(rids):
             stacked = torch.stack([h[b, :valid[b]] for h in hidden], dim=1)  # [valid, 2L+1, d]
-            self.states.setdefault(rid, deque(maxlen=self.config.m)).extend(stacked.unbind(0))
+            self.states.setdefault(rid, self.kept()).append(list(stacked.unbind(0)))
+
+    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
+        """The rounds' yield sets how early the window of the next selection opens."""
+        self.schedule.observe_round(statistics.fmean(accepted) + 1 if accepted else 1.0)
 
     def retire(self, rid: int) -> None:
         self.states.pop(rid, None)
@@ -163,9 +182,10 @@ class KnapsackSelector(Selector):
             self.states.clear()  # only consecutive positions up to each row's end
         if self.schedule.due(batch.progress):
             context = round(statistics.fmean(batch.lengths))
-            m = self.config.m  # the positions a DP would judge on (references: m in all)
+            m = self.config.m  # rounds a DP judges on (their positions: r in all)
             ready = any(len(self.states.get(row.rid, ())) == m for row in batch.rows)
-            if ready and self.nothing_pays(batch, context, model.cfg.num_layers, m):
+            if ready and self.nothing_pays(batch, context, model.cfg.num_layers,
+                                           self.reference_positions(batch)):
                 self.spare()
                 self.schedule.skip(batch.progress)
                 return self.plan_now
@@ -180,20 +200,33 @@ class KnapsackSelector(Selector):
 
     # ------------------------------------------------------------------ the DP
 
-    def references(self, batch: Batch) -> list[Reference]:
-        """The last positions of up to ``reference_rows`` rows with m positions observed,
-        longest context first (attention there is what the knapsack prices highest), m in all
-        (the DP's cost grows with its positions: 3 + 2 over two rows costs what one row's 5
-        does)."""
+    def _ready_rows(self, batch: Batch) -> list[tuple[int, int, list[torch.Tensor]]]:
+        """(cache length, slot, positions of its last m rounds) of up to ``reference_rows``
+        rows with m rounds observed, longest context first."""
         m, found = self.config.m, []
         for slot, row in enumerate(batch.rows):
-            states = self.states.get(row.rid)
-            if states is not None and len(states) == m:
-                found.append((batch.cache.lengths[slot], slot, list(states)))
-        found = sorted(found, key=lambda f: -f[0])[:self.config.reference_rows]
-        out = []
+            rounds = self.states.get(row.rid)
+            if rounds is not None and len(rounds) == m:
+                found.append((batch.cache.lengths[slot], slot, [p for r in rounds for p in r]))
+        return sorted(found, key=lambda f: -f[0])[:self.config.reference_rows]
+
+    def reference_positions(self, batch: Batch) -> int:
+        """r: the positions a DP would judge on now (m before any row has m rounds)."""
+        found = self._ready_rows(batch)
+        return len(found[0][2]) if found else self.config.m
+
+    def references(self, batch: Batch) -> list[Reference]:
+        """The positions of the last m rounds of the longest row with m rounds observed (r of
+        them: m when it decoded plainly, up to m (gamma + 1) when it drafted), spread over up
+        to ``reference_rows`` rows, longest context first (attention there is what the
+        knapsack prices highest), r in all (the DP's cost grows with its positions: 3 + 2
+        over two rows costs what one row's 5 does)."""
+        found = self._ready_rows(batch)
+        if not found:
+            return []
+        r, out = len(found[0][2]), []
         for i, (end, slot, states) in enumerate(found):
-            k = m // len(found) + (i < m % len(found))
+            k = min(len(states), r // len(found) + (i < r % len(found)))
             out.append(Reference(slot, end - k, torch.stack(states[-k:], dim=1)))
         return out
 
@@ -210,11 +243,13 @@ class KnapsackSelector(Selector):
         candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
                                     max_skip_fraction=cfg.max_skip_fraction,
                                     always_execute=keep, coupled=cfg.coupled, useful_from=useful)
-        raw = self._alphas(model, evaluator, candidates)
-        alphas = self.calibrate(raw)
+        agree = self._agreements(model, evaluator, candidates)
+        raw = [self.alpha_of(a, positions) for a in agree]
+        alphas = self.calibrate(candidates, agree, positions, raw)
         choice = self.choose(candidates, alphas, n, num_layers)
         skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
-        selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma))
+        selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma),
+                              positions)
         self.selected(selection, raw, useful)
         self.history.append(selection)
         self.selections += 1
@@ -222,15 +257,15 @@ class KnapsackSelector(Selector):
                   len(candidates), sorted(skip), choice.gamma, choice.tokens_per_time)
         return selection
 
-    def _alphas(self, model: Transformer, evaluator: HiddenStateEvaluator,
-                candidates: list[knapsack.Candidate]) -> list[float]:
+    def _agreements(self, model: Transformer, evaluator: HiddenStateEvaluator,
+                    candidates: list[knapsack.Candidate]) -> list[int]:
+        """Per candidate, the reference positions where its top-1 token is the full model's."""
         if not candidates:
             return []
         states = evaluator.reference
         reference = model.logits(states[-1]).argmax(dim=-1)  # [M]
         finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
-        agree = (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
-        return [smoothed_alpha(a, states.shape[1]) for a in agree]
+        return (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
 
 
 class KnapSpecSelector(KnapsackSelector):
@@ -241,6 +276,8 @@ class KnapSpecSelector(KnapsackSelector):
                  config: KnapSpecConfig = KnapSpecConfig()):
         super().__init__(profiles, config)
         self.guard = PlanGuard()
+        self.book = AcceptanceBook()
+        self.lower: list[float] = []  # the last estimates less their noise (calibrate)
         self.spare_rule = SpareRule(self.schedule, min_gain=config.min_gain,
                                     max_gamma=config.max_gamma,
                                     max_skip_fraction=config.max_skip_fraction)
@@ -260,12 +297,14 @@ class KnapSpecSelector(KnapsackSelector):
     def start(self, model: Transformer) -> None:
         super().start(model)
         self.guard.start()
+        self.book.start()
+        self.lower = []
 
     def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
+        super().record(steps, verified, accepted)
         self.guard.record(steps, verified, accepted, self.profile)
-
-    def weights(self, n: int, num_layers: int) -> list[int]:
-        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
+        if steps and self.plan_now.gamma:
+            self.book.record(self.plan_now.skip, self.plan_now.gamma, verified, accepted)
 
     def nothing_pays(self, batch: Batch, n: int, num_layers: int, positions: int) -> bool:
         if not self.priced:
@@ -283,17 +322,25 @@ class KnapSpecSelector(KnapsackSelector):
         return min(self.spare_rule.least_paying_weight(prices, weights, c, positions)
                    for c in (n, math.ceil(n * SpareRule.RESELECT_GROWTH)))
 
-    def calibrate(self, alphas: list[float]) -> list[float]:
-        return self.guard.calibrate(alphas)
+    def calibrate(self, candidates: list[knapsack.Candidate], agree: list[int],
+                  positions: int, raw: list[float]) -> list[float]:
+        """Each candidate's posterior acceptance (spec/acceptance.py): the DP's agreements and
+        what this run's drafts with it and with the subnets near it realized. Keeps each
+        estimate less ``noise_z`` of its spread for ``choose``'s margin."""
+        estimates = [self.book.estimate(c.skipped, a, positions)
+                     for c, a in zip(candidates, agree)]
+        self.lower = [e.lower(self.config.noise_z) for e in estimates]
+        return [e.mean for e in estimates]
 
     def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
                num_layers: int) -> tpt.Choice:
         """The TPT search, priced by this selector's profile at the round's batch size."""
         cfg, p = self.config, self.profile
         draft_times = [p.draft_time(c.skipped, n, num_layers) for c in candidates]
+        lower = self.lower if len(self.lower) == len(candidates) else None
         return tpt.search(alphas, draft_times, lambda q: p.verify_time(q, n),
                           max_gamma=cfg.max_gamma, objective=cfg.objective,
-                          min_gain=cfg.min_gain)
+                          exit_rate=self.book.exit_rate, lower=lower)
 
     def selected(self, selection: Selection, raw: list[float], useful: int) -> None:
         """Keep a fruitless DP's frontier; guard a speculative plan."""

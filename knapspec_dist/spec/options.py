@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from knapspec_dist.engine.sequence import MAX_GAMMA
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles.store import load_profile
 
 NAMES = ("ar", "static", "knapspec", "clasp")
+FLAGS = {"coupled": {"coupled": True}, "alpha": {"objective": "alpha"},
+         "once": {"select_once": True}, "tpt": {"objective": "tpt"}, "paper": {"paper": True}}
+PAPER_MIN_INTERVAL = 7  # m = 5 gathered rounds (2..6) and the DP's round
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class StrategyOptions:
     coupled: bool = False
     objective: str = "tpt"
     select_once: bool = False
+    paper: bool = False  # knapspec: the authors' selection (spec/paper.py)
 
 
 def parse_skip(text: str, num_layers: int) -> frozenset[int]:
@@ -54,6 +58,57 @@ def check_options(options: StrategyOptions, cfg) -> None:
         raise UserError(f"tau_conf must be in [0, 1], got {options.tau_conf}")
     if options.interval < 1:
         raise UserError(f"interval must be >= 1, got {options.interval}")
+    if options.paper and options.name != "knapspec":
+        raise UserError(f"'paper' is a knapspec variant (knapspec:paper), not one of {options.name}")
+    if options.paper and options.interval < PAPER_MIN_INTERVAL:
+        raise UserError(f"knapspec:paper re-selects every interval rounds, gathering rounds 2-6 "
+                        f"of each: the interval must be >= {PAPER_MIN_INTERVAL}, got "
+                        f"{options.interval}")
     parse_skip(options.skip, cfg.num_layers)
     if options.profile:
         load_profile(options.profile, cfg.shape())  # malformed or another shape: refused now
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    label: str  # as shown in tables and plots, canonical form of the spec
+    options: StrategyOptions
+
+
+def parse_strategy(text: str) -> StrategySpec:
+    """One strategy as the user names it (``knapspec:paper+coupled``, ``static:a3,m5@4``,
+    ``clasp@4``) -> StrategySpec: the one parser of strategy names (generate, job, bench)."""
+    spec = text.strip()
+    gamma = None
+    m = re.fullmatch(r"(.*)@(\d+)", spec)
+    if m:
+        spec, gamma = m.group(1), int(m.group(2))
+    name, colon, rest = spec.partition(":")
+    if name not in NAMES:
+        raise UserError(f"strategy {text!r}: unknown name {name!r}; choose one of "
+                        f"{', '.join(NAMES)} (with :flags or @gamma)")
+    if colon and not rest:
+        raise UserError(f"strategy {text!r}: nothing after ':'")
+    if gamma is not None and name not in ("static", "clasp"):
+        raise UserError(f"strategy {text!r}: @gamma applies to static and clasp only")
+    options = StrategyOptions(name=name)
+    if gamma is not None:
+        options = replace(options, gamma=gamma)
+    parts = [p.strip() for p in re.split(r"[+,]", rest) if p.strip()]
+    if name == "ar" and parts:
+        raise UserError(f"strategy {text!r}: ar takes no options")
+    if name == "static":
+        if not parts:
+            raise UserError(f"strategy {text!r}: static needs a skip list, e.g. static:a3,m5@4")
+        options = replace(options, skip=",".join(parts))
+    if name in ("knapspec", "clasp"):
+        for flag in parts:
+            if flag not in FLAGS or (flag == "paper" and name != "knapspec"):
+                allowed = [f for f in FLAGS if name == "knapspec" or f != "paper"]
+                raise UserError(f"strategy {text!r}: unknown flag {flag!r}; choose from "
+                                f"{', '.join(allowed)}")
+            options = replace(options, **FLAGS[flag])
+    label = name + (":" + "+".join(parts) if parts else "") + (f"@{gamma}" if gamma else "")
+    if name == "static":
+        label = f"static:{','.join(parts)}" + (f"@{gamma}" if gamma else "")
+    return StrategySpec(label, options)

@@ -47,7 +47,14 @@ class SelectionSchedule:
         self.last_select_s: float | None = None
         self.rounds_since_dp = 0
         self.spared = 0  # due selections not run: no subnet could beat plain decoding
+        self.tokens_per_round = 1.0  # recent tokens per row per round (kept across runs)
         self.start()
+
+    TOKENS_EMA = 0.25  # the weight of the last round in ``tokens_per_round``
+
+    def observe_round(self, tokens: float) -> None:
+        """A round committed ``tokens`` per row."""
+        self.tokens_per_round += self.TOKENS_EMA * (tokens - self.tokens_per_round)
 
     def start(self) -> None:
         """A batch run begins: the first selection after m generated tokens per row."""
@@ -61,10 +68,11 @@ class SelectionSchedule:
 
     def tick(self, progress: float) -> bool:
         """A round begins at ``progress``. Whether the window of the rounds that feed the
-        next selection (its last m positions per row) opens now: the states kept before are
+        next selection (its last m rounds per row) opens now: the states kept before are
         then stale (only consecutive positions up to each row's end count)."""
         self.rounds_since_dp += 1
-        wants = not self.closed and progress + self.m + 1 >= self.next_selection
+        ahead = (self.m + 1) * self.tokens_per_round  # m rounds' tokens, and the next one
+        wants = not self.closed and progress + ahead >= self.next_selection
         opened = wants and not self.wanting
         self.wanting = wants
         return opened

@@ -30,27 +30,41 @@ class Choice:
     tokens_per_time: float  # expected tokens per second under the latency model
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """(1 - a^(g+1)) / (1 - a): tokens per round with i.i.d. acceptance a and g drafted tokens.
+def expected_tokens(alpha: float, gamma: int, exit_rate: float = 0.0) -> float:
+    """Tokens per round with i.i.d. acceptance a and up to g drafts, each draft position
+    ended by the confidence exit with probability e (``exit_rate``; the unsure draft is still
+    judged): 1 + a + a^2 c + ... + a^g c^(g-1), c = 1 - e. At e = 0, (1 - a^(g+1)) / (1 - a).
 
-    Evaluated as the geometric sum 1 + a + ... + a^g (Horner), which is exact at a = 0 (1) and
-    a = 1 (g + 1) and stable near 1, where the closed form cancels catastrophically.
+    Evaluated by Horner, which is exact at a = 0 (1) and a = 1, e = 0 (g + 1) and stable near
+    1, where the closed form cancels catastrophically.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
-    total = 1.0
-    for _ in range(gamma):
-        total = 1.0 + alpha * total
-    return total
+    if not gamma:
+        return 1.0
+    inner = 1.0
+    for _ in range(gamma - 1):
+        inner = 1.0 + alpha * (1.0 - exit_rate) * inner
+    return 1.0 + alpha * inner
 
 
-def tokens_per_time(alpha: float, gamma: int, draft_time: float, verify_time: Callable[[int], float]) -> float:
-    """TPT of drafting `gamma` tokens at `draft_time` each, then one verify over gamma + 1 tokens."""
+def expected_drafts(gamma: int, exit_rate: float = 0.0) -> float:
+    """Draft positions a round judges (and, exiting on the host, drafts) under the exit:
+    1 + c + ... + c^(g-1)."""
+    return sum((1.0 - exit_rate) ** i for i in range(gamma))
+
+
+def tokens_per_time(alpha: float, gamma: int, draft_time: float,
+                    verify_time: Callable[[int], float], exit_rate: float = 0.0) -> float:
+    """TPT of drafting up to `gamma` tokens at `draft_time` each, then one verify over the
+    drafts and the pending token."""
     if gamma == 0:
         return 1.0 / verify_time(1)
-    return expected_tokens(alpha, gamma) / (gamma * draft_time + verify_time(gamma + 1))
+    drafts = expected_drafts(gamma, exit_rate)
+    return (expected_tokens(alpha, gamma, exit_rate)
+            / (drafts * draft_time + verify_time(drafts + 1)))
 
 
 def search(
@@ -61,6 +75,8 @@ def search(
     allow_ar: bool = True,
     objective: str = "tpt",
     min_gain: float = 1.0,
+    exit_rate: float = 0.0,
+    lower: Sequence[float] | None = None,
 ) -> Choice:
     """Grid search over (candidate, gamma in 1..max_gamma), plus autoregressive when allowed.
 
@@ -70,7 +86,10 @@ def search(
     the fallback when there are no candidates.
 
     With objective="tpt", ``min_gain`` > 1 keeps plain decoding unless the best speculative
-    choice beats it by that factor (a margin for alphas estimated from a handful of tokens).
+    choice beats it by that factor (a margin for alphas estimated from a handful of tokens);
+    ``lower`` (an acceptance each candidate has at least, e.g. its estimate less its noise)
+    keeps plain decoding unless the best choice still beats it at that acceptance.
+    ``exit_rate``: the confidence exit's chance per draft position (``expected_tokens``).
     """
     if len(alphas) != len(draft_times):
         raise ValueError(f"{len(alphas)} alphas but {len(draft_times)} draft times")
@@ -85,7 +104,7 @@ def search(
     if objective == "alpha" and alphas:
         pool = [min(pool, key=lambda k: (-alphas[k], draft_times[k], k))]
     options = [
-        Choice(k, g, tokens_per_time(alphas[k], g, draft_times[k], verify_time))
+        Choice(k, g, tokens_per_time(alphas[k], g, draft_times[k], verify_time, exit_rate))
         for k in pool
         for g in range(1, max_gamma + 1)
     ]
@@ -94,7 +113,10 @@ def search(
         options.append(Choice(None, 0, plain))
     best = max(options, key=_rank)
     if (allow_ar and objective == "tpt" and best.candidate is not None
-            and best.tokens_per_time < min_gain * plain):
+            and (best.tokens_per_time < min_gain * plain
+                 or (lower is not None and tokens_per_time(
+                     lower[best.candidate], best.gamma, draft_times[best.candidate],
+                     verify_time, exit_rate) < min_gain * plain))):
         best = Choice(None, 0, plain)
     logger.debug("tpt search (%s): %s", objective, best)
     return best

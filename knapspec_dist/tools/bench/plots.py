@@ -48,15 +48,9 @@ def plot_bench(out: Path, rows: list[dict]) -> None:
                 label=f"{label}: attention")
         ax.plot(xs, [r["mlp_skipped"] for r in pts], marker="s", linestyle="--", color=c,
                 label=f"{label}: MLP")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [str(c) for c in contexts])
-    ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("sublayers skipped per drafted token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "skipped.png", dpi=120)
-    plt.close(fig)
+    _context_axis(ax, contexts)
+    _save(fig, out / "skipped.png")
 
 
 def plot_throughput(path: Path, runs: list[dict]) -> None:
@@ -72,6 +66,46 @@ def plot_throughput(path: Path, runs: list[dict]) -> None:
     ax.set_ylabel("tokens/s (prefill included)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_findings(path: Path, findings: list[dict]) -> None:
+    """``findings.png``: (a) the attention and MLP shares ``knapspec:paper`` skips, and
+    (b)-(d) its decode rate over each ablation's (and against ar), per context."""
+    contexts = [f["context"] for f in findings]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    ax.plot(contexts, [f["attention_share"] for f in findings], marker="o", label="attention")
+    ax.plot(contexts, [f["mlp_share"] for f in findings], marker="s", label="MLP")
+    ax.set_ylabel("share of sublayers skipped per drafted token")
+    ax.set_title("(a) knapspec:paper's subnets")
+    ax = axes[1]
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    for key, label in (("paper_over_b", "(b) paper / coupled"), ("paper_over_c",
+                       "(c) paper / alpha objective"), ("paper_over_d", "(d) paper / select-once"),
+                       ("paper_vs_ar", "paper / ar"), ("default_vs_ar", "knapspec / ar")):
+        pts = [(f["context"], f[key]) for f in findings if f[key] is not None]
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label,
+                linestyle="--" if "ar" in key else "-")
+    ax.set_ylabel("decode tokens/s ratio")
+    ax.set_title("(b)-(d) against the ablations")
+    for ax in axes:
+        _context_axis(ax, contexts)
+    _save(fig, path)
+
+
+def _context_axis(ax, contexts: list[int]) -> None:
+    """Context lengths on a log-2 x axis, a grid and the legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context length (tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
