@@ -295,13 +295,19 @@ class OutputDir:
             self.fs.move(tmp, final)
         return final
 
-    def read_rows(self, sub: str, schema: pa.Schema) -> pa.Table:
+    def read_rows(self, sub: str, schema: pa.Schema,
+                  columns: list[str] | None = None) -> pa.Table:
         """Every readable part of ``DIR/sub``, as one table (empty when none), one row per
         id (:func:`keep_one_per_id`; the duplicates dropped are counted in a warning, once
         per directory).  Columns a part lacks (written by an older version) read as nulls.
 
         Temporary leftovers of a crashed writer are deleted; unreadable parts are moved aside.
+        ``columns``: read only those (and what choosing one row per id needs), e.g. the ids
+        and errors of a resume, not every generated text.
         """
+        if columns is not None:
+            wanted = set(columns) | {schema.names[0], "error", "finished_at"}
+            schema = pa.schema([f for f in schema if f.name in wanted])
         base = self.join(sub)
         infos = self.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
         tables = []
@@ -317,7 +323,9 @@ class OutputDir:
                 continue
             try:
                 with self.fs.open_input_file(info.path) as f:
-                    table = pq.read_table(f)
+                    pf = pq.ParquetFile(f)
+                    table = pf.read(columns=[n for n in schema.names
+                                             if n in pf.schema_arrow.names])
                 for field_ in schema:
                     if field_.name not in table.column_names and field_.nullable:
                         table = table.append_column(field_.name,

@@ -14,17 +14,21 @@ The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` c
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import itertools
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.dispatch import Dispatcher, Outcome, Task
-from knapspec_dist.jobs.inputs import InputRows, read_input
+from knapspec_dist.jobs.inputs import InputScan, iter_texts, read_input
 from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import (
@@ -41,7 +45,13 @@ from knapspec_dist.jobs.output import (
 )
 from knapspec_dist.jobs.plot import write_plot
 from knapspec_dist.jobs.progress import Progress
-from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
+from knapspec_dist.jobs.prompts import (
+    PromptBuilder,
+    TokenizeStage,
+    choose_baseline,
+    load_text_tools,
+    make_builder,
+)
 from knapspec_dist.jobs.summary import dumps, summarize
 from knapspec_dist.jobs.termination import (
     JobTerminated,
@@ -49,11 +59,10 @@ from knapspec_dist.jobs.termination import (
     install_sigterm,
     restore_sigterm,
 )
-from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.engine import Engine
-from knapspec_dist.runtime.setup import check_setup
+from knapspec_dist.runtime.stream import stream_batches
 from knapspec_dist.spec.options import StrategyOptions
 
 __all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "load_text_tools",
@@ -91,14 +100,6 @@ def default_engine_factory(config: JobConfig, strategy: StrategyOptions, replica
                   max_num_seqs=config.max_num_seqs)
 
 
-def load_text_tools(config: JobConfig):
-    """Tokenizer and context window of the model, from its folder (no weights are read),
-    once runtime's :func:`check_setup` passed: a bad model, tp or strategy option fails
-    before thousands of documents are tokenized and before any row is written."""
-    path, model_config = check_setup(config.model, config.tp, config.strategy)
-    return load_tokenizer(path), model_config.max_position_embeddings
-
-
 def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
             backend_factory: Callable | None = None, text_tools: Callable | None = None,
             on_row: Callable[[dict], None] | None = None) -> JobResult:
@@ -125,14 +126,20 @@ class JobRun:
         self.real_engine = engine_factory is None  # one Ray connection for all its engines
         self.engine_factory = engine_factory or default_engine_factory
         self.backend_factory = backend_factory or EngineBackend
+        # Given tools (tests' fake tokenizer) tokenize in this process; the model's own on
+        # the cluster, with Ray Data (runtime/stream.py).
+        self.ray_data = text_tools is None
         self.text_tools = text_tools or load_text_tools
         self.on_row = on_row
         self.started = dt.datetime.now(dt.timezone.utc)
         self.t_start = time.monotonic()
+        self.meta: dict = {}  # row id -> (num_input_tokens, truncated) of the rows in flight
+        self.held: list[dict] = []  # error rows met before the engine started
+        self.hold_errors = True
 
     def run(self) -> JobResult:
         self.check_output()
-        self.build_prompts()
+        self.check_prompts()
         self.lease = Lease(self.out)
         self.lease.acquire()  # LeaseHeld (a UserError) when another job writes there
         try:
@@ -148,17 +155,11 @@ class JobRun:
         previous = install_sigterm()
         owns_ray = False
         try:
-            todo = [self.prompts[i] for i in self.pending if self.prompts[i].error is None]
-            failed = [self.prompts[i] for i in self.pending if self.prompts[i].error is not None]
-            todo.sort(key=lambda p: (-p.num_input_tokens, p.index))  # longest first
-            stop_after = self.config.stop_after
-            generate = bool(todo) and (stop_after is None or len(failed) < stop_after)
-            baseline_left = self.baseline_ids - (self.base_done & self.again_done)
-            if self.real_engine and (generate or baseline_left):
+            if (self.real_engine or self.ray_data) and (self.pending or self.baseline_left()):
                 owns_ray = connect(self.config.address)
                 install_sigterm()  # ray.init() put its own SIGTERM handler (an abort) in place
             check_terminate()
-            self.main_pass(todo, failed, generate)
+            self.main_pass()
             self.baseline_passes()
         finally:
             for w in (self.writer, self.base_writer, self.again_writer):
@@ -173,54 +174,60 @@ class JobRun:
     # ------------------------------------------------------------------ 1. files
 
     def check_output(self) -> None:
-        """Input and output directory, before any model is touched, reading only: the rows,
-        and whether the directory is new, empty or this job's."""
+        """Input and output directory, before any model is touched, reading only: the input
+        files' footers and ids, and whether the directory is new, empty or this job's."""
         c = self.config
-        self.rows: InputRows = read_input(c.input, c.id_column, c.input_column)
+        self.scan: InputScan = read_input(c.input, c.id_column, c.input_column)
         self.out = OutputDir(c.output)
-        self.fingerprint = {**c.fingerprint(), **self.rows.fingerprint(c.input)}
+        self.fingerprint = {**c.fingerprint(), **self.scan.fingerprint(c.input)}
         self.resuming = self.out.check(self.fingerprint)
-        self.schema = output_schema(c.id_column, self.rows.id_type)
+        self.schema = output_schema(c.id_column, self.scan.id_type)
 
     def open_output(self) -> None:
         """Under the lease: the ids an earlier run of this job wrote already (one row per
-        id), less the failed rows to retry (a retryable kind, or all with --retry-failed)."""
+        id), less the failed rows to retry (a retryable kind, or all with --retry-failed).
+        The rows left are an anti-join of the input's ids with those (Arrow, no row object)."""
         c = self.config
         self.resuming = self.out.check(self.fingerprint)  # again: nobody wrote meanwhile
         self.previous = self._previous_summary()
-        self.existing = self.out.read_rows(ROWS, self.schema)
-        inputs = set(self.rows.ids)
+        status = [c.id_column, "error", "error_kind"]
+        existing = self.out.read_rows(ROWS, self.schema, status)
+        in_input = pc.is_in(existing.column(c.id_column), value_set=self.scan.ids)
 
-        def done_and_retry(table: pa.Table) -> tuple[set, set]:
-            rows = table.select([c.id_column, "error", "error_kind"]).to_pylist()
-            retry = {r[c.id_column] for r in rows if r["error"] is not None
-                     and r[c.id_column] in inputs and (c.retry_failed or is_retryable(r))}
+        def done_and_retry(table: pa.Table, inputs=None) -> tuple[set, set]:
+            rows = table.select(status).to_pylist()
+            flags = [True] * len(rows) if inputs is None else inputs.to_pylist()
+            retry = {r[c.id_column] for r, inside in zip(rows, flags) if r["error"] is not None
+                     and inside and (c.retry_failed or is_retryable(r))}
             return {r[c.id_column] for r in rows} - retry, retry
 
-        self.done_ids, self.retry_ids = done_and_retry(self.existing)
+        self.done_ids, self.retry_ids = done_and_retry(existing, in_input)
+        self.failed_before = {r[c.id_column] for r in existing.select(status).to_pylist()
+                              if r["error"] is not None and r[c.id_column] in self.done_ids}
         (self.base_done, _), (self.again_done, _) = (
-            done_and_retry(self.out.read_rows(sub, self.schema))
+            done_and_retry(self.out.read_rows(sub, self.schema, status))
             for sub in (BASELINE, BASELINE_STRATEGY))
-        self.pending = [i for i, row_id in enumerate(self.rows.ids)
-                        if row_id not in self.done_ids]
+        self.skip = pa.array(sorted(self.done_ids, key=str), self.scan.id_type)
+        done_in_input = pc.sum(pc.is_in(self.scan.ids, value_set=self.skip)).as_py() or 0
+        self.pending = len(self.scan) - done_in_input
         if self.retry_ids:
             log.info("retrying %d failed row(s) (%s)", len(self.retry_ids),
                      "--retry-failed" if c.retry_failed
                      else "out of memory, a lost or hung replica")
         if self.resuming:
             log.info("resuming into %s: %d of %d rows already written, %d to go",
-                     self.out.display(), len(self.rows) - len(self.pending), len(self.rows),
-                     len(self.pending))
-            extra = self.done_ids - set(self.rows.ids)
+                     self.out.display(), done_in_input, len(self.scan), self.pending)
+            extra = len(self.done_ids) - done_in_input
             if extra:
                 log.warning("%d row(s) in the output have ids that are not in the input",
-                            len(extra))
+                            extra)
 
     # ------------------------------------------------------------------ 2. rows
 
-    def build_prompts(self) -> None:
-        """Prompts of every row (so the baseline choice is the same on every run), their
-        row-level errors, and the baseline rows."""
+    def check_prompts(self) -> None:
+        """The tokenizer and context window (small files), checked against the options
+        before anything else: the rows are tokenized later, as they stream (see
+        :meth:`prompt_batches`)."""
         c = self.config
         tokenizer, window = self.text_tools(c)
         self.max_len = window if c.max_model_len is None else c.max_model_len
@@ -230,19 +237,66 @@ class JobRun:
         if c.max_new_tokens >= self.max_len:
             raise UserError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt "
                             f"in the context window of {self.max_len} tokens")
-        builder = PromptBuilder(tokenizer, c.mode, c.instruction, self.max_len,
-                                c.max_new_tokens, c.truncate, c.input_column)
-        self.prompts: list[Prompt] = [builder.build(i, self.rows.ids[i], self.rows.texts[i])
-                                      for i in range(len(self.rows))]
-        self.baseline_ids: set = set()
-        if c.strategy.name != "ar":
-            self.baseline_ids = choose_baseline(self.prompts, c.baseline_fraction)
-        self.by_id = {p.id: p for p in self.prompts}
-        if self.real_engine:  # the profile must cover the longest context this job runs
-            longest = max((p.num_input_tokens or 0 for p in self.prompts if p.error is None),
-                          default=0) + c.max_new_tokens
+        PromptBuilder(tokenizer, c.mode, c.instruction, self.max_len, c.max_new_tokens,
+                      c.truncate, c.input_column)  # a text job needs a chat template
+        if self.real_engine:  # the profile must cover any context this job may run
             self.engine_factory = lambda config, strategy, replicas: default_engine_factory(
-                config, strategy, replicas, longest=longest)
+                config, strategy, replicas, longest=self.max_len)
+
+    def prompt_batches(self, skip: pa.Array | None = None,
+                       keep: pa.Array | None = None) -> Iterator[pa.Table]:
+        """The input's rows as prompt batches (prompts.TokenizeStage), streamed: tokenized
+        by Ray Data on the cluster, or here when the job was given its text tools."""
+        c = self.config
+        builder = functools.partial(make_builder, self.text_tools, c, self.max_len)
+        args = (builder, c.id_column, c.input_column, skip, keep)
+        if self.ray_data:
+            yield from stream_batches(self.scan.files, self.scan.fs,
+                                      [c.id_column, c.input_column], TokenizeStage, args,
+                                      batch_rows=c.stream_rows, workers=c.tokenizers,
+                                      cpus=c.tokenizer_cpus)
+            return
+        stage = TokenizeStage(*args)
+        for table in iter_texts(self.scan, c.stream_rows):
+            out = stage(table)
+            if out.num_rows:
+                yield out
+
+    def tasks(self, batches: Iterator[pa.Table], errors: bool) -> Iterator[Task]:
+        """Tasks of the prompt batches, each batch longest prompt first (long rows started
+        first finish before the tail); with ``errors`` a row's input error is written (held until
+        the engine started: a failed start writes nothing). Only the rows in flight keep
+        their token ids (a NumPy view of their batch) and their metadata (``self.meta``)."""
+        c = self.config
+        for batch in batches:
+            check_terminate()
+            ids = batch.column(c.id_column).to_pylist()
+            lengths = batch.column("num_input_tokens").to_pylist()
+            truncated = batch.column("truncated").to_pylist()
+            problems = batch.column("error").to_pylist()
+            prompts = batch.column("prompt_ids").combine_chunks()
+            offsets = prompts.offsets.to_numpy()
+            values = prompts.values.to_numpy(zero_copy_only=False)
+            for i in sorted(range(len(ids)), key=lambda i: (-(lengths[i] or 0), i)):
+                if problems[i] is not None:
+                    if errors:
+                        self.write_error(ids[i], problems[i], lengths[i])
+                    continue
+                self.meta[ids[i]] = (lengths[i], truncated[i])
+                yield Task(ids[i], values[offsets[i]:offsets[i + 1]])
+
+    def write_error(self, row_id, error: str, length) -> None:
+        """A row that failed before generation (its input): finished already."""
+        c = self.config
+        row = result_row(c.id_column, row_id, c.strategy.name, error=error,
+                         num_input_tokens=length, error_kind="input")
+        if self.hold_errors:
+            self.held.append(row)
+            return
+        if c.stop_after is None or self._written() < c.stop_after:
+            self.writer.add(row)
+            if self.on_row:
+                self.on_row(row)
 
     def open_writers(self) -> None:
         """Part writers of the rows and of the two baseline passes, knowing what is done."""
@@ -253,105 +307,132 @@ class JobRun:
                               c.checkpoint_seconds)
 
         self.writer = writer(ROWS, self.done_ids)
-        self.writer.failed.update(r[c.id_column] for r in self.existing.select(
-            [c.id_column, "error"]).to_pylist() if r["error"] is not None
-            and r[c.id_column] in self.done_ids)
+        self.writer.failed.update(self.failed_before)
         self.base_writer = writer(BASELINE, self.base_done)
         self.again_writer = writer(BASELINE_STRATEGY, self.again_done)
         self.result = JobResult(output=self.out.display(), rows_path=self.out.display(ROWS),
                                 summary_path=self.out.display(SUMMARY_FILE),
                                 plot_path=self.out.display(PLOT_FILE), summary={},
-                                skipped=len(self.rows) - len(self.pending))
+                                skipped=len(self.scan) - self.pending)
 
     # ------------------------------------------------------------------ 3. generation
 
-    def main_pass(self, todo: list[Prompt], failed: list[Prompt], generate: bool) -> None:
-        """The job's strategy over every pending row; rows that failed before generation are
-        written only once the engine started (a failed start writes nothing, not even these
-        rows, so a corrected command may start over)."""
+    def main_pass(self) -> None:
+        """The job's strategy over every pending row, as the rows stream in. The engine
+        starts once a row with a prompt arrived; the rows that failed before it are written
+        only once it started (a failed start writes nothing, not even these rows, so a
+        corrected command may start over)."""
         c = self.config
-        if generate:
-            log.info("generating %d row(s) with %s on %d replica(s) x tp=%d", len(todo),
-                     c.strategy.name, c.replicas, c.tp)
-            with self.engine_factory(c, c.strategy, c.replicas) as engine:
-                self.result.profile = _profile_report(engine, c.replicas)
-                self.result.max_num_seqs = _max_num_seqs(engine, c)
-                if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
-                    log.warning("--max-num-seqs %d capped to %d: what the memory left after "
-                                "the weights holds (engine/memory.py)", c.max_num_seqs,
-                                self.result.max_num_seqs)
-                self.write_prompt_errors(failed)
-                limit = None if c.stop_after is None else c.stop_after - self._written()
-                self.generate(engine, c.strategy.name, todo, self.writer, "rows", limit,
-                              self.on_row, "generated")
-        else:
-            self.write_prompt_errors(failed)
-        self.result.stopped_early = any(self.rows.ids[i] not in self.writer.done
-                                        for i in self.pending)
+        if not self.pending:
+            return
+        stream = self.prompt_batches(skip=self.skip)
+        try:
+            todo = self.tasks(stream, errors=True)
+            first = next(todo, None)  # held errors until the first row to generate
+            self.hold_errors = False
+            limit = c.stop_after
+            if first is not None and (limit is None or len(self.held) < limit):
+                log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
+                         self.pending - len(self.held), c.strategy.name, c.replicas, c.tp)
+                with self.engine_factory(c, c.strategy, c.replicas) as engine:
+                    self.result.profile = _profile_report(engine, c.replicas)
+                    self.result.max_num_seqs = _max_num_seqs(engine, c)
+                    if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
+                        log.warning("--max-num-seqs %d capped to %d: what the memory left "
+                                    "after the weights holds (engine/memory.py)",
+                                    c.max_num_seqs, self.result.max_num_seqs)
+                    self.write_held()
+                    self.generate(engine, c.strategy.name, itertools.chain([first], todo),
+                                  self.pending - self._written(), self.writer, "rows",
+                                  c.stop_after, self.on_row, "generated")
+            else:
+                self.write_held()
+                if first is not None:
+                    self.meta.clear()
+        finally:
+            stream.close()
+        self.result.stopped_early = self._written() < self.pending
         self.writer.flush()
+
+    def write_held(self) -> None:
+        held, self.held = self.held, []
+        for row in held:
+            self.write_error(row[self.config.id_column], row["error"], row["num_input_tokens"])
 
     def _written(self) -> int:
         return self.writer.written + len(self.writer.buffer)
 
-    def write_prompt_errors(self, failed: list[Prompt]) -> None:
-        """Rows that failed before generation are finished already."""
+    def baseline_left(self) -> bool:
+        """Whether a baseline pass has rows left to run (a complete job resumed)."""
+        if self.config.strategy.name == "ar" or self.config.baseline_fraction <= 0:
+            return False
+        return any(i not in self.base_done or i not in self.again_done
+                   for i in self.baseline_rows())
+
+    def baseline_rows(self) -> list:
+        """Ids of the baseline rows that are ok in the output: :func:`choose_baseline` over
+        the written rows that have a prompt (their id and length columns only)."""
         c = self.config
-        for p in failed:
-            if c.stop_after is None or self._written() < c.stop_after:
-                row = result_row(c.id_column, p.id, c.strategy.name, error=p.error,
-                                 num_input_tokens=p.num_input_tokens, error_kind="input")
-                self.writer.add(row)
-                if self.on_row:
-                    self.on_row(row)
+        table = self.out.read_rows(ROWS, self.schema,
+                                   [c.id_column, "num_input_tokens", "error", "error_kind"])
+        rows = table.to_pylist()
+        chosen = choose_baseline([(r[c.id_column], r["num_input_tokens"]) for r in rows
+                                  if r["error_kind"] != "input" or r["error"] is None],
+                                 c.baseline_fraction)
+        return [r[c.id_column] for r in rows if r[c.id_column] in chosen and r["error"] is None]
 
     def baseline_passes(self) -> None:
         """The baseline rows with the job's strategy again, then with ar, in two passes
         batched alike, for a measured speedup (the main pass decoded them among other rows,
         at another batch: its timings are not comparable with ar's)."""
         c = self.config
-        ready = [i for i in self.baseline_ids
-                 if i in self.writer.done and i not in self.writer.failed]
         check_terminate()
-        if ready and not self.result.stopped_early:
+        if c.strategy.name != "ar" and c.baseline_fraction > 0 and not self.result.stopped_early:
+            ready = self.baseline_rows()
             for strategy, pass_writer, passed in ((c.strategy, self.again_writer, self.again_done),
                                                   (AR, self.base_writer, self.base_done)):
-                pass_rows = sorted((self.by_id[i] for i in ready if i not in passed),
-                                   key=lambda p: (-p.num_input_tokens, p.index))
-                if not pass_rows:
+                left = [i for i in ready if i not in passed]
+                if not left:
                     continue
-                replicas = min(c.replicas, len(pass_rows))
+                replicas = min(c.replicas, len(left))
                 log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
-                         len(pass_rows), strategy.name, replicas)
-                with self.engine_factory(c, strategy, replicas) as engine:
-                    self.generate(engine, strategy.name, pass_rows, pass_writer,
-                                  f"baseline ({strategy.name})", None, None,
-                                  "baseline_generated")
+                         len(left), strategy.name, replicas)
+                stream = self.prompt_batches(keep=pa.array(left, self.scan.id_type))
+                try:
+                    with self.engine_factory(c, strategy, replicas) as engine:
+                        self.generate(engine, strategy.name, self.tasks(stream, False),
+                                      len(left), pass_writer, f"baseline ({strategy.name})",
+                                      None, None, "baseline_generated")
+                finally:
+                    stream.close()
                 check_terminate()
         self.base_writer.flush()
         self.again_writer.flush()
 
-    def generate(self, engine, strategy: str, todo: list[Prompt], writer: PartWriter,
-                 label: str, limit: int | None, on_row: Callable[[dict], None] | None,
-                 counter: str) -> None:
-        """Generate ``todo`` (at most ``limit`` rows) and hand every row to ``writer``; counts
-        go to the result as they happen (so they are right even when the run is
-        interrupted)."""
+    def generate(self, engine, strategy: str, todo: Iterator[Task], total: int,
+                 writer: PartWriter, label: str, stop_after: int | None,
+                 on_row: Callable[[dict], None] | None, counter: str) -> None:
+        """Generate ``todo`` (``total`` rows; until ``stop_after`` rows were written by this
+        run) and hand every row to ``writer``; counts go to the result as they happen (so
+        they are right even when the run is interrupted)."""
         c, result = self.config, self.result
-        inflight = c.max_inflight or _max_num_seqs(engine, c) + 2
+        seqs = _max_num_seqs(engine, c)
+        inflight = c.max_inflight or seqs + 2
         backend = self.backend_factory(engine)
         dispatcher = Dispatcher(backend, c.generation_config(), max_inflight=inflight,
                                 max_attempts=c.max_attempts, row_timeout=c.row_timeout)
-        progress = Progress(len(todo), c.progress_seconds, label, c.progress_bar,
+        progress = Progress(total, c.progress_seconds, label, c.progress_bar,
                             max_new_tokens=c.max_new_tokens,
                             live=getattr(backend, "tokens_emitted", None),
-                            slots=_max_num_seqs(engine, c) * engine.num_replicas)
+                            slots=seqs * engine.num_replicas)
+        errors_before = len(writer.failed)
 
         def on_result(outcome: Outcome) -> None:
-            p = self.by_id[outcome.task.key]
-            row = result_row(c.id_column, p.id, strategy, outcome.result, error=outcome.error,
-                             num_input_tokens=p.num_input_tokens, truncated=p.truncated,
-                             replica=outcome.replica, attempts=outcome.task.attempts,
-                             error_kind=outcome.kind)
+            length, truncated = self.meta.pop(outcome.task.key)
+            row = result_row(c.id_column, outcome.task.key, strategy, outcome.result,
+                             error=outcome.error, num_input_tokens=length,
+                             truncated=truncated, replica=outcome.replica,
+                             attempts=outcome.task.attempts, error_kind=outcome.kind)
             if outcome.result is not None and outcome.error is None:
                 setattr(result, counter, getattr(result, counter) + 1)
             writer.add(row)
@@ -363,14 +444,16 @@ class JobRun:
             check_terminate()
             self.lease.check()
             writer.maybe_flush()
+            # rows that failed on input are written, not generated: not the pass's to wait for
+            progress.total = total - (len(writer.failed) - errors_before - progress.failed)
             progress.tick()
 
-        def should_stop(count: int) -> bool:  # count: rows finished or in flight in this call
-            return count >= limit
+        def should_stop(count: int) -> bool:  # count: rows in flight (finished: written)
+            return self._written() + len(dispatcher.inflight) >= stop_after
 
         try:
-            dispatcher.run([Task(p.id, p.ids) for p in todo], on_result, on_tick,
-                           None if limit is None else should_stop)
+            dispatcher.run(todo, on_result, on_tick, None if stop_after is None else should_stop,
+                           lookahead=c.stream_rows)
         finally:
             writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
             progress.close()
@@ -393,7 +476,7 @@ class JobRun:
         job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
                "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
-               "input": c.input, "output": result.output, "input_files": len(self.rows.files),
+               "input": c.input, "output": result.output, "input_files": len(self.scan.files),
                "max_model_len": self.max_len, "truncate": c.truncate,
                "baseline_fraction": c.baseline_fraction}
         run = {"started_at": self.started.isoformat(timespec="seconds"),
@@ -404,7 +487,7 @@ class JobRun:
                result.baseline_generated, "stopped_early": result.stopped_early,
                "replica_restarts": result.replica_restarts, "row_retries": result.row_retries,
                "profile": result.profile, "max_num_seqs": result.max_num_seqs}
-        summary = summarize(tables[ROWS], tables[BASELINE], c.id_column, self.rows.ids, job,
+        summary = summarize(tables[ROWS], tables[BASELINE], c.id_column, self.scan.ids.to_pylist(), job,
                             run, again=tables[BASELINE_STRATEGY])
         self.out.write_bytes(SUMMARY_FILE, dumps(summary))
         write_plot(summary, tables[ROWS], tables[BASELINE], c.id_column,
@@ -412,7 +495,6 @@ class JobRun:
                    again=tables[BASELINE_STRATEGY])
         result.summary = summary
         return result
-
 
     def _previous_summary(self) -> dict:
         """The summary.json of an earlier run (empty when none or unreadable)."""
