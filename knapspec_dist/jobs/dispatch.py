@@ -125,6 +125,7 @@ class Dispatcher:
         self.load = [0] * n
         self.alone = [False] * n  # running a suspect row: take nothing else
         self.restarts = 0
+        self.lost = 0  # replicas given up (they could not restart: a node gone, no room)
         self.retried_rows = 0
         self.queue: deque[Task] = deque()
         self.inflight: dict[Any, _Flight] = {}
@@ -276,6 +277,7 @@ class Dispatcher:
                 time.sleep(self.restart_backoff * attempt)
         self.alive[replica] = False
         self.epoch[replica] += 1
+        self.lost += 1
         log.error("giving up on replica %d; %d replica(s) left", replica, sum(self.alive))
 
     def _check_timeouts(self) -> None:

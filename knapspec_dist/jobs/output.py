@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.inputs import filesystem_and_path
+from knapspec_dist.runtime.processor import result_columns
 
 log = logging.getLogger(__name__)
 
@@ -139,21 +140,8 @@ def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str
                 "num_input_tokens": num_input_tokens,
                 "finished_at": dt.datetime.now(dt.timezone.utc)})
     if result is not None and error is None:
-        s = result.stats
-        row.update({
-            "generated_text": result.text, "generated_tokens": list(result.token_ids),
-            "num_input_tokens": s.prompt_tokens, "num_generated_tokens": s.new_tokens,
-            "finish_reason": result.finish_reason, "time_taken_llm": s.wall_s,
-            "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "steps": s.steps,
-            "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
-            "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
-            "selections": s.selections, "mean_batch": s.mean_batch,
-            "generation_start": _utc(s.admitted_at), "generation_end": _utc(s.finished_at)})
+        row.update(result_columns(result))
     return row
-
-
-def _utc(epoch: float) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch else None
 
 
 class OutputDir:

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 def stream_batches(files: list[str], filesystem: pafs.FileSystem, columns: list[str],
                    stage: Callable, stage_args: tuple, *, batch_rows: int, workers: int,
-                   cpus: float, map_rows: int = 16) -> Iterator[pa.Table]:
+                   cpus: float, map_rows: int = 16,
+                   block_bytes: int = 1 << 20) -> Iterator[pa.Table]:
     """``stage(*stage_args)`` (a callable class: a table in, a table out) over the Parquet
     ``files`` on a pool of ``workers`` Ray Data actors of ``cpus`` CPUs each; the results in
     tables of at most ``batch_rows`` rows, in no fixed order, as they are ready.
@@ -33,10 +34,14 @@ def stream_batches(files: list[str], filesystem: pafs.FileSystem, columns: list[
     ``map_rows``: rows per call of the stage (small: the first rows arrive early)."""
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the job's own progress lines say how far it is
+    # Small blocks: a stage's output leaves its worker once a block is full, so with Ray's
+    # default (128 MiB) the first rows of a file would wait for the whole file.
+    ctx.target_max_block_size = block_bytes
     ds = ray.data.read_parquet(files, filesystem=filesystem, columns=columns,
                                file_extensions=None, num_cpus=cpus)
     ds = ds.map_batches(stage, fn_constructor_args=stage_args, batch_format="pyarrow",
-                        batch_size=map_rows, concurrency=workers, num_cpus=cpus)
+                        batch_size=map_rows, compute=ray.data.ActorPoolStrategy(size=workers),
+                        num_cpus=cpus)
     for batch in ds.iter_batches(batch_size=batch_rows, batch_format="pyarrow",
                                  prefetch_batches=2):
         if batch.num_rows:
