@@ -17,15 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from knapspec_dist.errors import UserError
 from knapspec_dist.cli.job import add_job_args, config_from_args, main, register
+from knapspec_dist.engine.generation import GenerationResult, GenerationStats
+from knapspec_dist.errors import UserError
 from knapspec_dist.jobs import JobConfig, run_job
-from knapspec_dist.jobs.inputs import read_input
+from knapspec_dist.jobs.dispatch import Dispatcher, Task
+from knapspec_dist.jobs.inputs import iter_texts, read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
-from knapspec_dist.jobs.dispatch import Dispatcher, Task
 from knapspec_dist.jobs.summary import summarize
-from knapspec_dist.engine.generation import GenerationResult, GenerationStats
 from knapspec_dist.spec.options import StrategyOptions
 
 # ----------------------------------------------------------------------------- fakes
@@ -209,12 +209,16 @@ def test_reads_a_file_a_directory_a_glob_and_a_file_uri(tmp_path):
     write_input(d / "sub" / "p2.parquet", ["c"], ["z"])
     write_input(d / "_ignored.parquet", ["a"], ["dup id, but hidden"])
     (d / ".crc").write_text("not parquet, hidden")
-    assert read_input(str(d / "p1.parquet"), "id", "document").ids == ["a", "b"]
-    assert sorted(read_input(str(d), "id", "document").ids) == ["a", "b", "c"]
-    assert sorted(read_input(str(d / "**/*.parquet"), "id", "document").ids) == ["a", "b", "c"]
-    assert read_input(str(d / "*.parquet"), "id", "document").ids == ["a", "b"]  # top level
-    assert read_input(str(d / "s?b" / "p[0-9].parquet"), "id", "document").ids == ["c"]
-    assert read_input(f"file://{d}/sub/p2.parquet", "id", "document").texts == ["z"]
+    def ids(spec):
+        return read_input(spec, "id", "document").ids.to_pylist()
+
+    assert ids(str(d / "p1.parquet")) == ["a", "b"]
+    assert sorted(ids(str(d))) == ["a", "b", "c"]
+    assert sorted(ids(str(d / "**/*.parquet"))) == ["a", "b", "c"]
+    assert ids(str(d / "*.parquet")) == ["a", "b"]  # top level
+    assert ids(str(d / "s?b" / "p[0-9].parquet")) == ["c"]
+    scan = read_input(f"file://{d}/sub/p2.parquet", "id", "document")
+    assert [t.column(1).to_pylist() for t in iter_texts(scan, 10)] == [[b"z"]]
 
 
 BAD_FILES = {
@@ -317,7 +321,7 @@ def test_prompt_mode_uses_the_text_as_is():
 
 def test_baseline_rows_spread_over_lengths_at_least_one():
     prompts = [Prompt(i, f"r{i}", [0] * n, n) for i, n in enumerate([50, 10, 40, 20, 30])]
-    prompts.append(Prompt(5, "bad", None, error="x"))
+    prompts = [(p.id, p.num_input_tokens) for p in prompts]  # the rows with a prompt
     assert choose_baseline(prompts, 0.05) == {"r4"}  # one row: the median length (30)
     assert choose_baseline(prompts, 0.4) == {"r1", "r0"}  # shortest and longest
     assert choose_baseline(prompts, 0.6) == {"r1", "r4", "r0"}

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.runtime.backend import describe_error
@@ -62,10 +62,15 @@ class Backend(Protocol):
     def is_out_of_memory(self, exc: BaseException) -> bool: ...  # optional (False)
 
 
+def _as_list(ids) -> list[int]:
+    """Token ids as a list (a streamed row keeps them as a NumPy view until submitted)."""
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
 @dataclass
 class Task:
     key: Any  # row id
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # or a 1-d NumPy array
     attempts: int = 0  # submissions
     failures: int = 0  # replica failures seen while this row was on the replica
     last_failure: str = ""
@@ -120,30 +125,39 @@ class Dispatcher:
         self.load = [0] * n
         self.alone = [False] * n  # running a suspect row: take nothing else
         self.restarts = 0
+        self.lost = 0  # replicas given up (they could not restart: a node gone, no room)
         self.retried_rows = 0
         self.queue: deque[Task] = deque()
         self.inflight: dict[Any, _Flight] = {}
 
-    def run(self, tasks: list[Task], on_result: Callable[[Outcome], None],
+    def run(self, tasks: Iterable[Task], on_result: Callable[[Outcome], None],
             on_tick: Callable[[], None] | None = None,
-            should_stop: Callable[[int], bool] | None = None) -> None:
-        """Run ``tasks`` (already in priority order) until every one reached ``on_result``.
+            should_stop: Callable[[int], bool] | None = None,
+            lookahead: int = 64) -> None:
+        """Run ``tasks`` (in priority order; an iterator is read lazily, ``lookahead`` rows
+        beyond what the replicas hold, so a streamed input is never read ahead of need)
+        until every one reached ``on_result``.
 
         ``should_stop(finished + in flight)`` may end the run early: no new row is started
         and the rows in flight are finished and reported.
         """
-        self.queue = deque(tasks)
+        self.source = iter(tasks)
+        self.lookahead = lookahead
+        self.queue = deque()
         self.inflight = {}
         self._finished = 0
         self._on_result = on_result
         stopping = False
+        self._top_up()
         while self.queue or self.inflight:
             if (should_stop is not None and not stopping
                     and should_stop(self._finished + len(self.inflight))):
                 stopping = True
                 if self.queue:
-                    log.info("stopping early: %d row(s) left for a later run", len(self.queue))
+                    log.info("stopping early: %d queued row(s) and the rest of the input "
+                             "left for a later run", len(self.queue))
                 self.queue.clear()
+                self.source = iter(())
             self._fill(None if should_stop is None
                        else lambda: should_stop(self._finished + len(self.inflight)))
             if not self.inflight:
@@ -166,6 +180,18 @@ class Dispatcher:
             self._check_timeouts()
             if on_tick is not None:
                 on_tick()
+            if not stopping:
+                self._top_up()
+
+    def _top_up(self) -> None:
+        """Pull rows from the source while fewer than the replicas' room plus ``lookahead``
+        wait (backpressure: a streamed input is read as the replicas take rows)."""
+        want = self.max_inflight * sum(self.alive) + self.lookahead
+        while len(self.queue) < want:
+            task = next(self.source, None)
+            if task is None:
+                return
+            self.queue.append(task)
 
     def _emit(self, outcome: Outcome) -> None:
         self._finished += 1
@@ -193,7 +219,8 @@ class Dispatcher:
             task.attempts += 1
             epoch = self.epoch[replica]
             try:
-                handle = self.backend.submit(replica, task.prompt_ids, self.config, task.key)
+                handle = self.backend.submit(replica, _as_list(task.prompt_ids), self.config,
+                                             task.key)
             except Exception as exc:  # noqa: BLE001
                 if not self.backend.is_replica_failure(exc):
                     raise
@@ -250,6 +277,7 @@ class Dispatcher:
                 time.sleep(self.restart_backoff * attempt)
         self.alive[replica] = False
         self.epoch[replica] += 1
+        self.lost += 1
         log.error("giving up on replica %d; %d replica(s) left", replica, sum(self.alive))
 
     def _check_timeouts(self) -> None:

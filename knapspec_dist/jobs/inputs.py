@@ -1,4 +1,4 @@
-"""Read the job's input Parquet and check it as a whole, before any model is loaded.
+"""Check the job's input Parquet as a whole before any model is loaded; stream its texts.
 
 ``--input`` is a Parquet file, a directory of them (searched recursively; names starting
 with ``.`` or ``_`` are skipped, as pyarrow and Spark do) or a glob (``*`` and ``?`` within
@@ -24,6 +24,7 @@ import logging
 import os
 import posixpath
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -39,34 +40,33 @@ _GLOB_CHARS = set("*?[")
 
 
 @dataclass
-class InputRows:
-    """The rows of the job: ids (unique, never null) and their text or prompt (may be null)."""
+class InputScan:
+    """The job's input as checked before any model loads: its files and their id column.
+
+    Texts are not read here: they stream through the tokenize stage (:func:`iter_texts`,
+    or Ray Data in runtime/stream.py) batch by batch.  The ids are kept as one Arrow array
+    (a few bytes per row, no Python objects): the file-level checks (nulls, duplicates),
+    the anti-join of resume and the row count need them."""
 
     files: list[str]
-    ids: list  # python values of the id column, input order
-    texts: list  # str | None, same order; bytes: a value that is not valid UTF-8
+    fs: pafs.FileSystem
+    ids: pa.ChunkedArray  # the id column, input order
     id_type: pa.DataType
+    text_column: str
+    id_column: str
+    digest: str  # ids and the text column chunks' metadata (see ``fingerprint``)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def fingerprint(self, spec: str) -> dict:
-        """The input's part of a job's identity: where it is and what it holds (row count and
-        a hash of every id and text), so that a job never resumes over another input."""
-        digest = hashlib.sha256()
-        for row_id, text in zip(self.ids, self.texts):
-            digest.update(repr(row_id).encode())
-            if text is None:
-                digest.update(b"\0")
-            elif isinstance(text, bytes):  # not valid UTF-8: hashed as it is
-                digest.update(b"\2" + text)
-            else:
-                digest.update(b"\1" + text.encode("utf-8", "replace"))
-            digest.update(b"\n")
+        """The input's part of a job's identity: where it is and what it holds, so that a
+        job never resumes over another input.  The hash covers every id and, per row group,
+        the text column's sizes and statistics (any edit of a text changes its compressed
+        size): computed from the Parquet footers, without reading the texts."""
         fs, path = filesystem_and_path(spec)
         where = path if isinstance(fs, pafs.LocalFileSystem) else spec
-        return {"input": where, "input_rows": len(self.ids),
-                "input_sha256": digest.hexdigest()[:16]}
+        return {"input": where, "input_rows": len(self.ids), "input_sha256": self.digest}
 
 
 def filesystem_and_path(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
@@ -147,10 +147,11 @@ def list_input_files(spec: str) -> tuple[pafs.FileSystem, list[str]]:
     return fs, [path]
 
 
-def read_input(spec: str, id_column: str, text_column: str) -> InputRows:
-    """Read and check the id and text columns of every input file (file-level checks)."""
+def read_input(spec: str, id_column: str, text_column: str) -> InputScan:
+    """Check every input file (footer and id column only: file-level checks) and read its
+    ids; the texts stay on disk for the tokenize stage."""
     fs, files = list_input_files(spec)
-    tables = []
+    id_chunks, digest = [], hashlib.sha256()
     for path in files:
         try:
             with fs.open_input_file(path) as f:
@@ -162,19 +163,22 @@ def read_input(spec: str, id_column: str, text_column: str) -> InputRows:
                         f"{path}: missing column{'s' if len(missing) > 1 else ''} "
                         f"{', '.join(map(repr, missing))}; it has {', '.join(schema.names)} "
                         f"(choose columns with --id-column / --text-column / --prompt-column)")
-                table = pf.read(columns=[id_column, text_column])
+                _check_text_type(schema.field(text_column).type, path, text_column)
+                table = pf.read(columns=[id_column])
+                _digest_footer(digest, pf.metadata, schema.get_field_index(text_column))
         except UserError:
             raise
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
             raise UserError(f"{path} is not a readable Parquet file: {e}") from None
-        tables.append(_check_types(table, path, id_column, text_column))
-    try:
-        table = pa.concat_tables(tables, promote_options="default")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise UserError(f"--input {spec!r}: the files' schemas disagree: {e}") from None
-    if table.num_rows == 0:
+        id_chunks.append(_check_id_type(table, path, id_column).column(id_column))
+    types = sorted({str(c.type) for c in id_chunks})
+    if len(types) > 1:
+        raise UserError(f"--input {spec!r}: the files' schemas disagree: id columns of types "
+                        f"{', '.join(types)}")
+    ids = pa.chunked_array([c for chunk in id_chunks for c in chunk.chunks],
+                           type=id_chunks[0].type)
+    if len(ids) == 0:
         raise UserError(f"--input {spec!r}: no rows (read {len(files)} file(s))")
-    ids = table.column(id_column)
     if ids.null_count:
         raise UserError(f"--input {spec!r}: {ids.null_count} row(s) have a null {id_column!r}")
     counts = pc.value_counts(ids)
@@ -183,12 +187,45 @@ def read_input(spec: str, id_column: str, text_column: str) -> InputRows:
         examples = ", ".join(repr(v) for v in dup.field("values").to_pylist()[:5])
         raise UserError(f"--input {spec!r}: {len(dup)} duplicate {id_column!r} value(s), e.g. "
                         f"{examples}: ids must be unique (they key checkpoints and resume)")
-    log.info("input: %d rows from %d file(s)", table.num_rows, len(files))
-    return InputRows(files=files, ids=ids.to_pylist(),
-                     texts=_texts(table.column(text_column)), id_type=ids.type)
+    for chunk in ids.chunks:
+        digest.update(_id_bytes(chunk))
+    log.info("input: %d rows from %d file(s)", len(ids), len(files))
+    return InputScan(files=files, fs=fs, ids=ids, id_type=ids.type, text_column=text_column,
+                     id_column=id_column, digest=digest.hexdigest()[:16])
 
 
-def _texts(column: pa.ChunkedArray) -> list:
+def _id_bytes(chunk: pa.Array) -> bytes:
+    """The raw buffers of one id chunk (values and offsets): hashing them needs no Python
+    object per id."""
+    chunk = chunk if chunk.offset == 0 else pa.concat_arrays([chunk])
+    return b"".join(bytes(b) for b in chunk.buffers()[1:] if b is not None)
+
+
+def _digest_footer(digest, meta: pq.FileMetaData, text_index: int) -> None:
+    """What a Parquet footer says of the text column, row group by row group."""
+    digest.update(f"rows {meta.num_rows} groups {meta.num_row_groups}\n".encode())
+    for g in range(meta.num_row_groups):
+        col = meta.row_group(g).column(text_index)
+        stats = col.statistics
+        digest.update(repr((meta.row_group(g).num_rows, col.total_compressed_size,
+                            col.total_uncompressed_size, col.compression,
+                            stats.null_count if stats is not None and stats.has_null_count
+                            else None)).encode())
+
+
+def iter_texts(scan: InputScan, batch_rows: int) -> Iterator[pa.Table]:
+    """The input as tables of at most ``batch_rows`` rows (id, text as binary), file by
+    file and row group by row group: this process holds one batch of texts at a time."""
+    for path in scan.files:
+        with scan.fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            for batch in pf.iter_batches(batch_size=batch_rows,
+                                         columns=[scan.id_column, scan.text_column]):
+                yield normalize(pa.Table.from_batches([batch]), scan.id_column,
+                                scan.text_column)
+
+
+def texts_of(column: pa.ChunkedArray) -> list:
     """The (binary, see ``_check_types``) text column as python values: str, None, or the raw
     bytes of a value that is not valid UTF-8 (that row's error, not the job's)."""
     out: list = []
@@ -212,7 +249,8 @@ def _as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
     return pa.chunked_array([c.cast(pa.binary()) for c in chunks], type=pa.binary())
 
 
-def _check_types(table: pa.Table, path: str, id_column: str, text_column: str) -> pa.Table:
+def _check_id_type(table: pa.Table, path: str, id_column: str) -> pa.Table:
+    """The id column as strings or integers (a dictionary decoded, large strings cast)."""
     id_type = table.schema.field(id_column).type
     if pa.types.is_dictionary(id_type):
         table = table.set_column(table.schema.get_field_index(id_column), id_column,
@@ -225,17 +263,29 @@ def _check_types(table: pa.Table, path: str, id_column: str, text_column: str) -
     if pa.types.is_large_string(id_type):
         table = table.set_column(table.schema.get_field_index(id_column), id_column,
                                  table.column(id_column).cast(pa.string()))
-    text_type = table.schema.field(text_column).type
-    if pa.types.is_dictionary(text_type):
-        text_type = text_type.value_type
-        table = table.set_column(table.schema.get_field_index(text_column), text_column,
-                                 table.column(text_column).cast(text_type))
-    if pa.types.is_null(text_type):  # every value null: row-level errors, not a file error
-        column = table.column(text_column).cast(pa.binary())
-    elif (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
-          or pa.types.is_binary(text_type) or pa.types.is_large_binary(text_type)):
-        column = _as_binary(table.column(text_column))
-    else:
-        raise UserError(f"{path}: column {text_column!r} has type {text_type}; expected strings "
+    return table
+
+
+def _text_value_type(text_type: pa.DataType) -> pa.DataType:
+    return text_type.value_type if pa.types.is_dictionary(text_type) else text_type
+
+
+def _check_text_type(text_type: pa.DataType, path: str, text_column: str) -> None:
+    t = _text_value_type(text_type)
+    if not (pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        raise UserError(f"{path}: column {text_column!r} has type {t}; expected strings "
                         "(or binary UTF-8 text)")
-    return table.set_column(table.schema.get_field_index(text_column), text_column, column)
+
+
+def normalize(table: pa.Table, id_column: str, text_column: str) -> pa.Table:
+    """One batch of (id, text) with the types the tokenize stage expects: ids as strings or
+    integers, the text as binary (a null column too: row-level errors, not a file error).
+    The file-level type checks ran in :func:`read_input`."""
+    table = _check_id_type(table.select([id_column, text_column]), "", id_column)
+    text_type = _text_value_type(table.schema.field(text_column).type)
+    column = table.column(text_column)
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(text_type)
+    column = column.cast(pa.binary()) if pa.types.is_null(text_type) else _as_binary(column)
+    return table.set_column(1, text_column, column)

@@ -48,6 +48,9 @@ class JobConfig:
     checkpoint_seconds: float = 10.0  # ... or this long after the first unflushed one
     stop_after: int | None = None  # stop after this many rows were written by this run
     retry_failed: bool = False  # retry every failed row (default: the retryable kinds only)
+    stream_rows: int = 64  # rows per batch streamed from the tokenize stage to the driver
+    tokenizers: int = 2  # Ray Data actors that tokenize (each loads the tokenizer once)
+    tokenizer_cpus: float = 0.5  # CPUs reserved per tokenizer (a fraction fits beside CPU ranks)
     progress_seconds: float = 10.0
     progress_bar: bool | None = None  # None: a tqdm bar when stderr is a terminal
 
@@ -75,6 +78,9 @@ class JobConfig:
             (self.row_timeout is None or self.row_timeout > 0, "--row-timeout must be > 0"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
             (self.progress_seconds > 0, "--progress-seconds must be > 0"),
+            (self.stream_rows >= 1, f"--stream-rows must be >= 1, got {self.stream_rows}"),
+            (self.tokenizers >= 1, f"--tokenizers must be >= 1, got {self.tokenizers}"),
+            (self.tokenizer_cpus > 0, "--tokenizer-cpus must be > 0"),
             (bool(self.input), "--input is required"),
             (bool(self.output), "--output is required"),
         ]
@@ -99,10 +105,10 @@ class JobConfig:
 
     def fingerprint(self) -> dict:
         """What decides a row's output: a resumed job must agree on all of it.  The runner
-        adds the input's identity (path, row count, content hash: ``InputRows.fingerprint``).
+        adds the input's identity (path, row count, footer hash: ``InputScan.fingerprint``).
 
         Not in it: where and how fast the job runs (tp, replicas, address, scheduling,
-        checkpointing, --stop-after, --retry-failed) and the baseline share.
+        tokenizers, checkpointing, --stop-after, --retry-failed) and the baseline share.
         """
         return {
             "id_column": self.id_column,

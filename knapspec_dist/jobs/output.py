@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.inputs import filesystem_and_path
+from knapspec_dist.runtime.processor import result_columns
 
 log = logging.getLogger(__name__)
 
@@ -139,21 +140,8 @@ def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str
                 "num_input_tokens": num_input_tokens,
                 "finished_at": dt.datetime.now(dt.timezone.utc)})
     if result is not None and error is None:
-        s = result.stats
-        row.update({
-            "generated_text": result.text, "generated_tokens": list(result.token_ids),
-            "num_input_tokens": s.prompt_tokens, "num_generated_tokens": s.new_tokens,
-            "finish_reason": result.finish_reason, "time_taken_llm": s.wall_s,
-            "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "steps": s.steps,
-            "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
-            "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
-            "selections": s.selections, "mean_batch": s.mean_batch,
-            "generation_start": _utc(s.admitted_at), "generation_end": _utc(s.finished_at)})
+        row.update(result_columns(result))
     return row
-
-
-def _utc(epoch: float) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch else None
 
 
 class OutputDir:
@@ -295,13 +283,19 @@ class OutputDir:
             self.fs.move(tmp, final)
         return final
 
-    def read_rows(self, sub: str, schema: pa.Schema) -> pa.Table:
+    def read_rows(self, sub: str, schema: pa.Schema,
+                  columns: list[str] | None = None) -> pa.Table:
         """Every readable part of ``DIR/sub``, as one table (empty when none), one row per
         id (:func:`keep_one_per_id`; the duplicates dropped are counted in a warning, once
         per directory).  Columns a part lacks (written by an older version) read as nulls.
 
         Temporary leftovers of a crashed writer are deleted; unreadable parts are moved aside.
+        ``columns``: read only those (and what choosing one row per id needs), e.g. the ids
+        and errors of a resume, not every generated text.
         """
+        if columns is not None:
+            wanted = set(columns) | {schema.names[0], "error", "finished_at"}
+            schema = pa.schema([f for f in schema if f.name in wanted])
         base = self.join(sub)
         infos = self.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
         tables = []
@@ -317,7 +311,9 @@ class OutputDir:
                 continue
             try:
                 with self.fs.open_input_file(info.path) as f:
-                    table = pq.read_table(f)
+                    pf = pq.ParquetFile(f)
+                    table = pf.read(columns=[n for n in schema.names
+                                             if n in pf.schema_arrow.names])
                 for field_ in schema:
                     if field_.name not in table.column_names and field_.nullable:
                         table = table.append_column(field_.name,

@@ -30,6 +30,9 @@ def report(result: JobResult) -> str:
                      f"baseline row(s), both passes at mean batch "
                      f"{base['strategy_mean_batch'] or 0:.1f} / {base['ar_mean_batch'] or 0:.1f} "
                      f"(identical tokens: {base['identical_tokens']}/{base['rows']})")
+    if result.replicas_lost:
+        lines.append(f"{result.replicas_lost} replica(s) lost (they could not restart: a node "
+                     "gone?); the other replicas ran their rows")
     if result.stopped_early:
         lines.append("stopped early (--stop-after): submit the same job again to continue")
     lines += [f"results: {result.rows_path}", f"summary: {result.summary_path}",

@@ -1,0 +1,62 @@
+"""The Ray Data processor (runtime/processor.py) on Datasets a user builds, chained with the
+user's own ``map`` before and after; one local Ray, the embedded SmolLM2 with ``ar``."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.errors import UserError
+from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.processor import ProcessorConfig, build_processor
+
+DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich.",
+        "A single man in possession of a good fortune."]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tmp_path):
+    config = ProcessorConfig(model="smollm2", strategy="ar", max_num_seqs=4,
+                             sampling={"max_new_tokens": 5}, should_continue_on_error=True)
+    processor = build_processor(
+        config,
+        preprocess=lambda row: {**row, "messages": [{"role": "user", "content": row["text"]}]},
+        postprocess=lambda row: {"id": row["id"], "summary": row["generated_text"],
+                                 "tokens": row["generated_tokens"], "n": row["num_input_tokens"],
+                                 "error": row["error"], "steps": row["steps"]})
+    too_long = " ".join(["word"] * 9000)  # past the model's window: that row's error
+    items = [{"id": i, "text": t} for i, t in enumerate(DOCS + [too_long])]
+    before = ray.data.from_items(items).map(lambda r: {**r, "text": r["text"].upper()})
+    got = {r["id"]: r for r in processor(before).take_all()}
+    assert sorted(got) == [0, 1, 2, 3]
+    assert got[3]["error"] and got[3]["summary"] is None
+    with Engine("smollm2", strategy="ar") as engine:  # each row as the engine decodes it
+        for i, doc in enumerate(DOCS):
+            want = engine.generate([doc.upper()], GenerationConfig.of(max_new_tokens=5),
+                                   chat=True)[0]
+            assert got[i]["error"] is None and got[i]["tokens"] == want.token_ids
+            assert got[i]["summary"] == want.text and got[i]["n"] == len(engine.encode(
+                doc.upper(), chat=True))
+    pq.write_table(pa.table({"id": [0, 1, 2], "text": [d.upper() for d in DOCS]}),
+                   tmp_path / "docs.parquet")
+    parquet = build_processor(config, preprocess=lambda row: {
+        **row, "messages": [{"role": "user", "content": row["text"]}]})(
+        ray.data.read_parquet(str(tmp_path / "docs.parquet")))
+    again = {r["id"]: r for r in parquet.map(lambda r: {"id": r["id"],
+                                                        "tokens": r["generated_tokens"]}).take_all()}
+    assert {i: list(r["tokens"]) for i, r in again.items()} == {
+        i: list(got[i]["tokens"]) for i in range(3)}
+
+
+def test_a_bad_model_fails_when_the_processor_is_built():
+    with pytest.raises(UserError):
+        build_processor(ProcessorConfig(model="/nonexistent/model", strategy="ar"))
