@@ -30,7 +30,7 @@ def backends(check: ShapeCheck, section: Section) -> None:
         if n not in decode_ms:
             check.rows.skip(table, {**base, "backend": current}, "skipped: no decode row")
             continue
-        table.append({**base, "backend": current, "status": "ok", "ms": decode_ms[n]})
+        check.rows.add(table, {**base, "backend": current}, lambda n=n: {"ms": decode_ms[n]})
         live: dict = {}
         try:
             for backend in BACKENDS:

@@ -220,7 +220,8 @@ class ShapeCheck:
             def verify(q=q) -> dict:
                 t = timer.time(n, q)
                 return {"ms": 1e3 * t, "decode_ms": 1e3 * decode_s, "ratio": t / decode_s}
-            self.rows.add(self.out["verify"], self.row(n, 1, q=q), verify, section)
+            self.rows.add(self.out["verify"], self.row(n, 1, q=q), verify, section,
+                          self.first_s)  # each q is a new graph: a capture first
 
     def _drafts(self, section: Section, timer: ReplayTimer, n: int, decode_s: float,
                 full: int) -> None:
