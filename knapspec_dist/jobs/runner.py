@@ -13,6 +13,7 @@ The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` c
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import itertools
@@ -20,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -320,40 +322,54 @@ class JobRun:
 
     def main_pass(self) -> None:
         """The job's strategy over every pending row, as the rows stream in. The engine
-        starts once a row with a prompt arrived; the rows that failed before it are written
-        only once it started (a failed start writes nothing, not even these rows, so a
-        corrected command may start over)."""
+        starts while Ray Data tokenizes the first rows (in-process tokenizing: once a row
+        with a prompt arrived, so that a job of failed rows starts none); the rows that failed
+        before are written only once it started (a failed start writes nothing, not even
+        these rows, so a corrected command may start over)."""
         c = self.config
         if not self.pending:
             return
         stream = self.prompt_batches(skip=self.skip)
         try:
-            todo = self.tasks(stream, errors=True)
-            first = next(todo, None)  # held errors until the first row to generate
-            self.hold_errors = False
-            limit = c.stop_after
-            if first is not None and (limit is None or len(self.held) < limit):
-                log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
-                         self.pending - len(self.held), c.strategy.name, c.replicas, c.tp)
-                with self.engine_factory(c, c.strategy, c.replicas) as engine:
-                    self.result.profile = _profile_report(engine, c.replicas)
-                    self.result.max_num_seqs = _max_num_seqs(engine, c)
-                    if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
-                        log.warning("--max-num-seqs %d capped to %d: what the memory left "
-                                    "after the weights holds (engine/memory.py)",
-                                    c.max_num_seqs, self.result.max_num_seqs)
+            with contextlib.ExitStack() as stack:
+                todo = self.tasks(stream, errors=True)
+                engine = None
+                if self.ray_data:  # the engine starts while the cluster tokenizes
+                    peek = stack.enter_context(ThreadPoolExecutor(1)).submit(next, todo, None)
+                    engine = self.start_engine(stack)
+                    first = peek.result()
+                else:
+                    first = next(todo, None)  # held errors until the first row to generate
+                self.hold_errors = False
+                limit = c.stop_after
+                if first is None or (limit is not None and len(self.held) >= limit):
+                    self.write_held()  # no row to generate: no engine (or not for long)
+                    self.meta.clear()
+                else:
+                    engine = engine or self.start_engine(stack)
                     self.write_held()
+                    log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
+                             self.pending - self._written(), c.strategy.name, c.replicas,
+                             c.tp)
                     self.generate(engine, c.strategy.name, itertools.chain([first], todo),
                                   self.pending - self._written(), self.writer, "rows",
                                   c.stop_after, self.on_row, "generated")
-            else:
-                self.write_held()
-                if first is not None:
-                    self.meta.clear()
         finally:
             stream.close()
         self.result.stopped_early = self._written() < self.pending
         self.writer.flush()
+
+    def start_engine(self, stack: contextlib.ExitStack):
+        """The main pass's engine, stopped when ``stack`` closes."""
+        c = self.config
+        engine = stack.enter_context(self.engine_factory(c, c.strategy, c.replicas))
+        self.result.profile = _profile_report(engine, c.replicas)
+        self.result.max_num_seqs = _max_num_seqs(engine, c)
+        if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
+            log.warning("--max-num-seqs %d capped to %d: what the memory left after the "
+                        "weights holds (engine/memory.py)", c.max_num_seqs,
+                        self.result.max_num_seqs)
+        return engine
 
     def write_held(self) -> None:
         held, self.held = self.held, []
