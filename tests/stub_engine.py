@@ -12,6 +12,7 @@ import heapq
 import time
 
 from knapspec_dist.engine.generation import GenerationResult, GenerationStats
+from knapspec_dist.engine.scheduler import Work
 
 
 class StubEngines:
@@ -71,8 +72,8 @@ class StubBackend:
                                 admitted_at=start, finished_at=end, prefill_s=0.0)
         return GenerationResult(list(range(1, n + 1)), stats, "length", text="stub")
 
-    def tokens_emitted(self):
-        return self.emitted
+    def work(self):
+        return Work(emitted=self.emitted)
 
     def restart(self, replica, smaller=False):
         pass

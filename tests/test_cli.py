@@ -4,17 +4,21 @@ exit and no traceback; `--json` prints token_ids / text / stats."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from knapspec_dist.cli import demo
 from knapspec_dist.cli.main import main
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.jobs.termination import JobTerminated
 from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.tools.corpus import document_of_tokens
@@ -177,3 +181,16 @@ def test_console_script_subprocess_long_prompt(smollm2, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "8192" in lines[0] and "context window" in lines[0]
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("stop, code", [(JobTerminated(signal.SIGTERM), 143),
+                                        (KeyboardInterrupt(), 130)])
+def test_every_command_stops_on_a_signal_with_one_line_and_the_shells_code(
+        monkeypatch, caplog, stop, code):
+    """`knapspec demo` under SIGTERM printed a JobTerminated traceback (only `job` handled it)."""
+    def run(args):
+        raise stop
+    monkeypatch.setattr(demo, "cmd_demo", run)
+    with caplog.at_level(logging.WARNING):
+        assert main(["demo"]) == code
+    assert "the finished rows are written and kept" in caplog.text

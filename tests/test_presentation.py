@@ -18,6 +18,7 @@ from knapspec_dist.jobs.summary import summarize
 from knapspec_dist.profiles import batching, store
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.profile import LatencyProfile, fit_profile
+from knapspec_dist.runtime import cluster
 
 SHAPE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4,
          "intermediate": 16, "vocab": 32}
@@ -126,11 +127,13 @@ def test_the_batch_profile_note_is_logged_once_per_process_at_info(caplog, monke
     with caplog.at_level(logging.DEBUG, logger="knapspec_dist.profiles.batching"):
         for _ in range(3):  # every shard (and every job) builds its own pricing
             pricing = BatchPricing([profile(batch=1)])
-            for _ in range(5):  # every round
+            for _ in range(5):  # every round, at every batch size continuous batching passes
                 assert pricing.at(2).batch == 1
+                assert pricing.at(3).batch == 1
                 pricing._cache.clear()
-    notes = [r for r in caplog.records if "no latency profile at batch 2" in r.getMessage()]
+    notes = [r for r in caplog.records if "no latency profile" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelno == logging.INFO
+    assert "no latency profile at batch 2" in notes[0].getMessage()
     assert "(measured: [1]); pricing it as batch 1" in notes[0].getMessage()
 
 
@@ -201,3 +204,17 @@ def test_speedup_png_shows_every_main_pass_row_and_marks_the_baseline_pair():
     written = []
     assert write_plot(summary, main, base, "id", written.append, again=again) == data
     assert written and written[0][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("message, level", [
+    ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...",
+     logging.INFO),
+    ("Token authentication is disabled for this Ray cluster. Anyone with network ...",
+     logging.WARNING),
+])
+def test_rays_token_auth_default_is_info_and_its_disabled_warning_stays(message, level):
+    """The demo printed Ray's "Token authentication is enabled" as its one WARNING line."""
+    record = logging.LogRecord(cluster.RAY_AUTH_LOG, logging.WARNING, __file__, 1, message,
+                               None, None)
+    cluster._AUTH_FILTER.filter(record)
+    assert record.levelno == level and record.levelname == logging.getLevelName(level)

@@ -9,15 +9,20 @@ options, so sharing it pulls in no command.
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
 import sys
 from pathlib import Path
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.termination import exit_code
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
 from knapspec_dist.spec.options import NAMES, StrategyOptions
+
+log = logging.getLogger("knapspec_dist.cli")
 
 
 def emit(text: str, *, error: bool = False) -> None:
@@ -112,3 +117,11 @@ def existing_model_path(name: str) -> Path:
 def load_model_args(path: Path, args: argparse.Namespace) -> Transformer:
     """The model at ``path`` in :func:`add_model_args`' dtype, on its device."""
     return load_model(path, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device))
+
+
+def stopped(signum: int) -> int:
+    """One warning line for a job stopped by a signal; the exit code the shell reports."""
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    log.warning("%s (%s): the finished rows are written and kept; run the same job again to "
+                "continue", what, signal.Signals(signum).name)
+    return exit_code(signum)

@@ -14,6 +14,7 @@ from knapspec_dist.cli.common import (
     add_sampling_args,
     add_strategy_args,
     emit,
+    stopped,
     strategy_options,
 )
 from knapspec_dist.errors import UserError
@@ -24,7 +25,6 @@ from knapspec_dist.jobs import (
     report,
     run_job,
 )
-from knapspec_dist.jobs.termination import exit_code
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +77,11 @@ def _stoppable(args: argparse.Namespace, mode: str) -> int:
     try:
         result = run_job(config_from_args(args, mode))
     except JobTerminated as e:
-        return _stopped(e.signum)
+        return stopped(e.signum)
     except KeyboardInterrupt:  # Ctrl-C before the job's handler was in place, or a second one
-        return _stopped(signal.SIGINT)
+        return stopped(signal.SIGINT)
     emit(report(result))
     return 0
-
-
-def _stopped(signum: int) -> int:
-    what = "interrupted" if signum == signal.SIGINT else "terminated"
-    log.warning("%s (%s): the finished rows are written and kept; run the same job again to "
-                "continue", what, signal.Signals(signum).name)
-    return exit_code(signum)
 
 
 def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:

@@ -1,18 +1,21 @@
 """The ``knapspec`` command line: generate, profile, bench, demo.
 
 User errors (bad path, config, prompt, option) print one ``error: ...`` line and exit 2, with
-no traceback; anything else is a bug and keeps its traceback.
+no traceback; SIGTERM / SIGINT one warning line and exit 143 / 130; anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from knapspec_dist.cli import bench, demo, generate, gpu_check, job, profile, throughput
-from knapspec_dist.cli.common import emit
+from knapspec_dist.cli.common import emit, stopped
 from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.termination import JobTerminated
 
 # One module per subcommand, each with register(subparsers); the order of `knapspec --help`.
 COMMANDS = (generate, demo, profile, bench, throughput, job, gpu_check)
@@ -36,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         emit(f"error: {e}", error=True)
         return 2
+    except JobTerminated as e:  # demo, bench, generate: as `knapspec job` does
+        return stopped(e.signum)
+    except KeyboardInterrupt:
+        return stopped(signal.SIGINT)
 
 
 if __name__ == "__main__":  # python -m knapspec_dist.cli.main (tests/test_bad_setups.py)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -69,6 +69,24 @@ class Throughput:
 
 
 
+@dataclass
+class Work:
+    """What a scheduler has done so far, for a job's live progress and ETA: tokens emitted by
+    every row (finished or not), prompt tokens prefilled, and the seconds each took. Deltas
+    and sums over calls and replicas are field by field."""
+
+    emitted: int = 0
+    prefilled: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: Work) -> Work:
+        return Work(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+
 class Scheduler:
     def __init__(self, strategy: Strategy, model: Transformer, config: GenerationConfig,
                  max_num_seqs: int, capacity: int, prefill_chunk: int = PREFILL_CHUNK, *,
@@ -86,7 +104,7 @@ class Scheduler:
         self.waiting: deque[Row] = deque()
         self.timer = Clock(model.device)
         self.throughput = Throughput()
-        self.emitted = 0  # tokens emitted so far by every row, finished or not (progress)
+        self.work = Work()  # emitted and prefilled so far, finished rows or not (progress)
         self._first: float | None = None
         strategy.start(model)
 
@@ -151,7 +169,8 @@ class Scheduler:
             elapsed = timer.seconds(start, end)
             after = sum(len(r.out) for r in b.rows)
             b.progress += (after - emitted) / size
-            self.emitted += after - emitted
+            self.work.emitted += after - emitted
+            self.work.decode_s += elapsed
             tp = self.throughput
             tp.rounds += 1
             tp.row_rounds += size
@@ -189,7 +208,7 @@ class Scheduler:
                            torch.tensor([row.seed], device=dev),
                            torch.zeros(1, dtype=torch.int64, device=dev)).tolist()
             row.out, row.reason = finish(first, row.limit, self.model, self.config)
-            self.emitted += len(row.out)
+            self.work.emitted += len(row.out)
             if row.reason is None:
                 b.join()
                 self.strategy.admitted(row.rid)
@@ -200,6 +219,8 @@ class Scheduler:
         elapsed = timer.now() - start
         row.stats.prefill_s += elapsed
         self.throughput.prefill_s += elapsed
+        self.work.prefilled += n
+        self.work.prefill_s += elapsed
         return joined
 
 

@@ -2,16 +2,22 @@
 when stderr is a terminal.
 
 Under continuous batching rows finish together, late, so rows done say little until the end.
-Tokens are counted as they are generated instead (``live``: the replicas' count of tokens
-emitted by every row, finished or not). The ETA counts decoding steps: a row is expected to
-generate ``per_row`` tokens (the mean of the finished rows once there are some,
-``max_new_tokens`` before); the rows in flight (``slots`` of them, the replicas' batch) need
-what they have left, and the rows still queued follow in waves of ``slots``, each as long as
-one row, at the rate one row has decoded so far (the token rate over the rows decoding
-together). Without ``slots`` it is the tokens left over the token rate. Until every row of
-the first wave has its first token (prefill, which the token rate does not measure) the ETA
-is unknown ("?"). A row still decoding is expected to need at least half of what its
-``max_new_tokens`` leaves (rows that stopped early at EOS do not make the others short).
+The replicas report their ``Work`` as it happens instead (``live``): tokens emitted by every
+row, finished or not, prompt tokens prefilled, and the seconds each took. The ETA is the
+prefill still to do plus the decoding steps still to run, each at the rate the replicas have
+measured for it (a replica prefills and decodes in turn, and the replicas run side by side):
+
+- prefill: the pass's prompt tokens not yet prefilled, at the replicas' prefill rate;
+- decoding: a row is expected to generate ``per_row`` tokens (the mean of the finished rows
+  once there are some, ``max_new_tokens`` before); the rows in flight (``slots`` of them, the
+  replicas' batch) need what they have left, and the rows still queued follow in waves of
+  ``slots``, each as long as one row, at the rate one row decodes (the replicas' decoding
+  token rate over the rows decoding together). A row still decoding is expected to need at
+  least half of what its ``max_new_tokens`` leaves (rows that stopped early at EOS do not make
+  the others short).
+
+Until both rates are measured the ETA is unknown ("?"). Without ``live`` (or before it
+answers) the token rate is the wall-clock one and prefill is not counted.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.jobs.dispatch import Outcome
 
 log = logging.getLogger("knapspec_dist.jobs.runner")  # the job's progress lines, as before
@@ -38,13 +45,15 @@ class Progress:
     label: str
     bar_enabled: bool | None = None
     max_new_tokens: int = 128
-    live: Callable[[], int | None] | None = None  # tokens emitted so far by all rows
+    live: Callable[[], Work | None] | None = None  # what the replicas have done so far
     slots: int | None = None  # rows decoding at once over all replicas
+    replicas: int = 1
+    prompt_tokens: int | None = None  # prompt tokens of the pass's rows (None: not counted)
     clock: Callable[[], float] = time.monotonic
     done: int = 0
     failed: int = 0
     finished_tokens: int = 0  # generated tokens of the rows finished in this pass
-    live_tokens: int = 0
+    work: Work = field(default_factory=Work)
     start: float = field(default=None)
     last: float = field(default=None)
 
@@ -72,7 +81,7 @@ class Progress:
     def tokens(self) -> int:
         """Tokens generated in this pass so far: the live count, never less than the finished
         rows' (the live count of a restarted replica starts again)."""
-        return max(self.live_tokens, self.finished_tokens)
+        return max(self.work.emitted, self.finished_tokens)
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,10 +89,20 @@ class Progress:
         return self.tokens / elapsed if elapsed > 0 else 0.0
 
     def eta(self) -> float | None:
-        """Seconds left (None before any token): see the module docstring."""
+        """Seconds left (None until the rates are known): see the module docstring."""
+        w = self.work
+        if w.decode_s > 0 and w.prefill_s > 0 and w.emitted > 0:
+            rate = w.emitted / (w.decode_s / self.replicas)  # decoding tokens per second
+            left = max(0, (self.prompt_tokens or 0) - w.prefilled)
+            prefill = left * (w.prefill_s / self.replicas) / w.prefilled if left else 0.0
+            return prefill + self._decoding_s(rate)
         rate = self.tokens_per_s
-        if rate <= 0 or self.tokens < min(self.slots or 1, self.total):
+        if self.live is not None or rate <= 0 or self.tokens < min(self.slots or 1, self.total):
             return None
+        return self._decoding_s(rate)
+
+    def _decoding_s(self, rate: float) -> float:
+        """Seconds of decoding left at ``rate`` tokens per second over all rows."""
         ok = self.done - self.failed
         per_row = self.finished_tokens / ok if ok else self.max_new_tokens
         generated = max(0, self.tokens - self.finished_tokens)  # by the unfinished rows
@@ -108,13 +127,18 @@ class Progress:
             return
         self.last = now
         if self.live is not None:
-            count = self.live()
-            if count is not None:
-                self.live_tokens = count
-        eta = self.eta()
-        log.info("%s: %d/%d rows (%d failed), %d tokens, %.1f tok/s, elapsed %s, ETA %s",
-                 self.label, self.done, self.total, self.failed, self.tokens, self.tokens_per_s,
-                 _hms(now - self.start), _hms(eta) if eta is not None else "?")
+            work = self.live()
+            if work is not None:
+                self.work = work
+        eta, w = self.eta(), self.work
+        prefill = ""
+        if self.prompt_tokens and w.prefilled < self.prompt_tokens:  # a prefill-heavy job's rate
+            rate = w.prefilled / (w.prefill_s / self.replicas) if w.prefill_s else 0.0
+            prefill = (f"prefilled {w.prefilled}/{self.prompt_tokens} prompt tokens "
+                       f"({rate:.0f} tok/s), ")
+        log.info("%s: %d/%d rows (%d failed), %s%d tokens, %.1f tok/s, elapsed %s, ETA %s",
+                 self.label, self.done, self.total, self.failed, prefill, self.tokens,
+                 self.tokens_per_s, _hms(now - self.start), _hms(eta) if eta is not None else "?")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -138,6 +138,7 @@ class JobRun:
         self.t_start = time.monotonic()
         self.meta: dict = {}  # row id -> (num_input_tokens, truncated) of the rows in flight
         self.held: list[dict] = []  # error rows met before the engine started
+        self.seen = (0, 0)  # rows with a prompt streamed so far, and their prompt tokens
         self.hold_errors = True
 
     def run(self) -> JobResult:
@@ -286,6 +287,7 @@ class JobRun:
                         self.write_error(ids[i], problems[i], lengths[i])
                     continue
                 self.meta[ids[i]] = (lengths[i], truncated[i])
+                self.seen = (self.seen[0] + 1, self.seen[1] + lengths[i])
                 yield Task(ids[i], values[offsets[i]:offsets[i + 1]])
 
     def write_error(self, row_id, error: str, length) -> None:
@@ -440,9 +442,10 @@ class JobRun:
                                 max_attempts=c.max_attempts, row_timeout=c.row_timeout)
         progress = Progress(total, c.progress_seconds, label, c.progress_bar,
                             max_new_tokens=c.max_new_tokens,
-                            live=getattr(backend, "tokens_emitted", None),
-                            slots=seqs * engine.num_replicas)
+                            live=getattr(backend, "work", None),
+                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas)
         errors_before = len(writer.failed)
+        seen_before = self.seen
 
         def on_result(outcome: Outcome) -> None:
             length, truncated = self.meta.pop(outcome.task.key)
@@ -463,6 +466,9 @@ class JobRun:
             writer.maybe_flush()
             # rows that failed on input are written, not generated: not the pass's to wait for
             progress.total = total - (len(writer.failed) - errors_before - progress.failed)
+            rows, tokens = (now - before for now, before in zip(self.seen, seen_before))
+            if rows:  # the pass's prompt tokens, estimated from the rows streamed so far
+                progress.prompt_tokens = round(tokens / rows * progress.total)
             progress.tick()
 
         def should_stop(count: int) -> bool:  # count: rows in flight (finished: written)

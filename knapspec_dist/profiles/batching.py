@@ -20,8 +20,8 @@ from knapspec_dist.profiles.profile import LatencyProfile, LinearFit
 
 log = logging.getLogger(__name__)
 
-#: (batch, measured batches) already noted in this process: each note is logged once.
-_NOTED: set[tuple[int, tuple[int, ...]]] = set()
+#: measured batch sets already noted in this process: one note per profile, not per batch.
+_NOTED: set[tuple[int, ...]] = set()
 
 
 def _mix(a: float, b: float, w: float) -> float:
@@ -71,11 +71,12 @@ class BatchPricing:
             found = interpolate(self.profiles[i - 1], self.profiles[i], batch)
         else:
             found = self.profiles[0 if i == 0 else -1]
-            note = (batch, tuple(self.batches))
+            note = tuple(self.batches)
             if note not in _NOTED:
                 _NOTED.add(note)
                 log.info("no latency profile at batch %d (measured: %s); pricing it as "
-                         "batch %d. Measure one with `knapspec profile --batch %d`", batch,
+                         "batch %d, and other unmeasured batches as the nearest measured one. "
+                         "Measure one with `knapspec profile --batch %d`", batch,
                          self.batches, found.batch, batch)
         self._cache[batch] = found
         return found

@@ -14,6 +14,7 @@ import torch
 from ray import exceptions as rx
 
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.runtime.engine import Engine
 
 #: Errors that say the replica (an actor, a worker, a node) died, not the row.
@@ -42,9 +43,10 @@ class EngineBackend:
                key: object = None) -> Any:
         return self.engine.submit(replica, prompt_ids, config, key)
 
-    def tokens_emitted(self) -> int | None:
-        """Tokens generated so far, finished rows or not (None: not known right now)."""
-        return self.engine.tokens_emitted()
+    def work(self) -> Work | None:
+        """Tokens generated and prefilled so far, finished rows or not (None: not known
+        right now)."""
+        return self.engine.work()
 
     def wait(self, handles: list, timeout: float) -> list:
         ready, _ = ray.wait(handles, num_returns=1, timeout=timeout)

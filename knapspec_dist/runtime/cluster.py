@@ -7,6 +7,23 @@ import logging
 import ray
 
 log = logging.getLogger(__name__)
+RAY_AUTH_LOG = "ray._private.authentication.authentication_token_setup"
+
+
+class _TokenAuthDefaultIsInfo(logging.Filter):
+    """Ray warns, at every new local cluster, that it turned its token authentication on by
+    default. That is the secure default working as designed, not something a user must act
+    on, so it is logged at INFO (a warning that token auth is *disabled* stays a warning)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and "Token authentication is enabled" in str(
+                record.msg):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+
+_AUTH_FILTER = _TokenAuthDefaultIsInfo()
 
 
 def connect(address: str | None, *, num_cpus: int | None = None) -> bool:
@@ -21,6 +38,7 @@ def connect(address: str | None, *, num_cpus: int | None = None) -> bool:
         if address is not None:
             log.info("Ray is already initialized; ignoring address=%r", address)
         return False
+    logging.getLogger(RAY_AUTH_LOG).addFilter(_AUTH_FILTER)  # idempotent
     ray.init(address=address, num_cpus=num_cpus, log_to_driver=True)
     return True
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import ray
 
+from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.tokenizer import load_tokenizer
@@ -68,7 +69,7 @@ class Coordinator:
         self._tokenizer = None
         self._tokenizer_tried = False
         self.served = 0
-        self.tokens_emitted = 0  # by every row, finished or not: the job's live progress
+        self.done_work = Work()  # by every row, finished or not: the job's live progress
         self.grace_s = 10.0  # how long other ranks may take to fail like the first one
 
     # ------------------------------------------------------------------ startup
@@ -177,8 +178,8 @@ class Coordinator:
                 self._active.clear()
                 self._queue.clear()
                 return
-            finished, refused, elapsed, busy, emitted, steps = outs[0]
-            self.tokens_emitted += emitted
+            finished, refused, elapsed, busy, work, steps = outs[0]
+            self.done_work += work
             if steps and elapsed > 0:  # the next call's rounds, from its seconds per step
                 rounds = max(1, min(ROUNDS_PER_CALL, int(CALL_SECONDS * steps / elapsed)))
             if not busy and len(finished) + len(refused) < len(self._active):
@@ -247,9 +248,9 @@ class Coordinator:
             return ""
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
-    def emitted(self) -> int:
-        """Tokens this replica's rows have emitted so far, finished or not."""
-        return self.tokens_emitted
+    def work(self) -> Work:
+        """What this replica's rows have had done so far, finished or not."""
+        return self.done_work
 
     def info(self) -> dict:
         described = self.profile_description

@@ -30,6 +30,7 @@ import uuid
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
@@ -185,16 +186,16 @@ class Engine:
                 for s in self._replicas[replica].shards]
         return ray.get(refs)[0]
 
-    def tokens_emitted(self, timeout_s: float = 2.0) -> int | None:
-        """Tokens the replicas' rows have emitted so far (finished or not), for progress;
-        None when a replica does not answer within ``timeout_s``."""
-        refs = [rep.coordinator.emitted.remote() for rep in self._replicas
+    def work(self, timeout_s: float = 2.0) -> Work | None:
+        """What the replicas' rows have had done so far (finished or not), summed, for
+        progress; None when a replica does not answer within ``timeout_s``."""
+        refs = [rep.coordinator.work.remote() for rep in self._replicas
                 if rep is not None and rep.coordinator is not None]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):
             return None
         try:
-            return sum(ray.get(ready))
+            return sum(ray.get(ready), Work())
         except ray.exceptions.RayError:  # a dead replica: the dispatcher will notice
             return None
 

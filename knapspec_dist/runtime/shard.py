@@ -10,6 +10,7 @@ applied by the engine.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -142,7 +143,8 @@ class Shard:
         then run scheduler steps until a row finishes or ``max_rounds`` have run.
 
         Returns (finished rows as (id, GenerationResult), refused rows as (id, message), this
-        call's wall seconds, whether rows remain, tokens emitted by all rows in this call,
+        call's wall seconds, whether rows remain, the ``Work`` of this call (tokens emitted and
+        prompt tokens prefilled by all rows, and their seconds),
         scheduler steps run). A row's time split is its share of each
         call it took part in (the call's split divided among its rows), so the rows of a job
         add up to the replica's time."""
@@ -166,7 +168,7 @@ class Shard:
         self.meter.seconds = 0.0
         start = time.perf_counter()
         finished = []
-        emitted, steps = sched.emitted, 0
+        before, steps = copy.copy(sched.work), 0
         for _ in range(max_rounds):
             if not sched.busy:
                 break
@@ -187,4 +189,4 @@ class Shard:
                                                          share.ray_s, share.other_s)
             s.comm_calls = round(share.comm_calls)
             out.append((row.rid, r))
-        return out, refused, elapsed, sched.busy, sched.emitted - emitted, steps
+        return out, refused, elapsed, sched.busy, sched.work - before, steps
