@@ -40,9 +40,12 @@ def stream_batches(files: list[str], filesystem: pafs.FileSystem, columns: list[
     ctx.target_max_block_size = block_bytes
     ds = ray.data.read_parquet(files, filesystem=filesystem, columns=columns,
                                file_extensions=None, num_cpus=0)
+    # A pool that grows from one actor as the backlog asks: a fixed pool larger than the
+    # input's blocks has actors still starting when the input is done, and Ray Data fails
+    # the whole Dataset when such an actor is cancelled (seen on a busy machine).
+    pool = ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, min(workers, len(files))))
     ds = ds.map_batches(stage, fn_constructor_args=stage_args, batch_format="pyarrow",
-                        batch_size=map_rows, compute=ray.data.ActorPoolStrategy(size=workers),
-                        num_cpus=cpus)
+                        batch_size=map_rows, compute=pool, num_cpus=cpus)
     for batch in ds.iter_batches(batch_size=batch_rows, batch_format="pyarrow",
                                  prefetch_batches=2):
         if batch.num_rows:
