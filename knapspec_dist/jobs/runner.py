@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 
 AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
 
+#: Inputs of at most this many rows are tokenized in the driver (streamed all the same, a
+#: batch at a time): Ray Data's tokenizer actors take seconds to start (they import torch).
+LOCAL_ROWS = 1000
+
 
 @dataclass
 class JobResult:
@@ -130,7 +134,8 @@ class JobRun:
         self.engine_factory = engine_factory or default_engine_factory
         self.backend_factory = backend_factory or EngineBackend
         # Given tools (tests' fake tokenizer) tokenize in this process; the model's own on
-        # the cluster, with Ray Data (runtime/stream.py).
+        # the cluster, with Ray Data (runtime/stream.py), unless the input is small
+        # (check_output): then the tokenizer actors' start would cost more than they save.
         self.ray_data = text_tools is None
         self.text_tools = text_tools or load_text_tools
         self.on_row = on_row
@@ -186,6 +191,7 @@ class JobRun:
         self.fingerprint = {**c.fingerprint(), **self.scan.fingerprint(c.input)}
         self.resuming = self.out.check(self.fingerprint)
         self.schema = output_schema(c.id_column, self.scan.id_type)
+        self.ray_data = self.ray_data and len(self.scan) > LOCAL_ROWS
 
     def open_output(self) -> None:
         """Under the lease: the ids an earlier run of this job wrote already (one row per
