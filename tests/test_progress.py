@@ -56,7 +56,7 @@ def eta_errors(lengths: list[int], slots: int, max_new_tokens: int, **prefill) -
     progress = Progress(total=len(lengths), every=0.0, label="rows", bar_enabled=False,
                         max_new_tokens=max_new_tokens, live=lambda: live[0],
                         slots=slots, clock=lambda: now[0],
-                        prompt_tokens=lambda: sum(prefill.get("prompts") or [0]))
+                        prompt_tokens=sum(prefill.get("prompts") or [0]))
     seen, errors, marks, checked = 0, [], (0.1, 0.25, 0.5), set()
     for t, work, finished in timeline:
         now[0], live[0] = t, work
@@ -76,7 +76,7 @@ def eta_errors(lengths: list[int], slots: int, max_new_tokens: int, **prefill) -
 def test_tokens_count_before_any_row_finishes(caplog):
     now, live = [10.0], [Work()]
     progress = Progress(total=8, every=0.0, label="rows", bar_enabled=False,
-                        live=lambda: live[0], clock=lambda: now[0], prompt_tokens=lambda: 8000)
+                        live=lambda: live[0], clock=lambda: now[0], prompt_tokens=8000)
     assert progress.eta() is None  # nothing measured yet
     now[0], live[0] = 20.0, Work(emitted=300, prefilled=4000, prefill_s=4.0, decode_s=6.0)
     with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs.runner"):
@@ -91,7 +91,7 @@ def test_tokens_count_before_any_row_finishes(caplog):
 def test_replicas_prefill_and_decode_side_by_side():
     """Two replicas' seconds are summed in their Work: each ran for half of them."""
     progress = Progress(total=4, every=0.0, label="rows", bar_enabled=False, max_new_tokens=10,
-                        live=lambda: None, replicas=2, prompt_tokens=lambda: 4000)
+                        live=lambda: None, replicas=2, prompt_tokens=4000)
     progress.work = Work(emitted=4, prefilled=2000, prefill_s=4.0, decode_s=1.0)
     assert progress.eta() == pytest.approx(2000 / 1000 + (4 * 10 - 4) / 8.0)
 

@@ -139,6 +139,15 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     sched.add_argument("--row-timeout", type=float, default=None,
                        help="seconds without an answer after which a row's replica is "
                             "restarted and the row retried (default: wait)")
+    sched.add_argument("--tokenizers", type=int, default=2,
+                       help="Ray Data actors that apply the chat template and tokenize "
+                            "(default 2)")
+    sched.add_argument("--tokenizer-cpus", type=float, default=0.0,
+                       help="CPUs reserved per tokenizer (default 0: none, they share cores "
+                            "with the replicas' ranks)")
+    sched.add_argument("--stream-rows", type=int, default=64,
+                       help="rows per batch streamed from the tokenizers to the driver "
+                            "(default 64)")
     sched.add_argument("--checkpoint-rows", type=int, default=64,
                        help="write a part file once this many rows finished (default 64)")
     sched.add_argument("--checkpoint-seconds", type=float, default=10.0,
@@ -174,5 +183,6 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         max_attempts=args.max_attempts, row_timeout=args.row_timeout,
         checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
         stop_after=args.stop_after, retry_failed=args.retry_failed,
-        progress_seconds=args.progress_seconds,
+        progress_seconds=args.progress_seconds, tokenizers=args.tokenizers,
+        tokenizer_cpus=args.tokenizer_cpus, stream_rows=args.stream_rows,
         progress_bar=args.progress_bar)

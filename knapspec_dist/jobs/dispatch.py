@@ -9,8 +9,8 @@ neighbours), and its streaming order would fight "longest documents first".  A d
 pool is a few dozen lines, keeps exactly-once bookkeeping in one place, and costs one Ray
 call per row.
 
-The loop: rows wait in a queue, longest prompt first (long rows started first finish before
-the tail, so replicas do not idle at the end of the job).  Each replica gets up to
+The loop: rows wait in a queue, read lazily from the job's stream (each streamed batch
+longest prompt first: long rows started first finish before the tail).  Each replica gets up to
 ``max_inflight`` rows at a time (2 by default: the next row is already queued on the replica
 when one finishes).  When a row's call fails because its replica died (a shard or
 coordinator actor crashed), the replica is restarted once (later failures of its other rows

@@ -50,7 +50,9 @@ class JobConfig:
     retry_failed: bool = False  # retry every failed row (default: the retryable kinds only)
     stream_rows: int = 64  # rows per batch streamed from the tokenize stage to the driver
     tokenizers: int = 2  # Ray Data actors that tokenize (each loads the tokenizer once)
-    tokenizer_cpus: float = 0.5  # CPUs reserved per tokenizer (a fraction fits beside CPU ranks)
+    # CPUs reserved per tokenizer; 0: none, it shares cores with the ranks (a CPU engine may
+    # reserve every CPU of a machine, and a stage that waits for a CPU would never start)
+    tokenizer_cpus: float = 0.0
     progress_seconds: float = 10.0
     progress_bar: bool | None = None  # None: a tqdm bar when stderr is a terminal
 
@@ -80,7 +82,7 @@ class JobConfig:
             (self.progress_seconds > 0, "--progress-seconds must be > 0"),
             (self.stream_rows >= 1, f"--stream-rows must be >= 1, got {self.stream_rows}"),
             (self.tokenizers >= 1, f"--tokenizers must be >= 1, got {self.tokenizers}"),
-            (self.tokenizer_cpus > 0, "--tokenizer-cpus must be > 0"),
+            (self.tokenizer_cpus >= 0, "--tokenizer-cpus must be >= 0"),
             (bool(self.input), "--input is required"),
             (bool(self.output), "--output is required"),
         ]

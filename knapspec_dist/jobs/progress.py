@@ -48,9 +48,7 @@ class Progress:
     live: Callable[[], Work | None] | None = None  # what the replicas have done so far
     slots: int | None = None  # rows decoding at once over all replicas
     replicas: int = 1
-    #: the prompt tokens of the pass's rows, as far as known (an input that streams is
-    #: estimated from the rows read so far); None: prefill is not counted
-    prompt_tokens: Callable[[], int | None] | None = None
+    prompt_tokens: int | None = None  # prompt tokens of the pass's rows (None: not counted)
     clock: Callable[[], float] = time.monotonic
     done: int = 0
     failed: int = 0
@@ -95,16 +93,13 @@ class Progress:
         w = self.work
         if w.decode_s > 0 and w.prefill_s > 0 and w.emitted > 0:
             rate = w.emitted / (w.decode_s / self.replicas)  # decoding tokens per second
-            left = max(0, (self._prompt_tokens() or 0) - w.prefilled)
+            left = max(0, (self.prompt_tokens or 0) - w.prefilled)
             prefill = left * (w.prefill_s / self.replicas) / w.prefilled if left else 0.0
             return prefill + self._decoding_s(rate)
         rate = self.tokens_per_s
         if self.live is not None or rate <= 0 or self.tokens < min(self.slots or 1, self.total):
             return None
         return self._decoding_s(rate)
-
-    def _prompt_tokens(self) -> int | None:
-        return None if self.prompt_tokens is None else self.prompt_tokens()
 
     def _decoding_s(self, rate: float) -> float:
         """Seconds of decoding left at ``rate`` tokens per second over all rows."""
@@ -137,10 +132,10 @@ class Progress:
                 self.work = work
         eta, w = self.eta(), self.work
         prefill = ""
-        prompts = self._prompt_tokens()
-        if prompts and w.prefilled < prompts:  # a prefill-heavy job's rate
+        if self.prompt_tokens and w.prefilled < self.prompt_tokens:  # a prefill-heavy job's rate
             rate = w.prefilled / (w.prefill_s / self.replicas) if w.prefill_s else 0.0
-            prefill = f"prefilled {w.prefilled}/{prompts} prompt tokens ({rate:.0f} tok/s), "
+            prefill = (f"prefilled {w.prefilled}/{self.prompt_tokens} prompt tokens "
+                       f"({rate:.0f} tok/s), ")
         log.info("%s: %d/%d rows (%d failed), %s%d tokens, %.1f tok/s, elapsed %s, ETA %s",
                  self.label, self.done, self.total, self.failed, prefill, self.tokens,
                  self.tokens_per_s, _hms(now - self.start), _hms(eta) if eta is not None else "?")

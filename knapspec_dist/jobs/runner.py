@@ -13,6 +13,7 @@ The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` c
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import itertools
@@ -20,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +73,10 @@ __all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "lo
 log = logging.getLogger(__name__)
 
 AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
+
+#: Inputs of at most this many rows are tokenized in the driver (streamed all the same, a
+#: batch at a time): Ray Data's tokenizer actors take seconds to start (they import torch).
+LOCAL_ROWS = 1000
 
 
 @dataclass
@@ -128,15 +134,16 @@ class JobRun:
         self.engine_factory = engine_factory or default_engine_factory
         self.backend_factory = backend_factory or EngineBackend
         # Given tools (tests' fake tokenizer) tokenize in this process; the model's own on
-        # the cluster, with Ray Data (runtime/stream.py).
+        # the cluster, with Ray Data (runtime/stream.py), unless the input is small
+        # (check_output): then the tokenizer actors' start would cost more than they save.
         self.ray_data = text_tools is None
         self.text_tools = text_tools or load_text_tools
         self.on_row = on_row
         self.started = dt.datetime.now(dt.timezone.utc)
         self.t_start = time.monotonic()
         self.meta: dict = {}  # row id -> (num_input_tokens, truncated) of the rows in flight
-        self.queued = (0, 0)  # rows and prompt tokens handed to the engine so far (progress)
         self.held: list[dict] = []  # error rows met before the engine started
+        self.seen = (0, 0)  # rows with a prompt streamed so far, and their prompt tokens
         self.hold_errors = True
 
     def run(self) -> JobResult:
@@ -184,6 +191,7 @@ class JobRun:
         self.fingerprint = {**c.fingerprint(), **self.scan.fingerprint(c.input)}
         self.resuming = self.out.check(self.fingerprint)
         self.schema = output_schema(c.id_column, self.scan.id_type)
+        self.ray_data = self.ray_data and len(self.scan) > LOCAL_ROWS
 
     def open_output(self) -> None:
         """Under the lease: the ids an earlier run of this job wrote already (one row per
@@ -285,14 +293,8 @@ class JobRun:
                         self.write_error(ids[i], problems[i], lengths[i])
                     continue
                 self.meta[ids[i]] = (lengths[i], truncated[i])
-                self.queued = (self.queued[0] + 1, self.queued[1] + (lengths[i] or 0))
+                self.seen = (self.seen[0] + 1, self.seen[1] + lengths[i])
                 yield Task(ids[i], values[offsets[i]:offsets[i + 1]])
-
-    def prompt_tokens_estimate(self, total: int) -> int | None:
-        """The prompt tokens of a pass of ``total`` rows, from the mean of the rows queued so
-        far (the input streams: the rest are not tokenized yet); None before any."""
-        rows, tokens = self.queued
-        return round(tokens / rows * total) if rows else None
 
     def write_error(self, row_id, error: str, length) -> None:
         """A row that failed before generation (its input): finished already."""
@@ -328,40 +330,54 @@ class JobRun:
 
     def main_pass(self) -> None:
         """The job's strategy over every pending row, as the rows stream in. The engine
-        starts once a row with a prompt arrived; the rows that failed before it are written
-        only once it started (a failed start writes nothing, not even these rows, so a
-        corrected command may start over)."""
+        starts while Ray Data tokenizes the first rows (in-process tokenizing: once a row
+        with a prompt arrived, so that a job of failed rows starts none); the rows that failed
+        before are written only once it started (a failed start writes nothing, not even
+        these rows, so a corrected command may start over)."""
         c = self.config
         if not self.pending:
             return
         stream = self.prompt_batches(skip=self.skip)
         try:
-            todo = self.tasks(stream, errors=True)
-            first = next(todo, None)  # held errors until the first row to generate
-            self.hold_errors = False
-            limit = c.stop_after
-            if first is not None and (limit is None or len(self.held) < limit):
-                log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
-                         self.pending - len(self.held), c.strategy.name, c.replicas, c.tp)
-                with self.engine_factory(c, c.strategy, c.replicas) as engine:
-                    self.result.profile = _profile_report(engine, c.replicas)
-                    self.result.max_num_seqs = _max_num_seqs(engine, c)
-                    if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
-                        log.warning("--max-num-seqs %d capped to %d: what the memory left "
-                                    "after the weights holds (engine/memory.py)",
-                                    c.max_num_seqs, self.result.max_num_seqs)
+            with contextlib.ExitStack() as stack:
+                todo = self.tasks(stream, errors=True)
+                engine = None
+                if self.ray_data:  # the engine starts while the cluster tokenizes
+                    peek = stack.enter_context(ThreadPoolExecutor(1)).submit(next, todo, None)
+                    engine = self.start_engine(stack)
+                    first = peek.result()
+                else:
+                    first = next(todo, None)  # held errors until the first row to generate
+                self.hold_errors = False
+                limit = c.stop_after
+                if first is None or (limit is not None and len(self.held) >= limit):
+                    self.write_held()  # no row to generate: no engine (or not for long)
+                    self.meta.clear()
+                else:
+                    engine = engine or self.start_engine(stack)
                     self.write_held()
+                    log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
+                             self.pending - self._written(), c.strategy.name, c.replicas,
+                             c.tp)
                     self.generate(engine, c.strategy.name, itertools.chain([first], todo),
                                   self.pending - self._written(), self.writer, "rows",
                                   c.stop_after, self.on_row, "generated")
-            else:
-                self.write_held()
-                if first is not None:
-                    self.meta.clear()
         finally:
             stream.close()
         self.result.stopped_early = self._written() < self.pending
         self.writer.flush()
+
+    def start_engine(self, stack: contextlib.ExitStack):
+        """The main pass's engine, stopped when ``stack`` closes."""
+        c = self.config
+        engine = stack.enter_context(self.engine_factory(c, c.strategy, c.replicas))
+        self.result.profile = _profile_report(engine, c.replicas)
+        self.result.max_num_seqs = _max_num_seqs(engine, c)
+        if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
+            log.warning("--max-num-seqs %d capped to %d: what the memory left after the "
+                        "weights holds (engine/memory.py)", c.max_num_seqs,
+                        self.result.max_num_seqs)
+        return engine
 
     def write_held(self) -> None:
         held, self.held = self.held, []
@@ -433,9 +449,9 @@ class JobRun:
         progress = Progress(total, c.progress_seconds, label, c.progress_bar,
                             max_new_tokens=c.max_new_tokens,
                             live=getattr(backend, "work", None),
-                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas,
-                            prompt_tokens=lambda: self.prompt_tokens_estimate(total))
+                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas)
         errors_before = len(writer.failed)
+        seen_before = self.seen
 
         def on_result(outcome: Outcome) -> None:
             length, truncated = self.meta.pop(outcome.task.key)
@@ -456,6 +472,9 @@ class JobRun:
             writer.maybe_flush()
             # rows that failed on input are written, not generated: not the pass's to wait for
             progress.total = total - (len(writer.failed) - errors_before - progress.failed)
+            rows, tokens = (now - before for now, before in zip(self.seen, seen_before))
+            if rows:  # the pass's prompt tokens, estimated from the rows streamed so far
+                progress.prompt_tokens = round(tokens / rows * progress.total)
             progress.tick()
 
         def should_stop(count: int) -> bool:  # count: rows in flight (finished: written)

@@ -98,7 +98,7 @@ class ProcessorConfig:
     should_continue_on_error: bool = False
     apply_chat_template: bool = True  # ``messages`` through the template; else ``prompt``
     tokenizer_concurrency: int = 1
-    tokenizer_cpus: float = 0.5
+    tokenizer_cpus: float = 0.0  # 0: shares cores with the ranks (see runtime/stream.py)
 
     def __post_init__(self):
         if isinstance(self.strategy, str):

@@ -29,8 +29,9 @@ def stream_batches(files: list[str], filesystem: pafs.FileSystem, columns: list[
     ``files`` on a pool of ``workers`` Ray Data actors of ``cpus`` CPUs each; the results in
     tables of at most ``batch_rows`` rows, in no fixed order, as they are ready.
 
-    ``cpus`` may be a fraction, so that the stage fits beside replicas that reserved every
-    CPU of a small machine (a CPU engine's ranks then share cores with the tokenizers).
+    ``cpus`` may be 0 (the reads always reserve none): a stage that waits for CPUs the
+    replicas reserved would never start, and a CPU engine may reserve every CPU of a machine
+    (its ranks then share cores with the tokenizers).
     ``map_rows``: rows per call of the stage (small: the first rows arrive early)."""
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the job's own progress lines say how far it is
@@ -38,10 +39,13 @@ def stream_batches(files: list[str], filesystem: pafs.FileSystem, columns: list[
     # default (128 MiB) the first rows of a file would wait for the whole file.
     ctx.target_max_block_size = block_bytes
     ds = ray.data.read_parquet(files, filesystem=filesystem, columns=columns,
-                               file_extensions=None, num_cpus=cpus)
+                               file_extensions=None, num_cpus=0)
+    # A pool that grows from one actor as the backlog asks: a fixed pool larger than the
+    # input's blocks has actors still starting when the input is done, and Ray Data fails
+    # the whole Dataset when such an actor is cancelled (seen on a busy machine).
+    pool = ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, min(workers, len(files))))
     ds = ds.map_batches(stage, fn_constructor_args=stage_args, batch_format="pyarrow",
-                        batch_size=map_rows, compute=ray.data.ActorPoolStrategy(size=workers),
-                        num_cpus=cpus)
+                        batch_size=map_rows, compute=pool, num_cpus=cpus)
     for batch in ds.iter_batches(batch_size=batch_rows, batch_format="pyarrow",
                                  prefetch_batches=2):
         if batch.num_rows:
