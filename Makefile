@@ -29,6 +29,9 @@ endif
 # The tests that cover the model runner, generate and the scheduler; none imports ray.
 GPU_TESTS := tests/test_execution.py tests/test_generate.py tests/test_scheduler.py \
              tests/test_cache.py tests/test_model.py
+# Left to the main suite: two SmolLM2 checks of our decoding against itself (the longest, ~1/4
+# of the lane); the tiny models' versions of them and SmolLM2 against transformers stay here.
+GPU_SKIP  := not (test_batched_ar_equals_unbatched_smollm2 or test_static_equals_ar_smollm2)
 
 .PHONY: venv test demo gpu-image-venv gpu-image-test
 
@@ -74,4 +77,5 @@ gpu-image-test: gpu-image-venv venv
 	  print("gpu image lane:", torch.__version__, triton.__version__, transformers.__version__)'
 	OMP_NUM_THREADS=2 $(GPU_PY) -m knapspec_dist.cli.gpu_check --device cpu --quick \
 	  --out $$(mktemp -d)/gpu-check
-	OMP_NUM_THREADS=2 $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS)
+	OMP_NUM_THREADS=2 $(GPU_PY) -m pytest -q -p no:cacheprovider --durations=10 \
+	  -k '$(GPU_SKIP)' $(GPU_TESTS)
