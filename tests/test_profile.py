@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from knapspec_dist.profiles import LatencyProfile, LinearFit, fit_linear, fit_profile, integer_weights
+from knapspec_dist.profiles import (
+    LatencyProfile,
+    LinearFit,
+    fit_linear,
+    fit_profile,
+    integer_weights,
+)
 
 MODEL = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128, "vocab": 100}
 META = {
@@ -117,3 +123,14 @@ def test_fit_profile_rejects_incomplete_input() -> None:
         fit_profile({**synthetic_samples(), "mlp": []}, **META)
     with pytest.raises(ValueError):
         fit_profile(synthetic_samples(), **{k: v for k, v in META.items() if k != "tp"})
+
+
+def test_attention_never_falls_below_the_fastest_measured() -> None:
+    """A line fitted to noisy samples (a busy machine) can reach zero where it is extrapolated;
+    integer_weights then refused the profile and a gpu-check row failed."""
+    samples = {**synthetic_samples(), "attention": [[128, 3e-4], [512, 1e-4], [2048, 2e-4]]}
+    p = fit_profile(samples, **META)
+    assert p.attention(20000) < 0  # the fitted line, extrapolated
+    assert p.attention_time(20000) == pytest.approx(1e-4)  # the fastest measured
+    assert p.attention_time(128) == pytest.approx(p.attention(128))  # above it: the line
+    assert integer_weights(p, 20000, 2)[:2] == [1, 3]  # raised "must be positive" before

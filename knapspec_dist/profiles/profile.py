@@ -88,8 +88,10 @@ class LatencyProfile:
         return int(max(n for n, _ in self.samples["attention"]))
 
     def attention_time(self, n: int) -> float:
-        """One attention sublayer at context length n."""
-        return self.attention(n)
+        """One attention sublayer at context length n; never below the fastest attention
+        measured (a line fitted to noisy samples, e.g. on a busy machine, can fall to zero or
+        below where it is extrapolated, and a sublayer is never free)."""
+        return max(self.attention(n), min(s for _, s in self.samples["attention"]))
 
     def mlp_time(self) -> float:
         """One MLP sublayer (independent of context length)."""
