@@ -26,7 +26,7 @@ from knapspec_dist.jobs.inputs import iter_texts, read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
 from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
 from knapspec_dist.jobs.summary import summarize
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.spec.options import StrategyOptions, parse_strategy
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -721,6 +721,8 @@ def test_command_line_options_and_registration():
     assert c.generation_config().sampling.seed == 3 and c.fingerprint()["strategy"] == "static"
     assert c.fingerprint()["strategy_options"]["skip"] == "a3"
     assert JobConfig(input="i", output="o", strategy="ar").strategy == StrategyOptions(name="ar")
+    paper = JobConfig(input="i", output="o", strategy="knapspec:paper").strategy  # the names
+    assert paper == parse_strategy("knapspec:paper").options and paper.paper  # of the CLI too
     args = p.parse_args(["--input", "i", "--output", "o", "--prompt-column", "p"])
     assert config_from_args(args).mode == "prompt"
     with pytest.raises(SystemExit):

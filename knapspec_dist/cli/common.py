@@ -103,7 +103,7 @@ def uses_engine(args: argparse.Namespace) -> bool:
 
 def strategy_options(args: argparse.Namespace) -> StrategyOptions:
     """The one translation of :func:`add_strategy_args`' arguments into options."""
-    named = parse_strategy(args.strategy).options  # flags in the name add to the options'
+    named = parse_strategy(args.strategy, args.skip).options  # flags in the name add to them
     default_gamma = StrategyOptions().gamma
     return replace(named, skip=named.skip or args.skip,
                    gamma=named.gamma if args.gamma == default_gamma else args.gamma,

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.spec.options import StrategyOptions, parse_strategy
 
 DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 
@@ -58,7 +58,10 @@ class JobConfig:
 
     def __post_init__(self):
         if isinstance(self.strategy, str):
-            object.__setattr__(self, "strategy", StrategyOptions(name=self.strategy))
+            name = self.strategy  # a bare name, or one with flags as the command line takes it
+            options = (parse_strategy(name).options if ":" in name or "@" in name
+                       else StrategyOptions(name=name))
+            object.__setattr__(self, "strategy", options)
         if (self.text_column is None) == (self.prompt_column is None):
             raise UserError("give exactly one of --text-column and --prompt-column")
         checks = [

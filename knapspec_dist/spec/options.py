@@ -75,9 +75,10 @@ class StrategySpec:
     options: StrategyOptions
 
 
-def parse_strategy(text: str) -> StrategySpec:
+def parse_strategy(text: str, skip: str = "") -> StrategySpec:
     """One strategy as the user names it (``knapspec:paper+coupled``, ``static:a3,m5@4``,
-    ``clasp@4``) -> StrategySpec: the one parser of strategy names (generate, job, bench)."""
+    ``clasp@4``) -> StrategySpec: the one parser of strategy names (generate, job, bench).
+    ``skip``: a static skip list given apart from the name (``--strategy static --skip a3``)."""
     spec = text.strip()
     gamma = None
     m = re.fullmatch(r"(.*)@(\d+)", spec)
@@ -98,9 +99,9 @@ def parse_strategy(text: str) -> StrategySpec:
     if name == "ar" and parts:
         raise UserError(f"strategy {text!r}: ar takes no options")
     if name == "static":
-        if not parts:
+        if not parts and not skip:
             raise UserError(f"strategy {text!r}: static needs a skip list, e.g. static:a3,m5@4")
-        options = replace(options, skip=",".join(parts))
+        options = replace(options, skip=",".join(parts) or skip)
     if name in ("knapspec", "clasp"):
         for flag in parts:
             if flag not in FLAGS or (flag == "paper" and name != "knapspec"):
