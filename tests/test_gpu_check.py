@@ -202,6 +202,9 @@ def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
     _check_doc(doc)
     assert list(doc["sections"]) == list(SHARES)
     assert all(s["status"] == "ok" and s["rows_failed"] == 0 for s in doc["sections"].values())
+    exits, masks = doc["early_exit"], doc["block_mask"]  # the drafting section's two tables
+    assert exits and all(r["exit_ms"] > 0 and r["no_exit_ms"] > 0 for r in exits)
+    assert masks and all(r["ops_without_q"] < r["ops_with_q"] or not r["supported"] for r in masks)
     fp32 = [r for r in doc["correctness"]["greedy"] if r["dtype"] == "fp32"]
     assert len(fp32) == 4 and all(r["verdict"] == "identical" for r in fp32)  # CPU fp32: exact
     assert all(r["repeats"] for r in doc["correctness"]["sampling"])

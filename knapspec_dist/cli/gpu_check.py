@@ -99,7 +99,7 @@ def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budg
                      "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0,
                      "stopped": None},
             "sections": {}, "decode": [], "verify": [], "draft": [], "captures": [],
-            "backends": [], "pieces": [],
+            "backends": [], "early_exit": [], "block_mask": [], "pieces": [],
             "correctness": {"greedy": [], "sampling": [], "notes": []},
             "bench": {"runs": [], "summary": [], "notes": []},
             "batched": {"runs": [], "notes": []}, "notes": []}
@@ -129,9 +129,8 @@ def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel,
         ("batched", no_model or (lambda s: batched.run_batched(device, real, s, doc["batched"],
                                                                rows, **setup["batched"]))),
         ("backends", on_shapes(late.backends)),
-        # Further late measurements go here, each a section of its own with a share in
-        # budget.SHARES: early exit against no exit when drafting, what compute_q_blocks=False
-        # saves. "pieces" stays last: its capture is the one most likely to poison the device.
+        ("drafting", on_shapes(late.drafting)),  # early exit's cost; compute_q_blocks
+        # "pieces" stays last: its capture is the one most likely to poison the device.
         ("pieces", on_shapes(late.pieces)),
     ]
 

@@ -5,14 +5,19 @@ prologue's buffers before any replay filled them: an index assert there poisons 
 context, so it goes last of all).
 
 Each is a ``ShapeCheck`` measure (measure.run_shapes builds the model, these take its
-contexts at batch 1). More late measurements go between the two, as sections of their own in
-cli/gpu_check.py's STEPS: early exit against no exit when drafting, what
-``compute_q_blocks=False`` saves.
+contexts at batch 1). Between the two, ``drafting``: what drafting's early exit costs (one host read-back per
+draft token, against drafts queued without one: the runner's ``early_exit``), and what
+``compute_q_blocks=False`` saves in building each forward's block mask.
 """
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from knapspec_dist.model.attention import BACKENDS, default_backend
+from knapspec_dist.model.step import SKIP_Q_BLOCKS, block_mask_ops, length_block_mask
 from knapspec_dist.tools.gpucheck import shapes as S
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import ShapeCheck, release
@@ -87,3 +92,63 @@ def pieces(check: ShapeCheck, section: Section) -> None:
         finally:
             live.clear()
             release(check.device)
+
+
+def drafting(check: ShapeCheck, section: Section) -> None:
+    """Per context at batch 1: a draft step (half the attention skipped) replayed ``iters``
+    times with one read-back at the end (no early exit: drafts queue on the device) and with a
+    read-back of its confidence after each (early exit); their difference is what the exit
+    costs per draft token, to weigh against the drafts it saves. Then the block mask's ops and
+    build time with and without the backward (q) indices."""
+    skip = S.skip_sets(check.cfg.num_layers)["attn50"]
+    for n in check.plan.contexts:
+        base = check.row(n, 1, skip_set="attn50")
+        if (why := check.fit(n, 1)) is not None:
+            check.rows.skip(check.out["early_exit"], base, why)
+            continue
+        live: dict = {}
+        try:
+            def exit_cost(n=n) -> dict:
+                timer = live["timer"] = check.timer(check.cache(n, 1), slice(0, 1))
+                x, starts = timer.tokens(1), [n]
+                confidence = lambda logits: logits.float().softmax(-1).amax().item()  # noqa: E731
+                confidence(timer.runner(x, starts, timer.cache, timer.rows, skip))  # capture
+                per = {"no_exit": float("inf"), "exit": float("inf")}
+                for _ in range(3):  # interleaved, the fastest of each: order and noise cancel
+                    for mode in per:
+                        start = time.perf_counter()
+                        for _ in range(check.plan.iters):
+                            logits = timer.runner(x, starts, timer.cache, timer.rows, skip)
+                            if mode == "exit":
+                                confidence(logits)
+                        confidence(logits)
+                        per[mode] = min(per[mode], (time.perf_counter() - start)
+                                        / check.plan.iters)
+                extra = per["exit"] - per["no_exit"]
+                return {"no_exit_ms": 1e3 * per["no_exit"], "exit_ms": 1e3 * per["exit"],
+                        "readback_us": 1e6 * extra, "share": extra / per["no_exit"]}
+            check.rows.add(check.out["early_exit"], base, exit_cost, section, check.first_s)
+        finally:
+            live.clear()
+            release(check.device)
+        check.rows.add(check.out["block_mask"], check.row(n, 1),
+                       lambda n=n: _block_mask_cost(check.device, n, check.plan.iters))
+
+
+def _block_mask_cost(device: torch.device, n: int, iters: int) -> dict:
+    ops = block_mask_ops(device, 1, 1, n)
+    starts = torch.tensor([max(0, n - 1)], device=device)
+    per = {}
+    for name, q_blocks in (("with", True), ("without", not SKIP_Q_BLOCKS)):
+        length_block_mask(starts, 1, n, q_blocks=q_blocks)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            length_block_mask(starts, 1, n, q_blocks=q_blocks)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        per[name] = (time.perf_counter() - start) / iters
+    return {"ops_with_q": ops["with_q_blocks"], "ops_without_q": ops["without_q_blocks"],
+            "us_with_q": 1e6 * per["with"], "us_without_q": 1e6 * per["without"],
+            "supported": ops["compute_q_blocks_supported"]}

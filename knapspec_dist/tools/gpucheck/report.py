@@ -50,6 +50,14 @@ LATE = [
     ("backends", "Attention backend A/B (decode, batch 1)", [
         ("model", "model"), ("context", "context"), ("backend", "backend"), ("ms", "step ms"),
         ("vs_default", "vs default"), ("status", "status")]),
+    ("early_exit", "Drafting's early exit: one read-back per draft token (batch 1)", [
+        ("model", "model"), ("context", "context"), ("no_exit_ms", "draft ms, no exit"),
+        ("exit_ms", "draft ms, exit"), ("readback_us", "read-back us"),
+        ("share", "of a draft step"), ("status", "status")]),
+    ("block_mask", "Block mask with / without q indices (compute_q_blocks)", [
+        ("model", "model"), ("context", "context"), ("ops_with_q", "ops with q"),
+        ("ops_without_q", "ops without"), ("us_with_q", "us with q"),
+        ("us_without_q", "us without"), ("supported", "torch takes it"), ("status", "status")]),
     ("pieces", "Draft step from per-sublayer graph pieces (batch 1)", [
         ("model", "model"), ("context", "context"), ("skip_set", "skip set"),
         ("skipped", "sublayers"), ("ms", "draft ms (pieces)"), ("plan_ms", "plan graph ms"),
