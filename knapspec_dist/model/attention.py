@@ -76,12 +76,26 @@ def _sdpa_backends():
                         SDPBackend.MATH])
 
 
+def canonical(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with row-major strides, size-1 dims included: dynamo guards on every stride of a
+    compiled function's tensors, and a T = 1 query (or a batch-1 ``starts``, a view into a
+    round's packed upload) reaches flex with other strides as well (a recompile each); a copy
+    of one step's queries is cheap."""
+    want, step = [], 1
+    for size in reversed(x.shape):
+        want.append(step)
+        step *= size
+    if x.stride() == tuple(reversed(want)):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> torch.Tensor:
     """q [B, H, T, hd] against keys / values [B, KV, S, hd] -> [B, T, H*hd]."""
     b, h, t, hd = q.shape
     kv = keys.shape[1]
     if step.backend == "flex" and not step.causal:
-        o = compiled_flex()(q, keys, values, step.block_mask, h != kv)
+        o = compiled_flex()(canonical(q), keys, values, step.block_mask, h != kv)
     elif q.device.type == "cuda":
         with _sdpa_backends():
             o = _sdpa(q, keys, values, step)

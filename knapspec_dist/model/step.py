@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from knapspec_dist.model.attention import FLEX_BLOCK, default_backend
+from knapspec_dist.model.attention import FLEX_BLOCK, canonical, default_backend
 from knapspec_dist.model.transfer import upload
 
 # Torch 2.11 and later can skip the backward (q) indices of a BlockMask, which inference never
@@ -65,6 +65,7 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
     ``start + min((qb+1)*BS, T) - 1`` are partial (mask_mod decides); later blocks are skipped.
     ``q_blocks``: also build the backward's indices (only ``block_mask_ops`` asks, to compare).
     """
+    starts = canonical(starts)  # a view into a round's packed upload: one stride, one guard
     q_blocks_n, kv_blocks = -(-t // block), -(-kv_len // block)
     qb = torch.arange(q_blocks_n, device=starts.device)
     first_q = starts[:, None] + qb[None] * block  # [B, QB] position of each block's first query
