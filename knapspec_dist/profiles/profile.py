@@ -250,7 +250,7 @@ def _check_fits(profile: LatencyProfile, verify: dict, attention_samples: list) 
     negative from noise)."""
     # A fit is linear: checking both ends of the measured contexts checks every one between.
     lo, hi = int(min(n for n, _ in attention_samples)), profile.max_context
-    if min(profile.attention_time(lo), profile.attention_time(hi)) <= 0:
+    if min(profile.attention(lo), profile.attention(hi)) <= 0:  # the fit, not the floor
         raise ValueError(f"'attention' gives a time <= 0 at the measured contexts "
                          f"(n = {lo} .. {hi}: slope {profile.attention.slope}, intercept "
                          f"{profile.attention.intercept})")
