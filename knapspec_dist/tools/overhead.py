@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
               [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs)
     for r in out["runs"]:
-        print(f"tp={r['tp']} {r['strategy']}: {_line(r)}", flush=True)
+        log.info("tp=%s %s: %s", r["tp"], r["strategy"], _line(r))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
