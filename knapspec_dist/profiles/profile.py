@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import functools
 import json
 import logging
 import math
@@ -91,7 +92,11 @@ class LatencyProfile:
         """One attention sublayer at context length n; never below the fastest attention
         measured (a line fitted to noisy samples, e.g. on a busy machine, can fall to zero or
         below where it is extrapolated, and a sublayer is never free)."""
-        return max(self.attention(n), min(s for _, s in self.samples["attention"]))
+        return max(self.attention(n), self._fastest_attention)
+
+    @functools.cached_property
+    def _fastest_attention(self) -> float:
+        return min(s for _, s in self.samples["attention"])
 
     def mlp_time(self) -> float:
         """One MLP sublayer (independent of context length)."""
