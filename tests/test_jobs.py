@@ -689,6 +689,37 @@ def test_summary_speedup_and_buckets_from_rows():
     assert alone["speedup"] is None and alone["identical_tokens"] == 2
 
 
+def test_summary_plans_predicted_and_realized_tokens_per_second():
+    """Per plan, summed over the ok rows (written through the output schema): realized
+    tokens over the rounds' seconds, predicted tokens over the seconds priced."""
+    from knapspec_dist.jobs import summary as summary_mod
+
+    schema = output_schema("id", pa.string())
+
+    def row(i, plans, error=None):
+        r = result_row("id", i, "knapspec", error=error)
+        r.update(num_generated_tokens=0, time_taken_llm=1.0, prefill_s=0.0, plans=[
+            {"plan": p, "rounds": n, "tokens": t, "seconds": sec, "predicted_tokens": pt,
+             "priced_s": ps} for p, n, t, sec, pt, ps in plans])
+        return r
+
+    rows = pa.Table.from_pylist([
+        row("a", [("ar", 10, 10, 2.0, 12.0, 2.0), ("a3,m5@4", 4, 12, 2.0, 20.0, 2.0)]),
+        row("b", [("a3,m5@4", 6, 18, 4.0, 32.0, 4.0)]),
+        row("c", [("ar", 50, 50, 1.0, 0.0, 0.0)], error="boom")], schema=schema)
+    s = summarize(rows, rows.slice(0, 0), "id", ["a", "b", "c"], {}, {})
+    assert s["plans"] == [
+        {"plan": "a3,m5@4", "rows": 2, "rounds": 10, "tokens": 30, "tokens_per_s": 5.0,
+         "predicted_tokens_per_s": pytest.approx(52 / 6)},
+        {"plan": "ar", "rows": 1, "rounds": 10, "tokens": 10, "tokens_per_s": 5.0,
+         "predicted_tokens_per_s": 6.0}]
+    many = pa.Table.from_pylist([row(str(i), [(f"a{i}@2", 1, 2, 1.0 + i, 0.0, 0.0)])
+                                 for i in range(summary_mod.PLANS_SHOWN + 3)], schema=schema)
+    plans = summarize(many, many.slice(0, 0), "id", [], {}, {})["plans"]
+    assert len(plans) == summary_mod.PLANS_SHOWN + 1 and plans[-1]["plan"] == "other"
+    assert plans[-1]["rows"] == 3 and plans[-1]["predicted_tokens_per_s"] is None
+
+
 def test_summary_throughput_counts_time_some_row_was_generating():
     """Overlapping rows share wall time: throughput is tokens over the union of the rows'
     admission-to-finish intervals (a gap between runs excluded), less prefill per replica."""

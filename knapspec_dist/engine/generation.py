@@ -28,6 +28,28 @@ class GenerationConfig:
 
 
 @dataclass
+class PlanTally:
+    """A row's rounds under one plan: tokens it committed, their seconds (draft and verify,
+    not the selection) and, where the selection priced the plan, the tokens it predicted
+    over the seconds priced. Sums field by field across rows and replicas."""
+
+    rounds: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    predicted_tokens: float = 0.0
+    priced_s: float = 0.0
+
+    def add(self, tokens: int, seconds: float, rate: float | None) -> None:
+        """One round: ``rate``, the predicted tokens per second (None: not priced)."""
+        self.rounds += 1
+        self.tokens += tokens
+        self.seconds += seconds
+        if rate is not None:
+            self.predicted_tokens += rate * seconds
+            self.priced_s += seconds
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -56,6 +78,7 @@ class GenerationStats:
     admitted_at: float = 0.0
     finished_at: float = 0.0
     mean_batch: float = 0.0
+    plans: dict[str, PlanTally] = field(default_factory=dict)  # Plan.label -> its rounds
 
     @property
     def acceptance_rate(self) -> float:

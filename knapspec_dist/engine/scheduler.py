@@ -91,10 +91,11 @@ class Work:
 class Scheduler:
     def __init__(self, strategy: Strategy, model: Transformer, config: GenerationConfig,
                  max_num_seqs: int, capacity: int, prefill_chunk: int = PREFILL_CHUNK, *,
-                 runner: ModelRunner | None = None):
+                 runner: ModelRunner | None = None, clock: Clock | None = None):
         """``capacity``: cache positions per row (see ``row_capacity``); rows needing more
         are refused one by one. ``runner``: the model's runner, with its cache and graphs,
-        when one is kept across schedulers (graphs stay captured); else a new one."""
+        when one is kept across schedulers (graphs stay captured); else a new one.
+        ``clock``: what times the rounds (a test's simulated one); else the device's."""
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.strategy, self.model, self.config = strategy, model, config
@@ -103,7 +104,7 @@ class Scheduler:
         self.batch = Batch(self.runner.new_cache(max_num_seqs, capacity, kv_heads(model)))
         self.capacity = self.batch.cache.capacity
         self.waiting: deque[Row] = deque()
-        self.timer = Clock(model.device)
+        self.timer = clock if clock is not None else Clock(model.device)
         self.throughput = Throughput()
         self.work = Work()  # emitted and prefilled so far, finished rows or not (progress)
         self._first: float | None = None
@@ -238,10 +239,12 @@ def result(row: Row) -> GenerationResult:
 
 def generate(strategy: Strategy, model: Transformer, prompts: list[list[int]],
              config: GenerationConfig, *, max_num_seqs: int | None = None,
-             runner: ModelRunner | None = None) -> list[GenerationResult]:
+             runner: ModelRunner | None = None,
+             clock: Clock | None = None) -> list[GenerationResult]:
     """Generate for every prompt with ``strategy``, ``max_num_seqs`` rows at a time (None:
     all of them, as far as memory holds them: engine/memory.py); results in input order."""
     capacity = max((row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts),
                    default=1)
     rows = max_num_seqs or min(max(1, len(prompts)), max_num_seqs_for(model, capacity))
-    return Scheduler(strategy, model, config, rows, capacity, runner=runner).run(prompts)
+    return Scheduler(strategy, model, config, rows, capacity, runner=runner,
+                     clock=clock).run(prompts)

@@ -123,8 +123,9 @@ class JobConfig:
             "model": self.model,
             "dtype": self.dtype,
             "strategy": self.strategy.name,
+            # calibration only prices the rounds: the tokens are the same either way
             "strategy_options": dict(sorted((k, v) for k, v in asdict(self.strategy).items()
-                                            if k != "name")),
+                                            if k not in ("name", "calibrate"))),
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

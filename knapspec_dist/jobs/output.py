@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.inputs import filesystem_and_path
-from knapspec_dist.runtime.processor import result_columns
+from knapspec_dist.runtime.processor import PLANS, result_columns
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def output_schema(id_column: str, id_type: pa.DataType) -> pa.Schema:
         ("generation_start", pa.timestamp("us", tz="UTC")),
         ("generation_end", pa.timestamp("us", tz="UTC")),
         ("mean_batch", pa.float64()),
+        ("plans", PLANS),  # per plan: rounds, tokens, seconds, predicted tokens (summary.py)
         ("error", pa.string()),  # null when the row succeeded
         ("error_kind", pa.string()),  # input | row | oom | replica | timeout (null: ok)
     ])

@@ -22,6 +22,11 @@ all its runs.  Definitions (all over rows without an error):
   baseline rows whose tokens *in the job's output* equal ``ar``'s (with greedy decoding every
   one must: the method is lossless).
 * buckets: rows grouped by prompt length (``num_input_tokens``) at powers of two.
+* ``plans``: per plan the rows decoded with (``a3,m5@4``: skipped sublayers at draft length 4;
+  ``ar``: plain decoding), summed over the ok rows: rounds, tokens, and the realized tokens
+  per second per row (tokens over the rounds' draft and verify seconds) next to the predicted
+  one (what the selection priced it at, over the seconds it priced), the ``PLANS_SHOWN``
+  plans with the most seconds, the rest summed as ``other``.
 * notes, present only when they apply: ``acceptance.note`` when a drafting strategy drafted
   no token in any ok row (it chose plain decoding throughout: no subnet paid on this
   hardware); ``baseline.note`` when the strategy's baseline pass drafted nothing either, so
@@ -129,6 +134,32 @@ def _acceptance(rows: list[dict]) -> dict:
             "selections": sum(r["selections"] or 0 for r in rows)}
 
 
+PLANS_SHOWN = 12
+
+
+def _plans(rows: list[dict]) -> list[dict]:
+    """``plans`` (see the module docstring) from the rows' per-plan tallies."""
+    sums: dict[str, dict] = {}
+    keys = ("rounds", "tokens", "seconds", "predicted_tokens", "priced_s")
+    for r in rows:
+        for t in r.get("plans") or ():
+            acc = sums.setdefault(t["plan"], dict.fromkeys(keys, 0) | {"rows": 0})
+            acc["rows"] += 1
+            for k in keys:
+                acc[k] += t[k] or 0
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1]["seconds"])
+    if len(ranked) > PLANS_SHOWN:
+        rest = dict.fromkeys(keys, 0) | {"rows": 0}
+        for _, acc in ranked[PLANS_SHOWN:]:
+            for k in rest:
+                rest[k] += acc[k]
+        ranked = ranked[:PLANS_SHOWN] + [("other", rest)]
+    return [{"plan": label, "rows": acc["rows"], "rounds": acc["rounds"], "tokens": acc["tokens"],
+             "tokens_per_s": _ratio(acc["tokens"], acc["seconds"]),
+             "predicted_tokens_per_s": _ratio(acc["predicted_tokens"], acc["priced_s"])}
+            for label, acc in ranked]
+
+
 #: ``baseline.note`` when both baseline passes decoded plainly.
 NOISE_NOTE = "both passes decoded plainly: this is run-to-run noise, not a speedup"
 
@@ -225,6 +256,7 @@ def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: lis
         "throughput": throughput(ok, run.get("max_num_seqs")),
         "generation_seconds": sum(r["time_taken_llm"] for r in ok),
         "acceptance": _acceptance_of_job(ok, job.get("strategy")),
+        "plans": _plans(ok),
         "baseline": {"strategy": "ar", **_speedup(pairs, lossless)},
         "buckets": buckets,
         "run": run,

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
 MODES = ("eager", "graph")  # how the measured forwards ran: eager PyTorch or CUDA graphs
+ORIGINS = ("measured", "online")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -71,6 +72,8 @@ class LatencyProfile:
     verify: dict[int, LinearFit]  # q -> t_verify(q, n), fit over n
     allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
     mode: str = "eager"  # execution mode of the measured forwards: "eager" or "graph"
+    origin: str = "measured"  # "measured" (profiler.py) or "online" (refitted from timed
+    # rounds, spec/calibration.py; its raw rounds in samples["online"])
 
     def spread(self) -> float | None:
         """How much the repeated timings of the measured points disagreed: the median over
@@ -152,6 +155,7 @@ class LatencyProfile:
             "verify": {str(q): {"slope": f.slope, "intercept": f.intercept} for q, f in sorted(self.verify.items())},
             "allreduce": self.allreduce,
             "mode": self.mode,
+            "origin": self.origin,
             "samples": self.samples,
         }
 
@@ -293,6 +297,9 @@ def _parse(d: Any) -> LatencyProfile:
     mode = d.get("mode", "eager")
     if mode not in MODES:
         raise ValueError(f"'mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)}")
+    origin = d.get("origin", "measured")
+    if origin not in ORIGINS:
+        raise ValueError(f"'origin' must be one of {', '.join(ORIGINS)}, got {json.dumps(origin)}")
     for key in ("dtype", "torch_version", "created"):
         if not isinstance(d[key], str):
             raise ValueError(f"{key!r} must be a string, got {json.dumps(d[key])}")
@@ -311,6 +318,7 @@ def _parse(d: Any) -> LatencyProfile:
         verify=verify,
         allreduce=_number("allreduce", d.get("allreduce", 0.0), cost=True),
         mode=mode,
+        origin=origin,
     )
     _check_fits(profile, verify, attention_samples)
     return profile

@@ -212,13 +212,36 @@ def keep(profile: LatencyProfile) -> str | None:
                     "%s, so the machine was busy. Measure again on an idle machine "
                     "(`knapspec profile`) for later runs", path.parent, busy)
         return None
+    return _save(profile, path, "measured")
 
+
+def _save(profile: LatencyProfile, path: Path, what: str) -> str | None:
+    """Save atomically; the path, or None (with a WARNING) where it cannot be written."""
     try:
         profile.save(path)
     except OSError as e:
-        log.warning("could not keep the measured profile in %s: %s", path, e)
+        log.warning("could not keep the %s profile in %s: %s", what, path, e)
         return None
     return str(path)
+
+
+def online_profiles_dir() -> Path:
+    """Where profiles refitted online (spec/calibration.py) are kept: the cache's ``online/``."""
+    return cache_profiles_dir() / "online"
+
+
+def keep_online(profile: LatencyProfile) -> str | None:
+    """Save a profile refitted from a run's timed rounds (origin "online", its raw rounds in
+    its samples) in ``online_profiles_dir()``: beside the measured files, never over one and
+    never under ``profiles/``. The lookup does not read it (a refit from one run's rounds
+    must not silently price another's workload); ``--profile PATH`` can. Its path, or None
+    where it cannot be written."""
+    path = online_profiles_dir() / f"{profile.key()}.json"
+    if path.resolve().is_relative_to(profiles_dir().resolve()):
+        log.warning("not saving the online profile to %s: it is under the measured profiles "
+                    "(%s)", path, profiles_dir())
+        return None
+    return _save(profile, path, "online")
 
 
 def decode_mode(device: dict) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import pyarrow as pa
@@ -62,7 +62,15 @@ def result_columns(result) -> dict:
             "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
             "selections": s.selections, "mean_batch": s.mean_batch,
+            "plans": [{"plan": label, **asdict(t)} for label, t in s.plans.items()],
             "generation_start": _utc(s.admitted_at), "generation_end": _utc(s.finished_at)}
+
+
+#: Per plan a row decoded with: its rounds, tokens, seconds, and the predicted tokens over the
+#: seconds priced (engine/generation.py ``PlanTally``); jobs/summary.py sums them per plan.
+PLANS = pa.list_(pa.struct([("plan", pa.string()), ("rounds", pa.int64()),
+                            ("tokens", pa.int64()), ("seconds", pa.float64()),
+                            ("predicted_tokens", pa.float64()), ("priced_s", pa.float64())]))
 
 
 #: Columns the engine stage adds to every row (null where the row failed), and ``error``.
@@ -73,7 +81,7 @@ RESULT_FIELDS = [
     ("prefill_s", pa.float64()), ("tokens_per_s", pa.float64()), ("steps", pa.int64()),
     ("drafted", pa.int64()), ("accepted", pa.int64()), ("acceptance_rate", pa.float64()),
     ("attention_skipped", pa.float64()), ("mlp_skipped", pa.float64()),
-    ("selections", pa.int64()), ("mean_batch", pa.float64()),
+    ("selections", pa.int64()), ("mean_batch", pa.float64()), ("plans", PLANS),
     ("generation_start", pa.timestamp("us", tz="UTC")),
     ("generation_end", pa.timestamp("us", tz="UTC")), ("error", pa.string())]
 

@@ -43,7 +43,10 @@ def build_selector(options: StrategyOptions, model: Transformer,
         profiles = resolve_for_model(options.profile, model).profiles
     if options.name == "clasp":
         return ClaspSelector(profiles, options.gamma, CLASP_SKIP_LAYERS,
-                             KnapSpecConfig(interval=options.interval))
+                             KnapSpecConfig(interval=options.interval, calibrate=False))
+    # online calibration: on for the default, off for the authors' (their code has none)
+    calibrate = options.calibrate if options.calibrate is not None else not options.paper
     config = KnapSpecConfig(interval=options.interval, coupled=options.coupled,
-                            objective=options.objective, select_once=options.select_once)
+                            objective=options.objective, select_once=options.select_once,
+                            calibrate=calibrate)
     return (PaperSelector if options.paper else KnapSpecSelector)(profiles, config)

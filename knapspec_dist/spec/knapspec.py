@@ -39,8 +39,10 @@ from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
+from knapspec_dist.profiles.store import keep_online
 from knapspec_dist.spec import knapsack, tpt
 from knapspec_dist.spec.acceptance import AcceptanceBook
+from knapspec_dist.spec.calibration import Calibration, RoundTiming
 from knapspec_dist.spec.guard import PlanGuard, PlanRun
 from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
 from knapspec_dist.spec.schedule import (
@@ -76,6 +78,8 @@ class KnapSpecConfig:
     coupled: bool = False  # ablation: skip a layer's attention and MLP together
     objective: str = "tpt"  # "tpt" | "alpha" (ablation)
     select_once: bool = False  # ablation: select after prefill only
+    calibrate: bool = False  # refit the prices from the run's timed rounds (calibration.py;
+    # the strategy ``knapspec`` turns it on: spec/factory.py)
 
 
 @dataclass
@@ -106,6 +110,26 @@ class KnapsackSelector(Selector):
                                           config.select_once)
         self.history: list[Selection] = []
         self.selections = 0
+        self.calibration: Calibration | None = None  # made at the first start (its layers)
+        self.predicted_tps: float | None = None  # what the last selection predicted
+
+    # ------------------------------------------------------------------ prices
+
+    def price(self, batch: int) -> LatencyProfile:
+        """The profile that prices a round of ``batch`` rows: the stored one, refitted from
+        the run's timed rounds where calibration is on and found a drift."""
+        if self.calibration is None:
+            return self.pricing.at(batch)
+        return self.calibration.profile(batch)
+
+    def timed(self, timing: RoundTiming) -> None:
+        if self.calibration is not None:
+            self.calibration.observe(timing)
+
+    def predicted_rate(self, plan: Plan, context: int) -> float | None:
+        if not plan.gamma:
+            return 1.0 / self.profile.verify_time(1, context)
+        return self.predicted_tps
 
     # ------------------------------------------------------------------ what subclasses say
 
@@ -149,6 +173,8 @@ class KnapsackSelector(Selector):
     # ------------------------------------------------------------------ Selector
 
     def start(self, model: Transformer) -> None:
+        if self.config.calibrate and self.calibration is None:  # kept across runs
+            self.calibration = Calibration(self.pricing.at, model.cfg.num_layers, keep_online)
         # per row, per round observed: its committed positions' [2L+1, d] states
         self.states: dict[int, Sequence[list[torch.Tensor]]] = {}
         self.plan_now = PLAIN
@@ -177,7 +203,7 @@ class KnapsackSelector(Selector):
         self.states.pop(rid, None)
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
-        self.profile = self.pricing.at(batch.size)
+        self.profile = self.price(batch.size)
         if self.schedule.tick(batch.progress):
             self.states.clear()  # only consecutive positions up to each row's end
         if self.schedule.due(batch.progress):
@@ -251,6 +277,7 @@ class KnapsackSelector(Selector):
         selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma),
                               positions)
         self.selected(selection, raw, useful)
+        self.predicted_tps = choice.tokens_per_time
         self.history.append(selection)
         self.selections += 1
         log.debug("selection at n=%d: %d candidates, chose %s gamma=%d (tpt %.1f tok/s)", n,

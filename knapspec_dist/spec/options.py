@@ -11,7 +11,9 @@ from knapspec_dist.profiles.store import load_profile
 
 NAMES = ("ar", "static", "knapspec", "clasp")
 FLAGS = {"coupled": {"coupled": True}, "alpha": {"objective": "alpha"},
-         "once": {"select_once": True}, "tpt": {"objective": "tpt"}, "paper": {"paper": True}}
+         "once": {"select_once": True}, "tpt": {"objective": "tpt"}, "paper": {"paper": True},
+         "calibrate": {"calibrate": True}, "fixed": {"calibrate": False}}
+KNAPSPEC_ONLY = ("paper", "calibrate", "fixed")
 PAPER_MIN_INTERVAL = 7  # m = 5 gathered rounds (2..6) and the DP's round
 
 
@@ -27,6 +29,9 @@ class StrategyOptions:
     objective: str = "tpt"
     select_once: bool = False
     paper: bool = False  # knapspec: the authors' selection (spec/paper.py)
+    # knapspec: refit prices from the run's timed rounds (spec/calibration.py); None: on for
+    # the default, off for :paper (flags ``calibrate`` / ``fixed``)
+    calibrate: bool | None = None
 
 
 def parse_skip(text: str, num_layers: int) -> frozenset[int]:
@@ -58,6 +63,8 @@ def check_options(options: StrategyOptions, cfg) -> None:
         raise UserError(f"tau_conf must be in [0, 1], got {options.tau_conf}")
     if options.interval < 1:
         raise UserError(f"interval must be >= 1, got {options.interval}")
+    if options.calibrate is not None and options.name != "knapspec":
+        raise UserError(f"calibration is a knapspec option, not one of {options.name}")
     if options.paper and options.name != "knapspec":
         raise UserError(f"'paper' is a knapspec variant (knapspec:paper), not one of {options.name}")
     if options.paper and options.interval < PAPER_MIN_INTERVAL:
@@ -104,8 +111,8 @@ def parse_strategy(text: str, skip: str = "") -> StrategySpec:
         options = replace(options, skip=",".join(parts) or skip)
     if name in ("knapspec", "clasp"):
         for flag in parts:
-            if flag not in FLAGS or (flag == "paper" and name != "knapspec"):
-                allowed = [f for f in FLAGS if name == "knapspec" or f != "paper"]
+            if flag not in FLAGS or (flag in KNAPSPEC_ONLY and name != "knapspec"):
+                allowed = [f for f in FLAGS if name == "knapspec" or f not in KNAPSPEC_ONLY]
                 raise UserError(f"strategy {text!r}: unknown flag {flag!r}; choose from "
                                 f"{', '.join(allowed)}")
             options = replace(options, **FLAGS[flag])

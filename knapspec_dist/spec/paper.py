@@ -101,7 +101,7 @@ class PaperSelector(KnapsackSelector):
         return []
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
-        self.profile = self.pricing.at(batch.size)
+        self.profile = self.price(batch.size)
         self.round += 1
         if self.cadence.due(self.round):
             references = self.references(batch)

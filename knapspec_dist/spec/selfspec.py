@@ -11,24 +11,32 @@ from the full model's hidden states (``knapspec``, ``clasp``).
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from knapspec_dist.clock import Clock
-from knapspec_dist.engine.generation import GenerationConfig, finish
+from knapspec_dist.engine.generation import GenerationConfig, PlanTally, finish
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.sampling import accept, choose, probabilities
 from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.spec.calibration import RoundTiming
+from knapspec_dist.spec.options import format_skip
 
 
 @dataclass(frozen=True)
 class Plan:
     skip: frozenset[int]  # sublayer items the draft skips (2l attention, 2l+1 MLP)
     gamma: int  # draft length; 0 means a plain autoregressive step
+
+    @property
+    def label(self) -> str:
+        """``a3,m5@4`` (``ar``: plain decoding), as the per-plan stats name it."""
+        return f"{format_skip(self.skip)}@{self.gamma}" if self.gamma else "ar"
 
 
 class Selector(ABC):
@@ -50,6 +58,13 @@ class Selector(ABC):
     def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
         """One round under the current plan: ``steps`` draft forwards; row b had
         ``verified[b]`` drafts judged and kept ``accepted[b]``."""
+
+    def timed(self, timing: RoundTiming) -> None:
+        """The seconds the last round took (spec/calibration.py refits prices from them)."""
+
+    def predicted_rate(self, plan: Plan, context: int) -> float | None:
+        """Tokens per second per row the selection predicted for ``plan`` (None: no price)."""
+        return None
 
     @abstractmethod
     def plan(self, model: Transformer, batch: Batch) -> Plan:
@@ -103,6 +118,7 @@ class SelfSpeculative(Strategy):
         logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
                          slice(0, size), capture=capture, starts_dev=inputs.starts)
         n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.steps, cap)
+        before = [len(r.out) for r in rows]
         # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
         back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
         accepted, verified = [x[0] for x in back], [x[2] for x in back]
@@ -119,6 +135,9 @@ class SelfSpeculative(Strategy):
         attn = sum(1 for i in plan.skip if i % 2 == 0)
         select_s, draft_s, verify_s = (timer.seconds(t0, t1), timer.seconds(t1, t2),
                                        timer.seconds(t2, t3))
+        context = round(statistics.fmean(lengths))
+        sel.timed(RoundTiming(size, context, plan.skip, drafts.shape[1], draft_s, verify_s))
+        rate, round_s = sel.predicted_rate(plan, context), draft_s + verify_s
         for b, row in enumerate(rows):
             s = row.stats
             s.select_s += select_s
@@ -130,6 +149,8 @@ class SelfSpeculative(Strategy):
             s.fallbacks += sel.fallbacks - fallbacks
             s.attention_skipped += verified[b] * attn  # the scheduler divides by drafted
             s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
+            tally = s.plans.setdefault(plan.label, PlanTally())
+            tally.add(len(row.out) - before[b], round_s, rate)
 
     def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], inputs: RoundInputs,
                lengths: list[int], gamma: int, sampling):

@@ -9,11 +9,13 @@ can never desynchronize the collectives of the decode loop.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.parallel.comm import Comm
+from knapspec_dist.spec.calibration import RoundTiming
 from knapspec_dist.spec.selfspec import Plan
 
 log = logging.getLogger(__name__)
@@ -35,13 +37,20 @@ class SyncedSelector:
     then rank 0's plan -- and the per-rank wall-clock quantities of its schedule
     (spec/schedule.py: ``next_selection``, set from the measured selection time, and
     ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
-    ranks draft with the same subnet and gamma and run the DP at the same steps."""
+    ranks draft with the same subnet and gamma and run the DP at the same steps. The last
+    round's seconds ride on the same broadcast: every rank's calibration (spec/calibration.py)
+    is fed rank 0's, one round later, so all price the next selection alike."""
 
     SCHEDULE = {"next_selection": 1, "last_select_s": 1_000_000}  # name: integer scale
+    NANOS = 1_000_000_000  # the round's seconds, broadcast in nanoseconds
 
     def __init__(self, inner, comm: Comm):
         self.inner, self.comm = inner, comm
         self.divergences = 0
+        self.pending: RoundTiming | None = None  # this rank's last round, not yet fed
+
+    def timed(self, timing: RoundTiming) -> None:
+        self.pending = timing
 
     def __getattr__(self, name):  # selections, fallbacks, history, ...
         return getattr(self.inner, name)
@@ -65,12 +74,17 @@ class SyncedSelector:
         plan = self.inner.plan(model, batch)
         schedule = getattr(self.inner, "schedule", None)  # a static selector has none
         names = list(self.SCHEDULE)
-        code = torch.zeros(model.cfg.num_items + 1 + len(names), dtype=torch.int64)
+        code = torch.zeros(model.cfg.num_items + 3 + len(names), dtype=torch.int64)
         code[0] = plan.gamma
         for k, name in enumerate(names):  # -1: the selector has none (yet)
             value = getattr(schedule, name, None)
             code[1 + k] = -1 if value is None else int(value * self.SCHEDULE[name])
-        first = 1 + len(names)
+        timing = 1 + len(names)  # the last round's draft and verify seconds (-1: none)
+        code[timing:timing + 2] = -1
+        if self.pending is not None:
+            code[timing] = round(self.pending.draft_s * self.NANOS)
+            code[timing + 1] = round(self.pending.verify_s * self.NANOS)
+        first = timing + 2
         if plan.skip:
             code[first + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
         if self.comm.cuda:
@@ -83,6 +97,10 @@ class SyncedSelector:
                 value, scale = int(code[1 + k]), self.SCHEDULE[name]
                 setattr(schedule, name, None if value == -1 else
                         value if scale == 1 else value / scale)
+        if self.pending is not None and int(code[timing]) >= 0:
+            self.inner.timed(replace(self.pending, draft_s=int(code[timing]) / self.NANOS,
+                                     verify_s=int(code[timing + 1]) / self.NANOS))
+        self.pending = None
         if agreed != plan:
             self.divergences += 1
             log.warning("rank %d: selector plan %s differs from rank 0's %s; using rank 0's",

@@ -1,0 +1,279 @@
+"""Online self-calibration: refit what Tokens-per-Time prices from the engine's own timed rounds.
+
+Why: a latency profile measured offline drifts with batch, KV layout, load and hardware (the
+paper names it as its limitation and suggests "lightweight online self-calibration"), and the
+rounds the engine times anyway are measurements of the same costs.
+
+Each decoding round is one raw sample (``RoundTiming``): batch size, mean context, the skip set,
+its draft forwards and their seconds, and the verify forward's seconds, timed by the round's own
+clock marks (spec/selfspec.py: CUDA events read after the round's one read-back on a GPU,
+``perf_counter`` on a CPU; no host sync is added). The model refitted is the profile's own,
+scaled:
+
+    draft step (S, n) = kA * attention(n) * attentions run + kM * mlp * MLPs run + kH * head
+    verify (q, n)     = kV[q] * verify(q, n)
+
+A plain round (q = 1) is also a full step (nothing skipped, scaled to the profile's verify(1,
+n)), so plain decoding alone separates attention from MLP wherever the context varies
+(attention grows with n, MLP does not). The sublayer factors are a Huber regression on relative
+residuals with a weak prior toward the samples' common ratio: what the samples cannot tell apart
+stays priced in the profile's proportions. kV[q] is the median ratio of q's samples (the
+nearest measured q's where q has none). Factors are fitted per batch size with enough samples
+(the batch-size dependence), else pooled.
+
+Drift: a round off its prediction by more than the profile's band (its stated noise,
+``LatencyProfile.spread``, at least ``MIN_BAND``) for ``SUSTAIN`` rounds in a row starts a new
+regime; the factors are refitted from the rounds since that run began, and refreshed every
+``REFRESH`` rounds of the regime. The refit prices the next selection (``price``). A refit that
+differs from the stored profile (or from the last refit reported) by more than the band is
+logged at INFO and saved, with its raw samples and origin "online", to the profile cache
+(profiles/store.py ``keep_online``). When the clock agrees with the profile nothing is refitted.
+
+Acceptance per subnet is refitted from the same rounds by spec/acceptance.py's
+``AcceptanceBook``; this module prices time only. Everything here is a function of the samples,
+so under TP (spec/spmd.py) every rank, fed rank 0's seconds, prices alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from knapspec_dist.profiles.profile import LatencyProfile, LinearFit
+
+log = logging.getLogger(__name__)
+
+SUSTAIN = 8  # rounds in a row off the band that make a drift
+REFRESH = 64  # rounds of a regime between refreshes of its fit
+WINDOW = 512  # raw samples kept per regime
+MIN_BAND = 0.10  # the least relative deviation counted as drift
+MIN_BATCH_SAMPLES = SUSTAIN  # samples of one batch size it is fitted from alone
+PRIOR = 1.0  # the prior spread of a sublayer factor, relative to the common ratio
+HUBER = 1.345  # Huber's constant, in robust standard deviations of the residuals
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """One timed round: ``steps`` draft forwards with ``skip`` skipped (0: a plain step) and
+    their ``draft_s``, then one verify of ``steps + 1`` tokens in ``verify_s``."""
+
+    batch: int
+    context: int
+    skip: frozenset[int]
+    steps: int
+    draft_s: float
+    verify_s: float
+
+    def row(self) -> list:
+        """As saved with an online profile: [batch, context, steps, draft_s, verify_s, skip]."""
+        return [self.batch, self.context, self.steps, self.draft_s, self.verify_s,
+                sorted(self.skip)]
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Measured over predicted, per cost of the profile (1: as profiled). A verify line is
+    scaled in its two parts: the context-dependent one (its slope: KV reads) and the rest."""
+
+    attention: float = 1.0
+    mlp: float = 1.0
+    head: float = 1.0
+    verify: dict[int, tuple[float, float]] = field(default_factory=dict)  # q (0: pooled) ->
+    # (slope, intercept) factors
+
+    def verify_at(self, q: int) -> tuple[float, float]:
+        return self.verify.get(q) or self.verify.get(0) or (1.0, 1.0)
+
+    def deviation(self, other: Factors) -> float:
+        """The largest relative difference of a common cost."""
+        pairs = [(self.attention, other.attention), (self.mlp, other.mlp),
+                 (self.head, other.head)]
+        for q in self.verify | other.verify:
+            pairs += list(zip(self.verify_at(q), other.verify_at(q)))
+        return max(abs(a / b - 1.0) for a, b in pairs)
+
+    def describe(self) -> str:
+        verify = ", ".join(f"q{q} x{k[0]:.2f}/x{k[1]:.2f}" for q, k in sorted(self.verify.items())
+                           if q)
+        return (f"attention x{self.attention:.2f}, MLP x{self.mlp:.2f}, head x{self.head:.2f}, "
+                f"verify (context part/rest) {verify}")
+
+
+def scaled(profile: LatencyProfile, f: Factors) -> LatencyProfile:
+    """The profile with every cost scaled by its factor (its offline samples unchanged)."""
+    a = profile.attention
+
+    def line(q: int, v: LinearFit) -> LinearFit:
+        ks, ki = f.verify_at(q)
+        return LinearFit(v.slope * ks, v.intercept * ki)
+
+    out = replace(profile, attention=LinearFit(a.slope * f.attention, a.intercept * f.attention),
+                  mlp=profile.mlp * f.mlp, head=profile.head * f.head,
+                  verify={q: line(q, v) for q, v in profile.verify.items()})
+    # the floor (the fastest attention measured, ``attention_time``) scales too
+    out.__dict__["_fastest_attention"] = min(
+        s for _, s in profile.samples["attention"]) * f.attention
+    return out
+
+
+def verify_line(profile: LatencyProfile, q: int) -> LinearFit:
+    """The profile's verify line at q (interpolated between measured q, as it prices)."""
+    lo, hi = profile.verify_time(q, 0), profile.verify_time(q, 1)
+    return LinearFit(hi - lo, lo)
+
+
+def sublayer_features(profile: LatencyProfile, t: RoundTiming, num_layers: int
+                      ) -> tuple[list[float], float]:
+    """(attention, MLP, head seconds the profile prices in one step of ``t``, the measured
+    step): a draft step, or for a plain round the verify step in the profile's proportions."""
+    attn, mlp = profile.attention_time(t.context), profile.mlp_time()
+    if t.steps:
+        ran_a = sum(1 for i in range(0, 2 * num_layers, 2) if i not in t.skip)
+        ran_m = sum(1 for i in range(1, 2 * num_layers, 2) if i not in t.skip)
+        return [ran_a * attn, ran_m * mlp, profile.head], t.draft_s / t.steps
+    full = [num_layers * attn, num_layers * mlp, profile.head]
+    ratio = profile.verify_time(1, t.context) / sum(full)
+    return [x * ratio for x in full], t.verify_s
+
+
+def huber_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Factors k minimizing Huber(y - k . x) over relative residuals (each row over its
+    prediction at k = 1), with a Gaussian prior at the median ratio k0 (spread ``PRIOR`` x
+    k0 per factor, weighed against the residuals' robust spread): a direction the samples
+    pin down follows them, one they cannot tell apart stays at k0."""
+    x = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)
+    scale = x.sum(dim=1)
+    x, y = x / scale[:, None], y / scale
+    k0 = float(y.median())
+    k = torch.full((x.shape[1],), k0, dtype=torch.float64)
+    eye = torch.eye(x.shape[1], dtype=torch.float64)
+    for _ in range(20):
+        r = y - x @ k
+        s = max(1.4826 * float((r - r.median()).abs().median()), 1e-4 * k0)
+        w = torch.clamp(HUBER * s / r.abs().clamp(min=1e-300), max=1.0).sqrt()
+        prior = s / (PRIOR * k0)  # the prior's rows, in units of the residuals' spread
+        a = torch.cat([x * w[:, None], eye * prior])
+        b = torch.cat([y * w, torch.full((x.shape[1],), prior * k0, dtype=torch.float64)])
+        k = torch.linalg.lstsq(a, b[:, None]).solution[:, 0]
+    return [min(max(float(v), 0.05 * k0), 20.0 * k0) for v in k]
+
+
+def fit(samples: list[RoundTiming], price: Callable[[int], LatencyProfile],
+        num_layers: int) -> Factors:
+    """Factors from ``samples``; ``price(batch)``: the stored profile at that batch size.
+    Verify: pooled over q, and per q with ``SUSTAIN`` samples or more."""
+    rows, ys, by_q = [], [], {}
+    for t in samples:
+        p = price(t.batch)
+        xs, y = sublayer_features(p, t, num_layers)
+        rows.append(xs)
+        ys.append(y)
+        v = verify_line(p, t.steps + 1)
+        by_q.setdefault(t.steps + 1, []).append(([v.slope * t.context, v.intercept], t.verify_s))
+    attention, mlp, head = huber_fit(rows, ys)
+    verify = {0: tuple(huber_fit([x for xs in by_q.values() for x, _ in xs],
+                                 [y for xs in by_q.values() for _, y in xs]))}
+    for q, xs in by_q.items():
+        if len(xs) >= SUSTAIN:
+            verify[q] = tuple(huber_fit([x for x, _ in xs], [y for _, y in xs]))
+    return Factors(attention, mlp, head, verify)
+
+
+class Calibration:
+    """The run's timed rounds, the drift test and the factors that price the next selection.
+    Drift is judged per batch size: a regime (the samples since that size's last drift)
+    per size, fitted together (pooled) and, with enough samples, alone."""
+
+    def __init__(self, price: Callable[[int], LatencyProfile], num_layers: int,
+                 save: Callable[[LatencyProfile], object] | None = None):
+        """``price(batch)``: the stored profile at that batch size; ``save``: where a refit
+        that departs from it goes (profiles/store.py ``keep_online``; None: nowhere)."""
+        self.price, self.num_layers, self.save = price, num_layers, save
+        self.refits = 0  # drift-started regimes and their refreshes, over all runs
+        self.fits: dict[int | None, Factors] = {}  # batch size (None: pooled) -> factors
+        self.reported = Factors()  # the last refit logged (first: the stored profile)
+        self.regimes: dict[int, deque[RoundTiming]] = {}
+        self.runs: dict[int, list[RoundTiming]] = {}  # per size, its rounds off the band
+        self.since_fit = 0
+        self.cache: dict[int, LatencyProfile] = {}
+
+    def factors(self, batch: int) -> Factors:
+        return self.fits.get(batch) or self.fits.get(None) or Factors()
+
+    def profile(self, batch: int) -> LatencyProfile:
+        """The refitted profile of a round of ``batch`` rows (the stored one until a drift)."""
+        found = self.cache.get(batch)
+        if found is None:
+            base = self.price(batch)
+            found = base if not self.fits else scaled(base, self.factors(batch))
+            self.cache[batch] = found
+        return found
+
+    def band(self, batch: int) -> float:
+        return max(self.price(batch).spread() or 0.0, MIN_BAND)
+
+    def predicted(self, t: RoundTiming) -> float:
+        p = self.profile(t.batch)
+        return (t.steps * p.draft_time(t.skip, t.context, self.num_layers)
+                + p.verify_time(t.steps + 1, t.context))
+
+    def observe(self, t: RoundTiming) -> bool:
+        """One timed round; whether the prices were refitted from it."""
+        b, band = t.batch, self.band(t.batch)
+        off = abs((t.draft_s + t.verify_s) / self.predicted(t) - 1.0) > band
+        run = self.runs[b] = self.runs.get(b, []) + [t] if off else []
+        if b in self.regimes:
+            self.regimes[b].append(t)
+        if self.fits:
+            self.since_fit += 1
+        if len(run) >= SUSTAIN:
+            self.regimes[b] = deque(run, maxlen=WINDOW)
+            self.runs[b] = []
+            self.refit(f"drift: {SUSTAIN} rounds of batch {b} in a row off the profile by "
+                       f"more than {100 * band:.0f} %")
+            return True
+        if self.fits and self.since_fit >= REFRESH:
+            self.refit(f"refreshed from {sum(map(len, self.regimes.values()))} rounds")
+            return True
+        return False
+
+    @property
+    def samples(self) -> list[RoundTiming]:
+        return [t for regime in self.regimes.values() for t in regime]
+
+    def refit(self, why: str) -> None:
+        fits: dict[int | None, Factors] = {None: fit(self.samples, self.price, self.num_layers)}
+        for batch, regime in self.regimes.items():
+            if len(regime) >= MIN_BATCH_SAMPLES:
+                fits[batch] = fit(list(regime), self.price, self.num_layers)
+        self.fits, self.cache, self.since_fit = fits, {}, 0
+        self.refits += 1
+        pooled = fits[None]
+        band = min(map(self.band, self.regimes))
+        if pooled.deviation(self.reported) <= band:
+            log.debug("online calibration (%s): within %.0f %% of the last refit", why,
+                      100 * band)
+            return
+        self.reported = pooled
+        log.info("online calibration (%s): %s against the stored profile", why,
+                 pooled.describe())
+        if self.save is not None:
+            self.save(self.online_profile(max(self.regimes, key=lambda b: len(self.regimes[b]))))
+
+    def online_profile(self, batch: int) -> LatencyProfile:
+        """The refitted profile at ``batch``, its raw online samples and factors kept, origin
+        "online"."""
+        f, base = self.factors(batch), self.price(batch)
+        out = scaled(base, f)
+        out.samples = {**base.samples, "online": {
+            "rounds": [t.row() for t in self.regimes.get(batch, self.samples)],
+            "columns": ["batch", "context", "steps", "draft_s", "verify_s", "skip"],
+            "factors": {"attention": f.attention, "mlp": f.mlp, "head": f.head,
+                        "verify": {str(q): list(k) for q, k in sorted(f.verify.items())}}}}
+        out.origin = "online"
+        return out

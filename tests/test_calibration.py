@@ -1,0 +1,259 @@
+"""Online self-calibration (spec/calibration.py), fed by a simulated clock: a drifted cost model
+is detected and refitted and the selection follows the true costs; a clock that agrees with
+the profile refits nothing; the tokens stay ``ar``'s."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from knapspec_dist.clock import Clock
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.profiles import store
+from knapspec_dist.profiles.profile import LatencyProfile, fit_profile, integer_weights
+from knapspec_dist.spec import calibration, tpt
+from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.spec.calibration import Calibration, RoundTiming
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.spec.selfspec import SelfSpeculative
+
+LAYERS = 4
+MLP = 7e-4
+HEAD = 2e-4
+
+
+def cost_model(attention_scale: float = 1.0, layers: int = LAYERS, shape=None,
+               spread: float = 0.02) -> LatencyProfile:
+    """A profile from made-up samples: attention 1e-4 + 1.5e-7 n (x ``attention_scale``),
+    MLP 7e-4, verify the sum of its sublayers growing 10 % per query token. Tests only."""
+    ns = [256, 1024, 4096]
+
+    def attn(n):
+        return attention_scale * (1e-4 + 1.5e-7 * n)
+
+    samples = {"attention": [[n, attn(n)] for n in ns], "mlp": [MLP] * 3, "head": [HEAD] * 3,
+               "verify": [[q, n, (layers * (attn(n) + MLP) + HEAD) * (1 + 0.1 * (q - 1))]
+                          for q in range(1, 12) for n in ns],
+               "spread": {"mlp": [[n, spread] for n in ns]}}
+    return fit_profile(samples, device={"name": "synthetic", "threads": 1},
+                       model=shape or {"layers": layers}, dtype="fp32", batch=1, tp=1,
+                       torch_version=torch.__version__)
+
+
+def timed(true: LatencyProfile, skip: frozenset[int], steps: int, n: int, batch: int = 1,
+          noise: float = 0.0) -> RoundTiming:
+    """A round as a clock that runs at ``true``'s costs reads it (``noise``: relative)."""
+    return RoundTiming(batch, n, skip, steps,
+                       steps * true.draft_time(skip, n, LAYERS) * (1 + noise),
+                       true.verify_time(steps + 1, n) * (1 - noise))
+
+
+ATTENTIONS = frozenset({2, 4})  # a draft that skips two attention sublayers
+MLPS = frozenset({3, 5})  # ... and one that skips two MLPs
+
+
+def rounds(true: LatencyProfile, count: int, noise: float = 0.0):
+    """Plain and drafting rounds at contexts growing from 500 (as a run's do)."""
+    plans = [(frozenset(), 0), (ATTENTIONS, 4), (MLPS, 3)]
+    for i in range(count):
+        skip, steps = plans[i % 3]
+        yield timed(true, skip, steps, 500 + 40 * i, noise=noise * (-1) ** i)
+
+
+def choice(profile: LatencyProfile, n: int) -> tpt.Choice:
+    """The TPT search between the two drafts, at the same acceptance, priced by ``profile``."""
+    times = [profile.draft_time(s, n, LAYERS) for s in (ATTENTIONS, MLPS)]
+    return tpt.search([0.8, 0.8], times, lambda q: profile.verify_time(q, n))
+
+
+def test_a_drifted_cost_model_is_detected_refitted_and_changes_the_selection(caplog):
+    stored, true = cost_model(), cost_model(attention_scale=3.0)  # attention 3x dearer
+    n = 2000
+    assert choice(stored, n).candidate == 1 and choice(true, n).candidate == 0
+    assert integer_weights(stored, n, LAYERS) != integer_weights(true, n, LAYERS)
+    saved = []
+    cal = Calibration(lambda b: stored, LAYERS, saved.append)
+    caplog.set_level("INFO", logger=calibration.__name__)
+    refitted_at = [i for i, t in enumerate(rounds(true, 3 * calibration.REFRESH))
+                   if cal.observe(t)]
+    assert refitted_at[0] == calibration.SUSTAIN - 1  # detected after a sustained run
+    f = cal.factors(1)
+    assert f.attention == pytest.approx(3.0, rel=0.05)
+    assert f.mlp == pytest.approx(1.0, rel=0.05) and f.head == pytest.approx(1.0, rel=0.2)
+    priced = cal.profile(1)
+    for q in (1, 4, 5, 9):  # 9: never verified, priced by the pooled fit
+        for c in (600, n, 8000):
+            assert priced.verify_time(q, c) == pytest.approx(true.verify_time(q, c), rel=0.02)
+    assert priced.attention_time(n) == pytest.approx(true.attention_time(n), rel=0.05)
+    # the next selection: the DP's weights and the TPT choice are the true costs'
+    assert integer_weights(priced, n, LAYERS) == integer_weights(true, n, LAYERS)
+    assert choice(priced, n).candidate == 0
+    # logged once per refit that departs from what was reported before, and saved as such
+    infos = [r for r in caplog.records if r.levelname == "INFO"]
+    assert 1 <= len(infos) <= len(refitted_at) and "attention x3.00" in infos[0].getMessage()
+    assert saved and saved[0].origin == "online"
+    online = saved[-1].samples["online"]
+    assert len(online["rounds"]) >= calibration.SUSTAIN
+    assert online["factors"]["attention"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_no_refit_when_the_clock_agrees_with_the_profile():
+    stored = cost_model()
+    cal = Calibration(lambda b: stored, LAYERS, lambda p: pytest.fail("saved"))
+    # within the profile's band (MIN_BAND: 10 %): 6 % off, alternately slow and fast
+    assert not any(cal.observe(t) for t in rounds(stored, 200, noise=0.06))
+    assert cal.refits == 0 and cal.profile(1) is stored
+    # a short burst off the band (another process for a few rounds) is no drift either
+    burst = [timed(stored, frozenset(), 0, 900, noise=0.5)] * (calibration.SUSTAIN - 1)
+    assert not any(cal.observe(t) for t in [*burst, *rounds(stored, 10)])
+    assert cal.refits == 0
+
+
+def test_the_fit_is_robust_and_keeps_unseparable_costs_in_proportion():
+    stored = cost_model()
+    # plain rounds at one context cannot tell attention from MLP: both scale alike
+    same = [timed(stored, frozenset(), 0, 1000)] * 20
+    slow = [RoundTiming(1, 1000, frozenset(), 0, 0.0, 2 * t.verify_s) for t in same]
+    f = calibration.fit(slow, lambda b: stored, LAYERS)
+    assert f.attention == pytest.approx(f.mlp) == pytest.approx(2.0, rel=1e-3)
+    # a tenth of the rounds hit by a 10x stall moves the Huber fit by little
+    stalled = [RoundTiming(1, t.context, t.skip, t.steps, t.draft_s * 10, t.verify_s * 10)
+               if i % 10 == 0 else t for i, t in enumerate(rounds(stored, 100))]
+    f = calibration.fit(stalled, lambda b: stored, LAYERS)
+    assert max(abs(k - 1) for k in (f.attention, f.mlp, f.head)) < 0.15
+    assert max(abs(k - 1) for k in f.verify[1]) < 0.15
+
+
+def test_factors_per_batch_size():
+    stored = cost_model()
+    cal = Calibration(lambda b: stored, LAYERS)
+    for i in range(40):  # batch 4 rounds run 2x the profile, batch 1 rounds 3x
+        b, k = (4, 2.0) if i % 2 else (1, 3.0)
+        t = timed(stored, frozenset(), 0, 800 + 10 * i, batch=b)
+        cal.observe(RoundTiming(b, t.context, t.skip, 0, 0.0, k * t.verify_s))
+    assert cal.factors(4).verify[1] == pytest.approx((2.0, 2.0))
+    assert cal.factors(1).verify[1] == pytest.approx((3.0, 3.0))
+
+
+def test_online_profile_round_trips_and_never_lands_under_profiles(tmp_path, monkeypatch):
+    stored = cost_model()
+    cal = Calibration(lambda b: stored, LAYERS)
+    for t in rounds(cost_model(attention_scale=2.0), calibration.SUSTAIN):
+        cal.observe(t)
+    online = cal.online_profile(1)
+    monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KNAPSPEC_PROFILES", str(tmp_path / "profiles"))
+    path = store.keep_online(online)
+    assert path == str(tmp_path / "cache" / "online" / f"{stored.key()}.json")
+    again = LatencyProfile.load(path)
+    assert again.origin == "online" and again.samples["online"]["rounds"]
+    assert again.attention(2000) == pytest.approx(online.attention(2000))
+    assert json.loads(open(path).read())["origin"] == "online"
+    # the lookup never picks it up in place of a measured profile
+    assert store.find_profile(store.search_dirs(), stored.device, stored.model, "fp32") is None
+    monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "profiles" / "cache"))
+    assert store.keep_online(online) is None
+
+
+# ---------------------------------------------------------------------- through the engine
+
+
+class SimClock(Clock):
+    """A clock that reads simulated seconds: each forward of ``ChargedRunner`` advances it by
+    what the true cost model says that forward costs."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def mark(self) -> float:
+        return self.t
+
+    def sync(self) -> None:
+        pass
+
+
+class ChargedRunner(ModelRunner):
+    def __init__(self, model, clock: SimClock, true: LatencyProfile):
+        super().__init__(model)
+        self.clock, self.true = clock, true
+
+    def __call__(self, tokens, starts, cache, rows=None, skip=frozenset(), **kw):
+        n = round(statistics.fmean(starts))
+        layers = self.model.cfg.num_layers
+        self.clock.t += (self.true.draft_time(skip, n, layers) if skip
+                         else self.true.verify_time(tokens.shape[1], n))
+        return super().__call__(tokens, starts, cache, rows, skip, **kw)
+
+
+@pytest.mark.parametrize("drift", [3.0, 1.0])
+def test_calibration_through_the_engine_keeps_tokens_and_refits_only_a_drift(engine_model,
+                                                                           drift):
+    model = engine_model("llama-gqa")
+    shape = model.cfg.shape()
+    stored = cost_model(layers=model.cfg.num_layers, shape=shape)
+    true = cost_model(drift, layers=model.cfg.num_layers, shape=shape)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (30, 300)]
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    selector = KnapSpecSelector(stored, KnapSpecConfig(interval=8, overhead_budget=1e9,
+                                                       calibrate=True))
+    clock = SimClock()
+    results = generate(SelfSpeculative(selector, tau_conf=0.0, name="knapspec"), model,
+                       prompts, config, runner=ChargedRunner(model, clock, true), clock=clock)
+    expected = generate(Autoregressive(), model, prompts, config)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    cal = selector.calibration
+    if drift == 1.0:
+        assert cal.refits == 0 and selector.price(2) is selector.pricing.at(2)
+    else:
+        assert cal.refits >= 1
+        n = 400
+        assert selector.price(2).verify_time(1, n) == pytest.approx(true.verify_time(1, n),
+                                                                    rel=0.05)
+    plans = [t for r in results for t in r.stats.plans.values()]
+    assert sum(t.tokens for t in plans) == sum(len(r.token_ids) for r in results) - len(prompts)
+    assert all(t.priced_s == pytest.approx(t.seconds) for t in plans)
+
+
+def test_every_tp_rank_is_fed_rank0s_seconds():
+    """Under TP each rank times its own rounds; its calibration is fed rank 0's seconds (on the
+    plan's broadcast, one round later), so every rank prices the next DP alike."""
+    from types import SimpleNamespace
+
+    from knapspec_dist.spec.selfspec import Plan
+    from knapspec_dist.spec.spmd import SyncedSelector
+
+    class Inner:
+        def __init__(self):
+            self.fed = []
+
+        def plan(self, model, batch):
+            return Plan(frozenset({2}), 3)
+
+        def timed(self, timing):
+            self.fed.append(timing)
+
+    model = SimpleNamespace(cfg=SimpleNamespace(num_items=8))
+    sent, root, other = [], Inner(), Inner()
+    rank0 = SyncedSelector(root, SimpleNamespace(
+        cuda=False, rank=0, broadcast=lambda t, src: sent.append(t.clone())))
+    rank1 = SyncedSelector(other, SimpleNamespace(
+        cuda=False, rank=1, broadcast=lambda t, src: t.copy_(sent[-1])))
+    rank0.plan(model, None)
+    rank1.plan(model, None)
+    assert root.fed == other.fed == []  # no round timed yet
+    mine = RoundTiming(2, 700, frozenset({2}), 3, 0.0123, 0.0456)
+    rank0.timed(mine)
+    rank1.timed(RoundTiming(2, 700, frozenset({2}), 3, 0.02, 0.05))
+    rank0.plan(model, None)
+    rank1.plan(model, None)
+    assert root.fed == other.fed == [mine]
