@@ -126,7 +126,7 @@ def test_the_fit_is_robust_and_keeps_unseparable_costs_in_proportion():
                if i % 10 == 0 else t for i, t in enumerate(rounds(stored, 100))]
     f = calibration.fit(stalled, lambda b: stored, LAYERS)
     assert max(abs(k - 1) for k in (f.attention, f.mlp, f.head)) < 0.15
-    assert max(abs(k - 1) for k in f.verify[1]) < 0.15
+    assert max(abs(k - 1) for k in f.verify_at(1)) < 0.15
 
 
 def test_factors_per_batch_size():
@@ -136,8 +136,8 @@ def test_factors_per_batch_size():
         b, k = (4, 2.0) if i % 2 else (1, 3.0)
         t = timed(stored, frozenset(), 0, 800 + 10 * i, batch=b)
         cal.observe(RoundTiming(b, t.context, t.skip, 0, 0.0, k * t.verify_s))
-    assert cal.factors(4).verify[1] == pytest.approx((2.0, 2.0))
-    assert cal.factors(1).verify[1] == pytest.approx((3.0, 3.0))
+    assert cal.factors(4).verify_at(1) == pytest.approx((2.0, 2.0))
+    assert cal.factors(1).verify_at(1) == pytest.approx((3.0, 3.0))
 
 
 def test_online_profile_round_trips_and_never_lands_under_profiles(tmp_path, monkeypatch):
@@ -257,3 +257,22 @@ def test_every_tp_rank_is_fed_rank0s_seconds():
     rank0.plan(model, None)
     rank1.plan(model, None)
     assert root.fed == other.fed == [mine]
+
+
+def test_on_for_knapspec_off_for_the_authors_and_named_by_flags(engine_model):
+    from knapspec_dist.errors import UserError
+    from knapspec_dist.spec.factory import build_selector
+    from knapspec_dist.spec.options import parse_strategy
+
+    model = engine_model("llama-gqa")
+    profile = cost_model(layers=model.cfg.num_layers, shape=model.cfg.shape())
+
+    def calibrates(text: str) -> bool:
+        selector = build_selector(parse_strategy(text).options, model, [profile])
+        return selector.config.calibrate
+
+    assert calibrates("knapspec") and not calibrates("knapspec:fixed")
+    assert not calibrates("knapspec:paper") and calibrates("knapspec:paper+calibrate")
+    assert not calibrates("clasp@3")
+    with pytest.raises(UserError, match="unknown flag 'calibrate'"):
+        parse_strategy("clasp:calibrate")

@@ -178,6 +178,11 @@ def _check_doc(doc: dict) -> None:
     assert batched and all(r["status"] == "ok" and r["verdict"] == "ok" for r in batched)
     assert all(r["ar"]["tokens_per_s"] > 0 and r["knapspec"]["tokens_per_s"] > 0
                and r["ar"]["mean_batch"] > 1 for r in batched)
+    found = doc["findings"]["runs"]  # every strategy of the findings, token-checked against ar
+    assert found and all(r["status"] == "ok" and r["verdict"] == "ok" for r in found)
+    strategies = {x["strategy"] for r in found for x in r["rows"]}
+    assert {"ar", "knapspec", "knapspec:paper", "knapspec:paper+coupled"} <= strategies
+    assert all(f["attention_share"] >= 0 for r in found for f in r["findings"])
 
 
 def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
@@ -276,9 +281,10 @@ def test_without_smollm2_the_first_line_says_the_real_model_sections_are_skipped
     main(["gpu-check", "--device", "cpu", "--out", str(tmp_path)])  # full plan, nothing run
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("gpu-check: real-model sections skipped (SmolLM2 not installed")
-    assert "bench and batched do not run" in first
+    assert "bench, batched and findings do not run" in first
     assert list(planned) == list(SHARES)
     assert planned["bench"].startswith("no real model") and planned["batched"] == planned["bench"]
+    assert planned["findings"] == planned["bench"]
     assert callable(planned["correctness"]) and callable(planned["pieces"])
     doc = json.loads((tmp_path / "gpu-check.json").read_text())
     assert doc["meta"]["headline"] == first

@@ -17,7 +17,15 @@ import torch
 from knapspec_dist.cli.common import emit, run
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles.device import device_info
-from knapspec_dist.tools.gpucheck import batched, correct, late, measure, report, shapes
+from knapspec_dist.tools.gpucheck import (
+    batched,
+    correct,
+    findings,
+    late,
+    measure,
+    report,
+    shapes,
+)
 from knapspec_dist.tools.gpucheck.budget import Budget, Section
 from knapspec_dist.tools.gpucheck.rows import Rows, run_sections
 
@@ -28,12 +36,15 @@ FULL = dict(contexts=(1024, 16384, 65536), batches=(1, 8, 32), qs=(2, 4, 8, 11),
             correct=dict(new_tokens=48, prompt_tokens=256, count=2, profile_contexts=(256, 1024)),
             bench=dict(contexts=(1024, 4096, 8192), count=3, new_tokens=64),
             batched=dict(context=8192, batches=(8, 32), new_tokens=64,
-                         profile_contexts=(1024, 8192)))
+                         profile_contexts=(1024, 8192)),
+            findings=dict(contexts=(1024, 2048, 4096, 8192), new_tokens=96, interval=16,
+                          profile_contexts=(1024, 8192)))
 QUICK = dict(contexts=(64, 256), batches=(1, 2), qs=(2, 4), ab_contexts=(64, 256), iters=3,
              budget_s=45.0,
              correct=dict(new_tokens=12, prompt_tokens=24, count=1, profile_contexts=(32, 64)),
              bench=dict(contexts=(64, 128), count=1, new_tokens=8),
-             batched=dict(context=64, batches=(2, 4), new_tokens=8, profile_contexts=(32, 64)))
+             batched=dict(context=64, batches=(2, 4), new_tokens=8, profile_contexts=(32, 64)),
+             findings=dict(contexts=(64,), new_tokens=12, interval=7, profile_contexts=(32, 64)))
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -79,7 +90,7 @@ def verdict(doc: dict, rows: Rows, stopped: str | None) -> int:
     """Exit status: 1 when a greedy run diverged beyond a near-tie, a row or section failed, or
     a CUDA error stopped the check (all of it is in the report), else 0."""
     bugs = [r for r in doc["correctness"]["greedy"] + doc["bench"]["runs"]
-            + doc["batched"]["runs"] if r.get("verdict") == "BUG"]
+            + doc["batched"]["runs"] + doc["findings"]["runs"] if r.get("verdict") == "BUG"]
     if bugs:
         emit(f"error: {len(bugs)} greedy run(s) diverge from ar beyond a near-tie", error=True)
     for line in rows.errors:
@@ -102,7 +113,8 @@ def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budg
             "backends": [], "early_exit": [], "block_mask": [], "pieces": [],
             "correctness": {"greedy": [], "sampling": [], "notes": []},
             "bench": {"runs": [], "summary": [], "notes": []},
-            "batched": {"runs": [], "notes": []}, "notes": []}
+            "batched": {"runs": [], "notes": []}, "findings": {"runs": [], "notes": []},
+            "notes": []}
 
 
 def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel, rows: Rows,
@@ -128,6 +140,8 @@ def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel,
                                                            **setup["bench"]))),
         ("batched", no_model or (lambda s: batched.run_batched(device, real, s, doc["batched"],
                                                                rows, **setup["batched"]))),
+        ("findings", no_model or (lambda s: findings.run_findings_section(
+            device, real, s, doc["findings"], rows, **setup["findings"]))),
         ("backends", on_shapes(late.backends)),
         ("drafting", on_shapes(late.drafting)),  # early exit's cost; compute_q_blocks
         # "pieces" stays last: its capture is the one most likely to poison the device.

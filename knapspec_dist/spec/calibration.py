@@ -54,6 +54,7 @@ MIN_BAND = 0.10  # the least relative deviation counted as drift
 MIN_BATCH_SAMPLES = SUSTAIN  # samples of one batch size it is fitted from alone
 PRIOR = 1.0  # the prior spread of a sublayer factor, relative to the common ratio
 HUBER = 1.345  # Huber's constant, in robust standard deviations of the residuals
+IRLS_STEPS = 10  # reweightings of the Huber fit at most (it settles in a few)
 
 
 @dataclass(frozen=True)
@@ -152,34 +153,51 @@ def huber_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     k0 = float(y.median())
     k = torch.full((x.shape[1],), k0, dtype=torch.float64)
     eye = torch.eye(x.shape[1], dtype=torch.float64)
-    for _ in range(20):
+    for _ in range(IRLS_STEPS):
         r = y - x @ k
         s = max(1.4826 * float((r - r.median()).abs().median()), 1e-4 * k0)
         w = torch.clamp(HUBER * s / r.abs().clamp(min=1e-300), max=1.0).sqrt()
         prior = s / (PRIOR * k0)  # the prior's rows, in units of the residuals' spread
         a = torch.cat([x * w[:, None], eye * prior])
         b = torch.cat([y * w, torch.full((x.shape[1],), prior * k0, dtype=torch.float64)])
-        k = torch.linalg.lstsq(a, b[:, None]).solution[:, 0]
+        k, last = torch.linalg.lstsq(a, b[:, None]).solution[:, 0], k
+        if float((k - last).abs().max()) < 1e-6 * k0:
+            break
     return [min(max(float(v), 0.05 * k0), 20.0 * k0) for v in k]
 
 
+Features = tuple[list[float], float, list[float]]  # sublayer seconds, step, verify parts
+
+
+def features(t: RoundTiming, price: Callable[[int], LatencyProfile], num_layers: int
+             ) -> Features:
+    """What the stored profile prices in ``t``: its step's sublayer seconds and the measured
+    step (``sublayer_features``), and its verify line's context and constant parts at t."""
+    p = price(t.batch)
+    xs, y = sublayer_features(p, t, num_layers)
+    v = verify_line(p, t.steps + 1)
+    return xs, y, [v.slope * t.context, v.intercept]
+
+
 def fit(samples: list[RoundTiming], price: Callable[[int], LatencyProfile],
-        num_layers: int) -> Factors:
-    """Factors from ``samples``; ``price(batch)``: the stored profile at that batch size.
-    Verify: pooled over q, and per q with ``SUSTAIN`` samples or more."""
+        num_layers: int, memo: dict[RoundTiming, Features] | None = None) -> Factors:
+    """Factors from ``samples``; ``price(batch)``: the stored profile at that batch size;
+    ``memo``: their ``features`` where known (filled in). Verify: pooled over q, and per q
+    with ``SUSTAIN`` samples or more."""
+    memo = {} if memo is None else memo
     rows, ys, by_q = [], [], {}
     for t in samples:
-        p = price(t.batch)
-        xs, y = sublayer_features(p, t, num_layers)
-        rows.append(xs)
-        ys.append(y)
-        v = verify_line(p, t.steps + 1)
-        by_q.setdefault(t.steps + 1, []).append(([v.slope * t.context, v.intercept], t.verify_s))
+        f = memo.get(t)
+        if f is None:
+            f = memo[t] = features(t, price, num_layers)
+        rows.append(f[0])
+        ys.append(f[1])
+        by_q.setdefault(t.steps + 1, []).append((f[2], t.verify_s))
     attention, mlp, head = huber_fit(rows, ys)
     verify = {0: tuple(huber_fit([x for xs in by_q.values() for x, _ in xs],
                                  [y for xs in by_q.values() for _, y in xs]))}
     for q, xs in by_q.items():
-        if len(xs) >= SUSTAIN:
+        if len(xs) >= SUSTAIN and len(by_q) > 1:
             verify[q] = tuple(huber_fit([x for x, _ in xs], [y for _, y in xs]))
     return Factors(attention, mlp, head, verify)
 
@@ -201,6 +219,7 @@ class Calibration:
         self.runs: dict[int, list[RoundTiming]] = {}  # per size, its rounds off the band
         self.since_fit = 0
         self.cache: dict[int, LatencyProfile] = {}
+        self.memo: dict[RoundTiming, Features] = {}  # the samples' features (``fit``)
 
     def factors(self, batch: int) -> Factors:
         return self.fits.get(batch) or self.fits.get(None) or Factors()
@@ -247,10 +266,13 @@ class Calibration:
         return [t for regime in self.regimes.values() for t in regime]
 
     def refit(self, why: str) -> None:
-        fits: dict[int | None, Factors] = {None: fit(self.samples, self.price, self.num_layers)}
+        samples = self.samples
+        memo = {t: self.memo[t] for t in samples if t in self.memo}
+        fits: dict[int | None, Factors] = {None: fit(samples, self.price, self.num_layers, memo)}
         for batch, regime in self.regimes.items():
-            if len(regime) >= MIN_BATCH_SAMPLES:
-                fits[batch] = fit(list(regime), self.price, self.num_layers)
+            if len(regime) >= MIN_BATCH_SAMPLES and len(self.regimes) > 1:
+                fits[batch] = fit(list(regime), self.price, self.num_layers, memo)
+        self.memo = memo
         self.fits, self.cache, self.since_fit = fits, {}, 0
         self.refits += 1
         pooled = fits[None]

@@ -65,7 +65,7 @@ def _run(subj, profiles, config, b: int, context: int, new_tokens: int) -> dict:
     run, made = {}, {}
     for name in ("ar", "knapspec"):
         strategy = Autoregressive() if name == "ar" else SelfSpeculative(
-            KnapSpecSelector(profiles, KnapSpecConfig()), name="knapspec")
+            KnapSpecSelector(profiles, KnapSpecConfig(calibrate=True)), name="knapspec")
         sched = Scheduler(strategy, subj.model, config, b, capacity)
         made[name] = sched.run(docs)
         t = sched.throughput

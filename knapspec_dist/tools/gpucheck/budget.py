@@ -16,8 +16,8 @@ import time
 # attention backend, per-sublayer draft graphs), so that a crash there, which may poison the
 # CUDA context, costs nothing measured before it. Measurements within a section go smallest
 # first: what is skipped is the largest part.
-SHARES = {"shapes": 0.32, "correctness": 0.15, "bench": 0.15, "batched": 0.15,
-          "backends": 0.09, "drafting": 0.05, "pieces": 0.09}
+SHARES = {"shapes": 0.28, "correctness": 0.14, "bench": 0.14, "batched": 0.14,
+          "findings": 0.10, "backends": 0.08, "drafting": 0.04, "pieces": 0.08}
 
 
 class Budget:

@@ -77,10 +77,10 @@ class RealModel:
         if self.path is not None:
             return f"gpu-check: real model SmolLM2 ({self.path}): every section runs"
         if self.stand_in:
-            return (f"gpu-check: no real model ({self.reason}): bench and batched run on a "
-                    "random tiny model, as a check of the program only")
-        return (f"gpu-check: real-model sections skipped ({self.reason}): bench and batched do "
-                "not run, correctness runs on a random tiny model")
+            return (f"gpu-check: no real model ({self.reason}): bench, batched and findings run "
+                    "on a random tiny model, as a check of the program only")
+        return (f"gpu-check: real-model sections skipped ({self.reason}): bench, batched and "
+                "findings do not run, correctness runs on a random tiny model")
 
 
 def real_model(quick: bool) -> RealModel:

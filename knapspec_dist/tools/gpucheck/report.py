@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from knapspec_dist.tools.gpucheck.batched import table as batched_table
+from knapspec_dist.tools.gpucheck.findings import markdown as findings_markdown
 
 
 def _fmt(v) -> str:
@@ -102,9 +103,12 @@ def markdown(doc: dict) -> str:
     bt = doc.get("batched", {"runs": [], "notes": []})
     lines += [f"## Continuous batching, ar vs knapspec ({bt.get('model', '-')}, bf16)", "",
               *batched_table(bt), ""]
+    fd = doc.get("findings", {"runs": [], "notes": []})
+    lines += [f"## The paper's findings: knapspec:paper and its ablations "
+              f"({fd.get('model', '-')}, bf16)", "", *findings_markdown(fd), ""]
     unmeasured = [f"bench {r['strategy']} at context {r['context']} ({r['prompt']}): "
                   f"{r['status']}" for r in b["runs"] if r["status"] != "ok"]
-    notes = doc["notes"] + c["notes"] + b["notes"] + unmeasured + bt["notes"]
+    notes = doc["notes"] + c["notes"] + b["notes"] + unmeasured + bt["notes"] + fd["notes"]
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
