@@ -98,8 +98,8 @@ class Factors:
         return max(abs(a / b - 1.0) for a, b in pairs)
 
     def describe(self) -> str:
-        verify = ", ".join(f"q{q} x{k[0]:.2f}/x{k[1]:.2f}" for q, k in sorted(self.verify.items())
-                           if q)
+        verify = ", ".join(f"{f'q{q}' if q else 'every q'} x{k[0]:.2f}/x{k[1]:.2f}"
+                           for q, k in sorted(self.verify.items()))
         return (f"attention x{self.attention:.2f}, MLP x{self.mlp:.2f}, head x{self.head:.2f}, "
                 f"verify (context part/rest) {verify}")
 
