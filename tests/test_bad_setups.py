@@ -80,10 +80,16 @@ def rows_on_disk(out: Path) -> list[dict]:
 def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, capsys):
     """Cases 2, 1 and 8: a failed start (bad --model, --gamma 0) blocks nothing; the corrected
     job runs; the same output folder then refuses another input and stays untouched; the
-    summary groups the over-long rows under one kind."""
+    summary groups the over-long rows under one kind.  Issue 16: a row of invalid UTF-8
+    (Parquet does not check a string column's bytes) is that row's error alone."""
     short = "The cat sat on the mat. It was a sunny day and the cat was happy."
-    a = write_input(tmp_path / "A.parquet", ["a1", "a2", "a3", "a4"],
-                    [short, short + " The end.", "word " * 300, "word " * 450])
+    texts = [short, short + " The end.", "word " * 300, "word " * 450]
+    docs = pa.array([t.encode() for t in texts] + [b"\xff\xfe bad"], pa.binary())
+    a = str(tmp_path / "A.parquet")
+    pq.write_table(pa.table({"id": ["a1", "a2", "a3", "a4", "a5"],
+                             "document": docs.view(pa.string())}), a)
+    with pytest.raises(UnicodeDecodeError):  # what crashed the job before
+        pq.read_table(a).column("document").to_pylist()
     b = write_input(tmp_path / "B.parquet", ["b1", "b2"], [short, short])
     out = tmp_path / "OUT"
     base = ["--input", a, "--output", str(out), *C, "--max-model-len", "256",
@@ -96,20 +102,25 @@ def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, 
 
     done = summarize(*base)  # the corrected command: not refused
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "rows: 2 ok, 3 failed" in done.stdout, done.stdout
     rows = {r["id"]: r for r in rows_on_disk(out)}
-    assert set(rows) == {"a1", "a2", "a3", "a4"}
+    assert set(rows) == {"a1", "a2", "a3", "a4", "a5"}
     assert rows["a1"]["error"] is None and rows["a1"]["num_generated_tokens"] >= 1
+    assert rows["a2"]["error"] is None
     assert rows["a3"]["error"] and rows["a4"]["error"]
+    assert rows["a5"]["error"].startswith("'document' is not valid UTF-8: invalid start byte")
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rows"]["input"] == 4 and summary["rows"]["ok"] == 2
-    assert summary["errors"] == {"prompt too long for the context window": 2}  # case 8
+    assert summary["rows"]["input"] == 5 and summary["rows"]["ok"] == 2
+    assert summary["errors"] == {"prompt too long for the context window": 2,  # case 8
+                                 "'document' is not valid UTF-8": 1}
 
     before = snapshot(out)
     refused = in_process(capsys, "summarize", "--input", b, "--output", str(out), *C,
                          "--max-model-len", "256", "--address", "local")
     one_error(refused, "holds rows of a different job", "input", "B.parquet")
     assert snapshot(out) == before  # the existing output is untouched
-    assert sorted(r["id"] for r in rows_on_disk(out)) == ["a1", "a2", "a3", "a4"]
+    assert sorted(r["id"] for r in rows_on_disk(out)) == ["a1", "a2", "a3", "a4", "a5"]
 
 
 @pytest.mark.parametrize("where", ["file", "proc"])
