@@ -21,6 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import subprocess_env
 
+from knapspec_dist.cli.job import main as job_main
+from knapspec_dist.cli.main import main as knapspec_main
+
 REPO = Path(__file__).resolve().parent.parent
 C = ["--strategy", "ar", "--max-new-tokens", "8", "--baseline-fraction", "0"]
 PROFILE = next((REPO / "profiles").glob("*layers30-hidden576*__eager.json"))
@@ -34,6 +37,17 @@ def summarize(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "knapspec_dist.cli.main", *args], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def in_process(capsys, command, *args: str) -> subprocess.CompletedProcess:
+    """``command`` (``knapspec`` or ``summarize.py``) run by its ``main`` in this process, as
+    a CompletedProcess: for the refusals made before any Ray starts, where a fresh
+    interpreter would add only its start-up; each command still has subprocess cases here."""
+    rc = knapspec_main(list(args)) if command == "knapspec" else job_main(list(args))
+    out, err = capsys.readouterr()
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized(), "refused only after Ray started"
+    return subprocess.CompletedProcess([command, *args], rc, out, err)
 
 
 def one_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -63,43 +77,54 @@ def rows_on_disk(out: Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- jobs
 
-def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path):
+def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, capsys):
     """Cases 2, 1 and 8: a failed start (bad --model, --gamma 0) blocks nothing; the corrected
     job runs; the same output folder then refuses another input and stays untouched; the
-    summary groups the over-long rows under one kind."""
+    summary groups the over-long rows under one kind.  Issue 16: a row of invalid UTF-8
+    (Parquet does not check a string column's bytes) is that row's error alone."""
     short = "The cat sat on the mat. It was a sunny day and the cat was happy."
-    a = write_input(tmp_path / "A.parquet", ["a1", "a2", "a3", "a4"],
-                    [short, short + " The end.", "word " * 300, "word " * 450])
+    texts = [short, short + " The end.", "word " * 300, "word " * 450]
+    docs = pa.array([t.encode() for t in texts] + [b"\xff\xfe bad"], pa.binary())
+    a = str(tmp_path / "A.parquet")
+    pq.write_table(pa.table({"id": ["a1", "a2", "a3", "a4", "a5"],
+                             "document": docs.view(pa.string())}), a)
+    with pytest.raises(UnicodeDecodeError):  # what crashed the job before
+        pq.read_table(a).column("document").to_pylist()
     b = write_input(tmp_path / "B.parquet", ["b1", "b2"], [short, short])
     out = tmp_path / "OUT"
     base = ["--input", a, "--output", str(out), *C, "--max-model-len", "256",
             "--address", "local"]
 
-    one_error(summarize(*base, "--model", "/nonexistent"), "/nonexistent")
+    one_error(in_process(capsys, "summarize", *base, "--model", "/nonexistent"), "/nonexistent")
     assert not (out / "job.json").exists()
-    one_error(summarize(*base, "--gamma", "0"), "gamma must be in 1..")
+    one_error(in_process(capsys, "summarize", *base, "--gamma", "0"), "gamma must be in 1..")
     assert not (out / "job.json").exists()
 
     done = summarize(*base)  # the corrected command: not refused
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "rows: 2 ok, 3 failed" in done.stdout, done.stdout
     rows = {r["id"]: r for r in rows_on_disk(out)}
-    assert set(rows) == {"a1", "a2", "a3", "a4"}
+    assert set(rows) == {"a1", "a2", "a3", "a4", "a5"}
     assert rows["a1"]["error"] is None and rows["a1"]["num_generated_tokens"] >= 1
+    assert rows["a2"]["error"] is None
     assert rows["a3"]["error"] and rows["a4"]["error"]
+    assert rows["a5"]["error"].startswith("'document' is not valid UTF-8: invalid start byte")
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rows"]["input"] == 4 and summary["rows"]["ok"] == 2
-    assert summary["errors"] == {"prompt too long for the context window": 2}  # case 8
+    assert summary["rows"]["input"] == 5 and summary["rows"]["ok"] == 2
+    assert summary["errors"] == {"prompt too long for the context window": 2,  # case 8
+                                 "'document' is not valid UTF-8": 1}
 
     before = snapshot(out)
-    refused = summarize("--input", b, "--output", str(out), *C, "--max-model-len", "256",
-                        "--address", "local")
+    refused = in_process(capsys, "summarize", "--input", b, "--output", str(out), *C,
+                         "--max-model-len", "256", "--address", "local")
     one_error(refused, "holds rows of a different job", "input", "B.parquet")
     assert snapshot(out) == before  # the existing output is untouched
-    assert sorted(r["id"] for r in rows_on_disk(out)) == ["a1", "a2", "a3", "a4"]
+    assert sorted(r["id"] for r in rows_on_disk(out)) == ["a1", "a2", "a3", "a4", "a5"]
 
 
 @pytest.mark.parametrize("where", ["file", "proc"])
-def test_an_unwritable_output_is_one_error_line(tmp_path, where):
+def test_an_unwritable_output_is_one_error_line(tmp_path, capsys, where):
     """Case 3: an output path under a regular file, or where not even root may write."""
     a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])
     if where == "file":
@@ -107,7 +132,8 @@ def test_an_unwritable_output_is_one_error_line(tmp_path, where):
         out = tmp_path / "plain.txt" / "OUT"
     else:
         out = Path("/proc/knapspec-test-output/OUT")
-    one_error(summarize("--input", a, "--output", str(out), *C), "--output", "cannot write")
+    one_error(in_process(capsys, "summarize", "--input", a, "--output", str(out), *C),
+              "--output", "cannot write")
     if where == "file":
         assert (tmp_path / "plain.txt").read_text() == "x"
 
@@ -172,11 +198,13 @@ def _edited_profile(tmp_path: Path, edit) -> str:
     (lambda d: {**d, "mlp": float("nan")}, "'mlp' must be a finite number"),
     (lambda d: {**d, "verify": {"1": {"slope": 0, "intercept": None}}}, "verify.1.intercept"),
 ])
-def test_a_malformed_profile_is_one_error_line(tmp_path, edit, message):
-    """Case 4: checked completely when loaded, before any generation."""
+def test_a_malformed_profile_is_one_error_line(tmp_path, capsys, edit, message):
+    """Case 4: checked completely when loaded, before any generation (the next test runs
+    ``knapspec generate --profile`` in its own process)."""
     path = _edited_profile(tmp_path, edit)
-    one_error(knapspec("generate", "--prompt", "Hi", "--strategy", "knapspec", "--profile",
-                       path, "--max-new-tokens", "4"), "is malformed", message)
+    one_error(in_process(capsys, "knapspec", "generate", "--prompt", "Hi", "--strategy",
+                         "knapspec", "--profile", path, "--max-new-tokens", "4"),
+              "is malformed", message)
 
 
 def test_a_profile_of_another_model_shape_is_refused(tmp_path):

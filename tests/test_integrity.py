@@ -5,7 +5,7 @@ The unit tests use test_jobs.py's fakes (no Ray). The real ones run the user's c
 ``python -m knapspec_dist.cli.main job ...``, on SmolLM2 with ``--strategy ar``, 4 new
 tokens and 12 short rows: two jobs into one output at once (one module-scoped run whose
 output the duplicate and stale-lease tests copy; their reruns have nothing to generate and
-start no Ray), and a ``--max-num-seqs`` that cannot fit.
+start no Ray; one rerun for both), and a ``--max-num-seqs`` that cannot fit.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_jobs as t  # noqa: E402
+from conftest import subprocess_env
+
 from knapspec_dist.cli.job import add_job_args, config_from_args  # noqa: E402
 from knapspec_dist.errors import UserError  # noqa: E402
 from knapspec_dist.jobs import report  # noqa: E402
@@ -35,7 +37,6 @@ from knapspec_dist.jobs.dispatch import Dispatcher, Task  # noqa: E402
 from knapspec_dist.jobs.lease import LEASE_FILE, Lease, LeaseHeld  # noqa: E402
 from knapspec_dist.jobs.output import OutputDir  # noqa: E402
 from knapspec_dist.runtime import backend as rb  # noqa: E402
-from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 J = ["--model", "smollm2", "--max-new-tokens", "4", "--baseline-fraction", "0", "--strategy",
@@ -344,11 +345,16 @@ def test_two_jobs_into_one_output_write_every_row_once(two_jobs):
     assert not (out / LEASE_FILE).exists()  # released at the end
 
 
-def test_a_copied_part_file_is_counted_once_by_the_rerun(two_jobs, twelve_rows, tmp_path):
+def test_a_rerun_counts_a_copied_part_once_and_takes_over_a_dead_processs_lease(
+        two_jobs, twelve_rows, tmp_path):
+    """The finished output with a copy of one part file and the lease of a process that is
+    gone (a fresh heartbeat): one rerun warns of both, takes the lease over and counts every
+    row once."""
     out = tmp_path / "O"
     shutil.copytree(two_jobs[0], out)
     part = sorted((out / "rows").glob("part-*.parquet"))[0]
     shutil.copy(part, part.with_name("part-copy.parquet"))
+    write_lease(out, run="killed-run", pid=dead_pid())  # fresh heartbeat, but no process
     proc = job_run("--input", str(twelve_rows), "--output", str(out), *J)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rows: 12 ok, 0 failed, 0 pending (of 12;" in proc.stdout, proc.stdout
@@ -357,14 +363,6 @@ def test_a_copied_part_file_is_counted_once_by_the_rerun(two_jobs, twelve_rows, 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rows"]["ok"] == 12 and summary["rows"]["written"] == 12
     assert summary["throughput"]["max_num_seqs"] is not None
-
-
-def test_a_lease_of_a_dead_process_is_taken_over(two_jobs, twelve_rows, tmp_path):
-    out = tmp_path / "O"
-    shutil.copytree(two_jobs[0], out)
-    write_lease(out, run="killed-run", pid=dead_pid())  # fresh heartbeat, but no process
-    proc = job_run("--input", str(twelve_rows), "--output", str(out), *J)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "taking over the lease of run killed-run" in proc.stderr
     assert "is not running on this host" in proc.stderr
     assert not (out / LEASE_FILE).exists()

@@ -1,5 +1,5 @@
 """Seeded sampling reproduces (issue 16, defect 3), run as the user runs it: real jobs and
-``knapspec generate`` on SmolLM2 at temperature 0.8 in fresh processes.
+``knapspec generate`` on SmolLM2 at temperature 0.8 (the jobs in fresh processes).
 
 A row's tokens depend only on its prompt, the options and the seed: not on the rows batched
 beside it (``--max-num-seqs``), the replica that ran it (``--replicas``), the order rows were
@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import subprocess_env
+
+from knapspec_dist.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLED = ["--temperature", "0.8", "--seed", "7", "--max-new-tokens", "12"]
@@ -49,23 +51,28 @@ def docs(tmp_path_factory) -> str:
 
 
 def test_seeded_job_rows_do_not_depend_on_batching_replicas_or_resume(docs, tmp_path):
+    """The same seeded job two ways, the same rows: one row at a time over two replicas, and
+    four rows batched on one replica, stopped after two rows and resumed."""
     job = ["job", "--input", docs]
-    run(*job, "--output", str(tmp_path / "a"), *JOB, "--max-num-seqs", "4")
-    first = rows(tmp_path / "a")
-    assert len(first) == len(DOCS) and len({tuple(v) for v in first.values()}) == len(DOCS)
     run(*job, "--output", str(tmp_path / "b"), *JOB, "--max-num-seqs", "1", "--replicas", "2")
-    assert rows(tmp_path / "b") == first
+    first = rows(tmp_path / "b")
+    assert len(first) == len(DOCS) and len({tuple(v) for v in first.values()}) == len(DOCS)
     run(*job, "--output", str(tmp_path / "c"), *JOB, "--max-num-seqs", "4", "--stop-after", "2")
     assert len(rows(tmp_path / "c")) == 2
     run(*job, "--output", str(tmp_path / "c"), *JOB, "--max-num-seqs", "4")  # resumed
-    assert rows(tmp_path / "c") == first  # the same job again, resumed mid-job
+    assert rows(tmp_path / "c") == first  # batched, resumed mid-job: the same rows
 
 
-def test_seeded_generate_of_a_prompt_ignores_the_prompts_beside_it():
+def test_seeded_generate_of_a_prompt_ignores_the_prompts_beside_it(capsys):
+    """In this process, one call after the other (the second starts from the first's global
+    random state: only the seed may decide); the job runs above are the fresh processes."""
     a, b = DOCS[0], DOCS[1]
-    alone = run("generate", "--prompt", a, "--chat", "--json", *SAMPLED, "--strategy", "ar")
-    beside = run("generate", "--prompt", b, "--prompt", a, "--chat", "--json", *SAMPLED,
-                 "--strategy", "static", "--skip", "a3,m5", "--gamma", "3")
-    text_alone = json.loads(alone.stdout.splitlines()[0])["text"]
+    assert main(["generate", "--prompt", a, "--chat", "--json", *SAMPLED, "--strategy",
+                 "ar"]) == 0
+    alone = capsys.readouterr().out
+    assert main(["generate", "--prompt", b, "--prompt", a, "--chat", "--json", *SAMPLED,
+                 "--strategy", "static", "--skip", "a3,m5", "--gamma", "3"]) == 0
+    beside = capsys.readouterr().out
+    text_alone = json.loads(alone.splitlines()[0])["text"]
     assert text_alone.strip()
-    assert json.loads(beside.stdout.splitlines()[1])["text"] == text_alone
+    assert json.loads(beside.splitlines()[1])["text"] == text_alone

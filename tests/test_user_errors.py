@@ -1,7 +1,8 @@
 """Issue 16's user-facing defects, run as the user runs them (``knapspec job`` / ``knapspec
-generate`` in a fresh process, as tests/test_bad_setups.py does): invalid UTF-8 in an input
-row, SIGTERM and SIGINT to a running job, a non-UTF-8 prompt file.  The unit tests of the
-other parts of the issue (profiles, demo presentation) are in tests/test_presentation.py.
+generate`` in a fresh process, as tests/test_bad_setups.py does): SIGTERM and SIGINT to a
+running job, a non-UTF-8 prompt file.  Invalid UTF-8 in an input row is checked by
+tests/test_bad_setups.py's job (one job for both); the unit tests of the other parts of the
+issue (profiles, demo presentation) are in tests/test_presentation.py.
 """
 
 from __future__ import annotations
@@ -35,35 +36,6 @@ def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def rows_of(out: Path) -> dict:
     return {r["id"]: r for r in pq.read_table(out / "rows").to_pylist()}
-
-
-def test_invalid_utf8_in_one_row_is_that_rows_error(tmp_path):
-    """Parquet does not check a string column's bytes: one row of invalid UTF-8 (written as
-    binary, and as a string column that holds it) fails alone; the job exits 0."""
-    docs = pa.array([SHORT[0].encode(), b"\xff\xfe bad", SHORT[1].encode()], pa.binary())
-    inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": ["a", "b", "c"], "document": docs.view(pa.string())}), inp)
-    with pytest_raises_unicode():
-        pq.read_table(inp).column("document").to_pylist()  # what crashed the job before
-    out = tmp_path / "out"
-    proc = knapspec("job", "--input", str(inp), "--output", str(out), *AR,
-                    "--max-new-tokens", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    rows = rows_of(out)
-    assert rows["b"]["error"].startswith("'document' is not valid UTF-8: invalid start byte")
-    assert rows["a"]["error"] is None and rows["c"]["error"] is None
-    assert rows["a"]["num_generated_tokens"] > 0
-    assert "rows: 2 ok, 1 failed" in proc.stdout
-
-
-class pytest_raises_unicode:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        assert kind is UnicodeDecodeError, kind
-        return True
 
 
 def _start_and_stop(inp: Path, out: Path, sig: int) -> subprocess.CompletedProcess:
