@@ -214,6 +214,26 @@ def _digest_footer(digest, meta: pq.FileMetaData, text_index: int) -> None:
                             else None)).encode())
 
 
+def legacy_digest(scan: InputScan, batch_rows: int = 256) -> str:
+    """``input_sha256`` as jobs written before 2026-12-01 defined it (every id and text, in
+    input order), streamed a batch at a time: a migration, computed only to resume such an
+    output (see OutputDir.check)."""
+    digest = hashlib.sha256()
+    for table in iter_texts(scan, batch_rows):
+        for row_id, raw in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+            digest.update(repr(row_id).encode())
+            if raw is None:
+                digest.update(b"\0")
+            else:
+                try:
+                    raw.decode("utf-8")
+                    digest.update(b"\1" + raw)
+                except UnicodeDecodeError:  # not valid UTF-8: hashed as it is
+                    digest.update(b"\2" + raw)
+            digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
 def iter_texts(scan: InputScan, batch_rows: int) -> Iterator[pa.Table]:
     """The input as tables of at most ``batch_rows`` rows (id, text as binary), file by
     file and row group by row group: this process holds one batch of texts at a time."""

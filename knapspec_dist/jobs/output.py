@@ -40,7 +40,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -137,6 +137,7 @@ class OutputDir:
         self._job: bytes | None = None  # job.json, until the first rows are written
         self.created = False  # the directory was created by this job (create)
         self._warned: set[str] = set()  # subdirectories whose duplicates were reported
+        self.migrated = False  # job.json of an earlier version, to rewrite (check)
 
     def join(self, *parts: str) -> str:
         return "/".join([self.path.rstrip("/"), *parts])
@@ -153,7 +154,7 @@ class OutputDir:
         self.create()
         return resuming
 
-    def check(self, fingerprint: dict) -> bool:
+    def check(self, fingerprint: dict, legacy_input: Callable[[], str] | None = None) -> bool:
         """Check, reading only, that the directory is new, empty or this job's: True when
         resuming (rows of this job are there).
 
@@ -184,6 +185,20 @@ class OutputDir:
             before = existing.get("fingerprint", {})
             differ = sorted(k for k in set(before) | set(fingerprint)
                             if before.get(k) != fingerprint.get(k))
+            if differ == ["input_sha256"] and legacy_input is not None:
+                if legacy_input() == before["input_sha256"]:
+                    if not self.migrated:
+                        log.warning("%s was written by an earlier version, which hashed the "
+                                    "input from its texts: the same input by that hash; "
+                                    "%s now records the new hash", self.uri, JOB_FILE)
+                    self.migrated = True
+                    return True
+                raise UserError(
+                    f"--output {self.uri!r} holds rows of a different input: the same path "
+                    f"and row count, but its ids or texts changed (input_sha256 "
+                    f"{before['input_sha256']!r}, of every text as written by an earlier "
+                    "version, differs from this input's); resume with the input it was "
+                    "written from or choose a new --output")
             if differ:
                 details = "; ".join(f"{k}: {before.get(k)!r} -> {fingerprint.get(k)!r}"
                                     for k in differ)

@@ -14,6 +14,7 @@ The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` c
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import time
@@ -23,7 +24,7 @@ from typing import Callable
 import pyarrow as pa
 
 from knapspec_dist.errors import UserError
-from knapspec_dist.jobs.inputs import InputScan, read_input
+from knapspec_dist.jobs.inputs import InputScan, legacy_digest, read_input
 from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import (
@@ -173,7 +174,8 @@ class JobRun(GenerationPasses):
         self.scan: InputScan = read_input(c.input, c.id_column, c.input_column)
         self.out = OutputDir(c.output)
         self.fingerprint = {**c.fingerprint(), **self.scan.fingerprint(c.input)}
-        self.resuming = self.out.check(self.fingerprint)
+        self.legacy = functools.cache(lambda: legacy_digest(self.scan))  # old outputs
+        self.resuming = self.out.check(self.fingerprint, self.legacy)
         self.schema = output_schema(c.id_column, self.scan.id_type)
         self.ray_data = self.ray_data and len(self.scan) > LOCAL_ROWS
 
@@ -182,7 +184,9 @@ class JobRun(GenerationPasses):
         id), less the failed rows to retry (a retryable kind, or all with --retry-failed).
         The rows left are an anti-join of the input's ids with those (Arrow, no row object)."""
         c = self.config
-        self.resuming = self.out.check(self.fingerprint)  # again: nobody wrote meanwhile
+        self.resuming = self.out.check(self.fingerprint, self.legacy)  # nobody wrote since
+        if self.out.migrated:
+            self.out.commit_job()  # job.json with the new definition of input_sha256
         self.previous = self._previous_summary()
         self.done = read_done(self.out, self.schema, self.scan.ids, c.retry_failed)
         self.skip = self.done.rows.cast(self.scan.id_type)
