@@ -64,7 +64,7 @@ def write_input(folder: str, n: int, chars: int, tiny: bool) -> str:
 
 #: Log lines that end a stage before the first row, and the stage's name in the JSON line.
 MARKS = {"input: ": "input_checked_s", "Started a local Ray": "ray_started_s",
-         "Starting execution of Dataset": "dataset_started_s", "generating ": "first_batch_s"}
+         "generating ": "first_batch_s"}
 
 
 class StageTimes(logging.Handler):
@@ -87,8 +87,7 @@ def child(args) -> None:
     t0 = time.monotonic()
     stages = StageTimes(t0)
     logging.getLogger().addHandler(stages)
-    for name in ("ray", "ray.data"):  # Ray's loggers do not propagate to the root one
-        logging.getLogger(name).addHandler(stages)
+    logging.getLogger("ray").addHandler(stages)  # Ray's logger does not propagate to root
     config = JobConfig(input=args.input, output=args.output, model="smollm2",
                        strategy="ar", max_new_tokens=args.new_tokens, baseline_fraction=0,
                        truncate=True, checkpoint_rows=256, checkpoint_seconds=5,
@@ -159,7 +158,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
     print("| engine | documents | rows | time to first row | driver peak RSS | rows/s | "
-          "stages: input checked, Ray up, dataset started, first batch (s) |")
+          "stages: input checked, Ray up, first batch (s) |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for r in results:
         marks = ", ".join(str(r.get(name, "-")) for name in MARKS.values())
