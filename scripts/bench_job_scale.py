@@ -62,15 +62,37 @@ def write_input(folder: str, n: int, chars: int, tiny: bool) -> str:
     return folder
 
 
+#: Log lines that end a stage before the first row, and the stage's name in the JSON line.
+MARKS = {"input: ": "input_checked_s", "Started a local Ray": "ray_started_s",
+         "generating ": "first_batch_s"}
+
+
+class StageTimes(logging.Handler):
+    """Seconds from ``t0`` to the first log line of each of :data:`MARKS`."""
+
+    def __init__(self, t0: float):
+        super().__init__(logging.INFO)
+        self.t0, self.at = t0, {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for mark, name in MARKS.items():
+            if name not in self.at and message.startswith(mark):
+                self.at[name] = round(time.monotonic() - self.t0, 1)
+
+
 def child(args) -> None:
     """One measured run in this process; prints its JSON line."""
     times: list[float] = []
     t0 = time.monotonic()
+    stages = StageTimes(t0)
+    logging.getLogger().addHandler(stages)
+    logging.getLogger("ray").addHandler(stages)  # Ray's logger does not propagate to root
     config = JobConfig(input=args.input, output=args.output, model="smollm2",
                        strategy="ar", max_new_tokens=args.new_tokens, baseline_fraction=0,
                        truncate=True, checkpoint_rows=256, checkpoint_seconds=5,
                        max_num_seqs=args.max_num_seqs if args.kind != "ar" else None,
-                       stop_after=args.ar_rows if args.kind == "ar" else None,
+                       stop_after=args.ar_rows if args.kind == "ar" else args.stub_rows,
                        progress_seconds=10, progress_bar=False, address="local")
     kw = {}
     if args.kind != "ar":
@@ -83,7 +105,7 @@ def child(args) -> None:
                       "first_row_s": times[0] - t0 if times else None,
                       "rows_per_s": rate, "wall_s": time.monotonic() - t0,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "complete": result.summary["complete"]}), flush=True)
+                      "complete": result.summary["complete"], **stages.at}), flush=True)
 
 
 def main() -> None:
@@ -94,6 +116,9 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.05, help="stub: seconds a row takes")
     p.add_argument("--max-num-seqs", type=int, default=64, help="stub: rows at once")
     p.add_argument("--ar-rows", type=int, default=8, help="ar: rows generated (--stop-after)")
+    p.add_argument("--stub-rows", type=int, default=None,
+                   help="stub, tiny: stop after this many rows (1: the time to the first row "
+                        "only; default: all, for rows/s)")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--work", default=None, help="folder for inputs and outputs (default: tmp)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -121,6 +146,8 @@ def main() -> None:
                    "--input", folder, "--output", out, "--delay", str(args.delay),
                    "--max-num-seqs", str(args.max_num_seqs), "--ar-rows", str(args.ar_rows),
                    "--new-tokens", str(args.new_tokens)]
+            if args.stub_rows is not None:
+                cmd += ["--stub-rows", str(args.stub_rows)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode or not lines:
@@ -130,11 +157,13 @@ def main() -> None:
             results.append(json.loads(lines[-1]))
             print(lines[-1], flush=True)
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
-    print("| engine | documents | rows | time to first row | driver peak RSS | rows/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| engine | documents | rows | time to first row | driver peak RSS | rows/s | "
+          "stages: input checked, Ray up, first batch (s) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for r in results:
+        marks = ", ".join(str(r.get(name, "-")) for name in MARKS.values())
         print(f"| {r['kind']} | {r['docs']:,} | {r['rows']:,} | {r['first_row_s']:.1f} s | "
-              f"{r['peak_rss_mib']:,.0f} MiB | {r['rows_per_s'] or 0:,.1f} |")
+              f"{r['peak_rss_mib']:,.0f} MiB | {r['rows_per_s'] or 0:,.1f} | {marks} |")
 
 
 if __name__ == "__main__":

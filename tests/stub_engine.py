@@ -37,7 +37,7 @@ class StubEngines:
 
 
 class StubBackend:
-    """jobs.dispatch.Backend over :class:`StubEngines`: a row admitted when its replica has a
+    """runtime.dispatch.Backend over :class:`StubEngines`: a row admitted when its replica has a
     free slot, finished ``delay`` seconds later (continuous batching, no model)."""
 
     def __init__(self, engine: StubEngines):

@@ -33,10 +33,10 @@ from conftest import subprocess_env
 from knapspec_dist.cli.job import add_job_args, config_from_args  # noqa: E402
 from knapspec_dist.errors import UserError  # noqa: E402
 from knapspec_dist.jobs import report  # noqa: E402
-from knapspec_dist.jobs.dispatch import Dispatcher, Task  # noqa: E402
 from knapspec_dist.jobs.lease import LEASE_FILE, Lease, LeaseHeld  # noqa: E402
 from knapspec_dist.jobs.output import OutputDir  # noqa: E402
 from knapspec_dist.runtime import backend as rb  # noqa: E402
+from knapspec_dist.runtime.dispatch import Dispatcher, Task  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 J = ["--model", "smollm2", "--max-new-tokens", "4", "--baseline-fraction", "0", "--strategy",

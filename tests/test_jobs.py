@@ -21,11 +21,12 @@ from knapspec_dist.cli.job import add_job_args, config_from_args, main, register
 from knapspec_dist.engine.generation import GenerationResult, GenerationStats
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs import JobConfig, run_job
-from knapspec_dist.jobs.dispatch import Dispatcher, Task
+from knapspec_dist.jobs.baseline import choose_baseline
 from knapspec_dist.jobs.inputs import iter_texts, read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
-from knapspec_dist.jobs.prompts import Prompt, PromptBuilder, choose_baseline
 from knapspec_dist.jobs.summary import summarize
+from knapspec_dist.runtime.dispatch import Dispatcher, Task
+from knapspec_dist.runtime.prompts import Prompt, PromptBuilder
 from knapspec_dist.spec.options import StrategyOptions, parse_strategy
 
 # ----------------------------------------------------------------------------- fakes

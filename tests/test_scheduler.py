@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from conftest import random_prompt
 from knapspec_dist.model.cache import KVCache

@@ -7,14 +7,16 @@ Entry points: ``jobs/summarize.py`` and ``jobs/generate.py`` (for ``ray job subm
 >>> result = run_job(JobConfig(input="/data/docs.parquet", output="/data/out", model="smollm2"))
 >>> speedup = result.summary["baseline"]["speedup"]
 
-The modules, bottom up: :mod:`.options` (JobConfig and the command-line options),
-:mod:`.inputs` (read and check the input files), :mod:`.prompts` (rows to prompt ids;
-row-level errors; truncation; baseline rows), :mod:`.output` (output schema, atomic part
-files, resume), :mod:`.lease` (one job per output directory),
-:mod:`.dispatch` (rows over the engine's replicas, retries after replica failures),
-:mod:`.progress`, :mod:`.termination` (SIGTERM), :mod:`.summary` (summary.json),
-:mod:`.plot` (speedup.png), :mod:`.report` (the lines a user reads) and :mod:`.runner` (the
-job from start to end, stage by stage). Its command line (``knapspec job``, and ``main`` of
+The job wraps the runtime's one pipeline (runtime/stages.py: the processor's tokenize stage,
+the dispatcher over the replicas, the result columns) with what Ray Data LLM lacks. The
+modules, bottom up: :mod:`.options` (JobConfig and the command-line options),
+:mod:`.inputs` (read and check the input files), :mod:`.parts` and :mod:`.output` (output
+schema, atomic part files, reading parts one row per id), :mod:`.resume` (done ids by an
+Arrow anti-join), :mod:`.lease` (one job per output directory), :mod:`.baseline` (which rows
+the baseline passes run), :mod:`.progress`, :mod:`.termination` (SIGTERM), :mod:`.summary`
+(summary.json, streamed over the parts), :mod:`.plot` (speedup.png), :mod:`.report` (the
+lines a user reads), :mod:`.passes` (the generation passes) and :mod:`.runner` (the job
+from start to end, stage by stage). Its command line (``knapspec job``, and ``main`` of
 ``jobs/summarize.py`` / ``jobs/generate.py``) is cli/job.py.
 """
 

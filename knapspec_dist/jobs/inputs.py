@@ -9,11 +9,11 @@ File-level problems raise :class:`~knapspec_dist.errors.UserError` with a messag
 names the file and the fix: nothing found, a file that is not Parquet, a missing column, a
 column of the wrong type, a null id, duplicate ids, no rows.  Row-level problems (a null or
 empty text, a text that is not valid UTF-8, a prompt too long for the context window) are
-not checked here: they become that row's ``error`` (see :mod:`.prompts`).
+not checked here: they become that row's ``error`` (see runtime/prompts.py).
 
 Text columns are strings, or binary columns holding UTF-8 text (decoded row by row).  A
 value that is not valid UTF-8 (Parquet does not check the bytes of a string column, so such
-files exist) is kept as its raw ``bytes``; :class:`~.prompts.PromptBuilder` turns it into
+files exist) is kept as its raw ``bytes``; runtime/prompts.py's PromptBuilder turns it into
 that row's error and the other rows run.
 """
 
@@ -33,6 +33,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from knapspec_dist.errors import UserError
+from knapspec_dist.runtime.prompts import check_id_type, normalize, text_value_type
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def read_input(spec: str, id_column: str, text_column: str) -> InputScan:
             raise
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
             raise UserError(f"{path} is not a readable Parquet file: {e}") from None
-        id_chunks.append(_check_id_type(table, path, id_column).column(id_column))
+        id_chunks.append(check_id_type(table, path, id_column).column(id_column))
     types = sorted({str(c.type) for c in id_chunks})
     if len(types) > 1:
         raise UserError(f"--input {spec!r}: the files' schemas disagree: id columns of types "
@@ -213,6 +214,26 @@ def _digest_footer(digest, meta: pq.FileMetaData, text_index: int) -> None:
                             else None)).encode())
 
 
+def legacy_digest(scan: InputScan, batch_rows: int = 256) -> str:
+    """``input_sha256`` as jobs written before 2026-12-01 defined it (every id and text, in
+    input order), streamed a batch at a time: a migration, computed only to resume such an
+    output (see OutputDir.check)."""
+    digest = hashlib.sha256()
+    for table in iter_texts(scan, batch_rows):
+        for row_id, raw in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+            digest.update(repr(row_id).encode())
+            if raw is None:
+                digest.update(b"\0")
+            else:
+                try:
+                    raw.decode("utf-8")
+                    digest.update(b"\1" + raw)
+                except UnicodeDecodeError:  # not valid UTF-8: hashed as it is
+                    digest.update(b"\2" + raw)
+            digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
 def iter_texts(scan: InputScan, batch_rows: int) -> Iterator[pa.Table]:
     """The input as tables of at most ``batch_rows`` rows (id, text as binary), file by
     file and row group by row group: this process holds one batch of texts at a time."""
@@ -225,67 +246,9 @@ def iter_texts(scan: InputScan, batch_rows: int) -> Iterator[pa.Table]:
                                 scan.text_column)
 
 
-def texts_of(column: pa.ChunkedArray) -> list:
-    """The (binary, see ``_check_types``) text column as python values: str, None, or the raw
-    bytes of a value that is not valid UTF-8 (that row's error, not the job's)."""
-    out: list = []
-    for value in column.to_pylist():
-        if value is None:
-            out.append(None)
-            continue
-        try:
-            out.append(value.decode("utf-8"))
-        except UnicodeDecodeError:
-            out.append(bytes(value))
-    return out
-
-
-def _as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A string / binary column (large or not) as binary, its bytes unchecked: pyarrow does
-    not validate a string column's UTF-8 on read, and a cast or ``to_pylist`` would fail the
-    whole file on its first bad value; ``_texts`` decodes row by row instead."""
-    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
-    chunks = [c.view(views[c.type]) if c.type in views else c for c in column.chunks]
-    return pa.chunked_array([c.cast(pa.binary()) for c in chunks], type=pa.binary())
-
-
-def _check_id_type(table: pa.Table, path: str, id_column: str) -> pa.Table:
-    """The id column as strings or integers (a dictionary decoded, large strings cast)."""
-    id_type = table.schema.field(id_column).type
-    if pa.types.is_dictionary(id_type):
-        table = table.set_column(table.schema.get_field_index(id_column), id_column,
-                                 table.column(id_column).cast(id_type.value_type))
-        id_type = id_type.value_type
-    if not (pa.types.is_integer(id_type) or pa.types.is_string(id_type)
-            or pa.types.is_large_string(id_type)):
-        raise UserError(f"{path}: id column {id_column!r} has type {id_type}; "
-                        "expected strings or integers")
-    if pa.types.is_large_string(id_type):
-        table = table.set_column(table.schema.get_field_index(id_column), id_column,
-                                 table.column(id_column).cast(pa.string()))
-    return table
-
-
-def _text_value_type(text_type: pa.DataType) -> pa.DataType:
-    return text_type.value_type if pa.types.is_dictionary(text_type) else text_type
-
-
 def _check_text_type(text_type: pa.DataType, path: str, text_column: str) -> None:
-    t = _text_value_type(text_type)
+    t = text_value_type(text_type)
     if not (pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
             or pa.types.is_binary(t) or pa.types.is_large_binary(t)):
         raise UserError(f"{path}: column {text_column!r} has type {t}; expected strings "
                         "(or binary UTF-8 text)")
-
-
-def normalize(table: pa.Table, id_column: str, text_column: str) -> pa.Table:
-    """One batch of (id, text) with the types the tokenize stage expects: ids as strings or
-    integers, the text as binary (a null column too: row-level errors, not a file error).
-    The file-level type checks ran in :func:`read_input`."""
-    table = _check_id_type(table.select([id_column, text_column]), "", id_column)
-    text_type = _text_value_type(table.schema.field(text_column).type)
-    column = table.column(text_column)
-    if pa.types.is_dictionary(column.type):
-        column = column.cast(text_type)
-    column = column.cast(pa.binary()) if pa.types.is_null(text_type) else _as_binary(column)
-    return table.set_column(1, text_column, column)

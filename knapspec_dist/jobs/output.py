@@ -40,6 +40,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -47,7 +48,8 @@ import pyarrow.parquet as pq
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.inputs import filesystem_and_path
-from knapspec_dist.runtime.processor import PLANS, result_columns
+from knapspec_dist.jobs.parts import iter_parts
+from knapspec_dist.runtime.stages import PLANS, result_columns
 
 log = logging.getLogger(__name__)
 
@@ -109,25 +111,6 @@ def is_retryable(row: dict) -> bool:
             or message.startswith("MemoryError"))
 
 
-def keep_one_per_id(rows: list[dict], id_column: str) -> tuple[list[int], int]:
-    """Indices of the rows to keep (one per id, in the given order) and how many were dropped.
-
-    Which row of an id: a success over an error; among successes the earliest commit (by
-    ``finished_at``, then the order given: part file names); among errors only the latest
-    (the last attempt's kind decides whether a rerun retries the row)."""
-    best: dict = {}
-    for i, r in enumerate(rows):
-        at = r.get("finished_at")
-        at = at.timestamp() if at is not None else float("inf")
-        ok = r.get("error") is None
-        key = (0, at, i) if ok else (1, -at if at != float("inf") else float("inf"), -i)
-        row_id = r[id_column]
-        if row_id not in best or key < best[row_id][0]:
-            best[row_id] = (key, i)
-    keep = sorted(i for _, i in best.values())
-    return keep, len(rows) - len(keep)
-
-
 def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str | None = None,
                num_input_tokens: int | None = None, truncated: bool = False,
                replica: int | None = None, attempts: int = 0,
@@ -155,6 +138,7 @@ class OutputDir:
         self._job: bytes | None = None  # job.json, until the first rows are written
         self.created = False  # the directory was created by this job (create)
         self._warned: set[str] = set()  # subdirectories whose duplicates were reported
+        self.migrated = False  # job.json of an earlier version, to rewrite (check)
 
     def join(self, *parts: str) -> str:
         return "/".join([self.path.rstrip("/"), *parts])
@@ -171,7 +155,7 @@ class OutputDir:
         self.create()
         return resuming
 
-    def check(self, fingerprint: dict) -> bool:
+    def check(self, fingerprint: dict, legacy_input: Callable[[], str] | None = None) -> bool:
         """Check, reading only, that the directory is new, empty or this job's: True when
         resuming (rows of this job are there).
 
@@ -202,6 +186,20 @@ class OutputDir:
             before = existing.get("fingerprint", {})
             differ = sorted(k for k in set(before) | set(fingerprint)
                             if before.get(k) != fingerprint.get(k))
+            if differ == ["input_sha256"] and legacy_input is not None:
+                if legacy_input() == before["input_sha256"]:
+                    if not self.migrated:
+                        log.warning("%s was written by an earlier version, which hashed the "
+                                    "input from its texts: the same input by that hash; "
+                                    "%s now records the new hash", self.uri, JOB_FILE)
+                    self.migrated = True
+                    return True
+                raise UserError(
+                    f"--output {self.uri!r} holds rows of a different input: the same path "
+                    f"and row count, but its ids or texts changed (input_sha256 "
+                    f"{before['input_sha256']!r}, of every text as written by an earlier "
+                    "version, differs from this input's); resume with the input it was "
+                    "written from or choose a new --output")
             if differ:
                 details = "; ".join(f"{k}: {before.get(k)!r} -> {fingerprint.get(k)!r}"
                                     for k in differ)
@@ -286,59 +284,20 @@ class OutputDir:
 
     def read_rows(self, sub: str, schema: pa.Schema,
                   columns: list[str] | None = None) -> pa.Table:
-        """Every readable part of ``DIR/sub``, as one table (empty when none), one row per
-        id (:func:`keep_one_per_id`; the duplicates dropped are counted in a warning, once
-        per directory).  Columns a part lacks (written by an older version) read as nulls.
-
-        Temporary leftovers of a crashed writer are deleted; unreadable parts are moved aside.
-        ``columns``: read only those (and what choosing one row per id needs), e.g. the ids
-        and errors of a resume, not every generated text.
-        """
+        """Every readable part of ``DIR/sub`` as one table (empty when none): the parts of
+        :meth:`iter_rows` concatenated."""
+        tables = list(self.iter_rows(sub, schema, columns))
         if columns is not None:
             wanted = set(columns) | {schema.names[0], "error", "finished_at"}
             schema = pa.schema([f for f in schema if f.name in wanted])
-        base = self.join(sub)
-        infos = self.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-        tables = []
-        for info in sorted(infos, key=lambda i: i.path):
-            name = os.path.basename(info.path)
-            if info.type != pafs.FileType.File:
-                continue
-            if name.startswith(".") and name.endswith(".tmp"):
-                log.info("removing %s (left by an interrupted write)", info.path)
-                self.fs.delete_file(info.path)
-                continue
-            if name.startswith((".", "_")) or not name.endswith(".parquet"):
-                continue
-            try:
-                with self.fs.open_input_file(info.path) as f:
-                    pf = pq.ParquetFile(f)
-                    table = pf.read(columns=[n for n in schema.names
-                                             if n in pf.schema_arrow.names])
-                for field_ in schema:
-                    if field_.name not in table.column_names and field_.nullable:
-                        table = table.append_column(field_.name,
-                                                    pa.nulls(len(table), field_.type))
-                tables.append(table.select(schema.names).cast(schema))
-            except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError) as e:
-                aside = f"{base}/.corrupt-{name}"
-                log.warning("cannot read part %s (%s); moving it to %s, its rows will be "
-                            "computed again", info.path, e, aside)
-                self.fs.move(info.path, aside)
-        if not tables:
-            return schema.empty_table()
-        table = pa.concat_tables(tables)
-        id_column = schema.names[0]
-        keep, dropped = keep_one_per_id(
-            table.select([id_column, "error", "finished_at"]).to_pylist(), id_column)
-        if dropped:
-            if sub not in self._warned:
-                self._warned.add(sub)
-                log.warning("%s: %d duplicate row(s) dropped on reading (an id in more than "
-                            "one row: a copied part file?); kept one row per id, a success "
-                            "over an error, then the earliest", self.display(sub), dropped)
-            table = table.take(pa.array(keep, pa.int64()))
-        return table
+        return pa.concat_tables(tables) if tables else schema.empty_table()
+
+    def iter_rows(self, sub: str, schema: pa.Schema,
+                  columns: list[str] | None = None) -> Iterator[pa.Table]:
+        """The readable parts of ``DIR/sub``, one table a part, one row per id across them
+        (jobs/parts.py); ``columns``: read only those (and what choosing one row per id
+        needs), e.g. the ids and errors of a resume, not every generated text."""
+        return iter_parts(self, sub, schema, columns)
 
 
 class PartWriter:
@@ -348,8 +307,11 @@ class PartWriter:
                  flush_rows: int = 64, flush_seconds: float = 10.0):
         self.out, self.sub, self.schema = out, sub, schema
         self.id_column = schema.names[0]
-        self.done = set(done_ids)  # ids written by earlier runs or this one
-        self.failed: set = set()  # ids among them whose row has an error
+        # ids written by this writer (and ``done_ids``): the check that no id is written twice.
+        # A job passes none of its earlier runs' ids: its stream left them out already (an
+        # anti-join), so this holds the ids of one run, not of the whole output.
+        self.done = set(done_ids)
+        self.errors = 0  # rows added with an error
         self.buffer: list[dict] = []
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
         self.first_buffered: float | None = None
@@ -364,7 +326,7 @@ class PartWriter:
             raise RuntimeError(f"row {row_id!r} finished twice (bug in the scheduler)")
         self.done.add(row_id)
         if row["error"] is not None:
-            self.failed.add(row_id)
+            self.errors += 1
         self.buffer.append(row)
         if self.first_buffered is None:
             self.first_buffered = time.monotonic()

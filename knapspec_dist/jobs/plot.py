@@ -22,6 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
+#: The main pass's columns the plot reads (a point per ok row).
+PLOT_COLUMNS = ["num_input_tokens", "tokens_per_s", "acceptance_rate", "drafted", "error"]
+
 
 def plot_data(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
               again: pa.Table | None = None) -> dict:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from knapspec_dist.engine.scheduler import Work
-from knapspec_dist.jobs.dispatch import Outcome
+from knapspec_dist.runtime.dispatch import Outcome
 
 log = logging.getLogger("knapspec_dist.jobs.runner")  # the job's progress lines, as before
 

@@ -13,24 +13,18 @@ The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` c
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import functools
-import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from knapspec_dist.errors import UserError
-from knapspec_dist.jobs.dispatch import Dispatcher, Outcome, Task
-from knapspec_dist.jobs.inputs import InputScan, iter_texts, read_input
+from knapspec_dist.jobs.inputs import InputScan, legacy_digest, read_input
 from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import (
@@ -41,20 +35,12 @@ from knapspec_dist.jobs.output import (
     SUMMARY_FILE,
     OutputDir,
     PartWriter,
-    is_retryable,
     output_schema,
-    result_row,
 )
-from knapspec_dist.jobs.plot import write_plot
-from knapspec_dist.jobs.progress import Progress
-from knapspec_dist.jobs.prompts import (
-    PromptBuilder,
-    TokenizeStage,
-    choose_baseline,
-    load_text_tools,
-    make_builder,
-)
-from knapspec_dist.jobs.summary import dumps, summarize
+from knapspec_dist.jobs.passes import GenerationPasses
+from knapspec_dist.jobs.plot import PLOT_COLUMNS, write_plot
+from knapspec_dist.jobs.resume import read_done
+from knapspec_dist.jobs.summary import COLUMNS, dumps, summarize
 from knapspec_dist.jobs.termination import (
     JobTerminated,
     check_terminate,
@@ -64,15 +50,13 @@ from knapspec_dist.jobs.termination import (
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.engine import Engine
-from knapspec_dist.runtime.stream import stream_batches
+from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
 from knapspec_dist.spec.options import StrategyOptions
 
 __all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "load_text_tools",
            "run_job"]
 
 log = logging.getLogger(__name__)
-
-AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
 
 #: Inputs of at most this many rows are tokenized in the driver (streamed all the same, a
 #: batch at a time): Ray Data's tokenizer actors take seconds to start (they import torch).
@@ -123,8 +107,9 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     return JobRun(config, engine_factory, backend_factory, text_tools, on_row).run()
 
 
-class JobRun:
-    """The state of one run of a job, shared by its stages."""
+class JobRun(GenerationPasses):
+    """The state of one run of a job, shared by its stages (the generation passes: see
+    jobs/passes.py)."""
 
     def __init__(self, config: JobConfig, engine_factory: Callable | None,
                  backend_factory: Callable | None, text_tools: Callable | None,
@@ -189,7 +174,8 @@ class JobRun:
         self.scan: InputScan = read_input(c.input, c.id_column, c.input_column)
         self.out = OutputDir(c.output)
         self.fingerprint = {**c.fingerprint(), **self.scan.fingerprint(c.input)}
-        self.resuming = self.out.check(self.fingerprint)
+        self.legacy = functools.cache(lambda: legacy_digest(self.scan))  # old outputs
+        self.resuming = self.out.check(self.fingerprint, self.legacy)
         self.schema = output_schema(c.id_column, self.scan.id_type)
         self.ray_data = self.ray_data and len(self.scan) > LOCAL_ROWS
 
@@ -198,39 +184,23 @@ class JobRun:
         id), less the failed rows to retry (a retryable kind, or all with --retry-failed).
         The rows left are an anti-join of the input's ids with those (Arrow, no row object)."""
         c = self.config
-        self.resuming = self.out.check(self.fingerprint)  # again: nobody wrote meanwhile
+        self.resuming = self.out.check(self.fingerprint, self.legacy)  # nobody wrote since
+        if self.out.migrated:
+            self.out.commit_job()  # job.json with the new definition of input_sha256
         self.previous = self._previous_summary()
-        status = [c.id_column, "error", "error_kind"]
-        existing = self.out.read_rows(ROWS, self.schema, status)
-        in_input = pc.is_in(existing.column(c.id_column), value_set=self.scan.ids)
-
-        def done_and_retry(table: pa.Table, inputs=None) -> tuple[set, set]:
-            rows = table.select(status).to_pylist()
-            flags = [True] * len(rows) if inputs is None else inputs.to_pylist()
-            retry = {r[c.id_column] for r, inside in zip(rows, flags) if r["error"] is not None
-                     and inside and (c.retry_failed or is_retryable(r))}
-            return {r[c.id_column] for r in rows} - retry, retry
-
-        self.done_ids, self.retry_ids = done_and_retry(existing, in_input)
-        self.failed_before = {r[c.id_column] for r in existing.select(status).to_pylist()
-                              if r["error"] is not None and r[c.id_column] in self.done_ids}
-        (self.base_done, _), (self.again_done, _) = (
-            done_and_retry(self.out.read_rows(sub, self.schema, status))
-            for sub in (BASELINE, BASELINE_STRATEGY))
-        self.skip = pa.array(sorted(self.done_ids, key=str), self.scan.id_type)
-        done_in_input = pc.sum(pc.is_in(self.scan.ids, value_set=self.skip)).as_py() or 0
-        self.pending = len(self.scan) - done_in_input
-        if self.retry_ids:
-            log.info("retrying %d failed row(s) (%s)", len(self.retry_ids),
+        self.done = read_done(self.out, self.schema, self.scan.ids, c.retry_failed)
+        self.skip = self.done.rows.cast(self.scan.id_type)
+        self.pending = self.done.pending
+        if self.done.retry:
+            log.info("retrying %d failed row(s) (%s)", self.done.retry,
                      "--retry-failed" if c.retry_failed
                      else "out of memory, a lost or hung replica")
         if self.resuming:
             log.info("resuming into %s: %d of %d rows already written, %d to go",
-                     self.out.display(), done_in_input, len(self.scan), self.pending)
-            extra = len(self.done_ids) - done_in_input
-            if extra:
+                     self.out.display(), self.done.in_input, len(self.scan), self.pending)
+            if self.done.not_in_input:
                 log.warning("%d row(s) in the output have ids that are not in the input",
-                            extra)
+                            self.done.not_in_input)
 
     # ------------------------------------------------------------------ 2. rows
 
@@ -253,253 +223,30 @@ class JobRun:
             self.engine_factory = lambda config, strategy, replicas: default_engine_factory(
                 config, strategy, replicas, longest=self.max_len)
 
-    def prompt_batches(self, skip: pa.Array | None = None,
-                       keep: pa.Array | None = None) -> Iterator[pa.Table]:
-        """The input's rows as prompt batches (prompts.TokenizeStage), streamed: tokenized
-        by Ray Data on the cluster, or here when the job was given its text tools."""
-        c = self.config
-        builder = functools.partial(make_builder, self.text_tools, c, self.max_len)
-        args = (builder, c.id_column, c.input_column, skip, keep)
-        if self.ray_data:
-            yield from stream_batches(self.scan.files, self.scan.fs,
-                                      [c.id_column, c.input_column], TokenizeStage, args,
-                                      batch_rows=c.stream_rows, workers=c.tokenizers,
-                                      cpus=c.tokenizer_cpus)
-            return
-        stage = TokenizeStage(*args)
-        for table in iter_texts(self.scan, c.stream_rows):
-            out = stage(table)
-            if out.num_rows:
-                yield out
-
-    def tasks(self, batches: Iterator[pa.Table], errors: bool) -> Iterator[Task]:
-        """Tasks of the prompt batches, each batch longest prompt first (long rows started
-        first finish before the tail); with ``errors`` a row's input error is written (held until
-        the engine started: a failed start writes nothing). Only the rows in flight keep
-        their token ids (a NumPy view of their batch) and their metadata (``self.meta``)."""
-        c = self.config
-        for batch in batches:
-            check_terminate()
-            ids = batch.column(c.id_column).to_pylist()
-            lengths = batch.column("num_input_tokens").to_pylist()
-            truncated = batch.column("truncated").to_pylist()
-            problems = batch.column("error").to_pylist()
-            prompts = batch.column("prompt_ids").combine_chunks()
-            offsets = prompts.offsets.to_numpy()
-            values = prompts.values.to_numpy(zero_copy_only=False)
-            for i in sorted(range(len(ids)), key=lambda i: (-(lengths[i] or 0), i)):
-                if problems[i] is not None:
-                    if errors:
-                        self.write_error(ids[i], problems[i], lengths[i])
-                    continue
-                self.meta[ids[i]] = (lengths[i], truncated[i])
-                self.seen = (self.seen[0] + 1, self.seen[1] + lengths[i])
-                yield Task(ids[i], values[offsets[i]:offsets[i + 1]])
-
-    def write_error(self, row_id, error: str, length) -> None:
-        """A row that failed before generation (its input): finished already."""
-        c = self.config
-        row = result_row(c.id_column, row_id, c.strategy.name, error=error,
-                         num_input_tokens=length, error_kind="input")
-        if self.hold_errors:
-            self.held.append(row)
-            return
-        if c.stop_after is None or self._written() < c.stop_after:
-            self.writer.add(row)
-            if self.on_row:
-                self.on_row(row)
-
     def open_writers(self) -> None:
         """Part writers of the rows and of the two baseline passes, knowing what is done."""
         c = self.config
 
-        def writer(sub: str, done: set) -> PartWriter:
-            return PartWriter(self.out, sub, self.schema, done, c.checkpoint_rows,
+        def writer(sub: str) -> PartWriter:  # the earlier runs' ids are not streamed again
+            return PartWriter(self.out, sub, self.schema, (), c.checkpoint_rows,
                               c.checkpoint_seconds)
 
-        self.writer = writer(ROWS, self.done_ids)
-        self.writer.failed.update(self.failed_before)
-        self.base_writer = writer(BASELINE, self.base_done)
-        self.again_writer = writer(BASELINE_STRATEGY, self.again_done)
+        self.writer, self.base_writer, self.again_writer = (
+            writer(sub) for sub in (ROWS, BASELINE, BASELINE_STRATEGY))
         self.result = JobResult(output=self.out.display(), rows_path=self.out.display(ROWS),
                                 summary_path=self.out.display(SUMMARY_FILE),
                                 plot_path=self.out.display(PLOT_FILE), summary={},
                                 skipped=len(self.scan) - self.pending)
 
-    # ------------------------------------------------------------------ 3. generation
-
-    def main_pass(self) -> None:
-        """The job's strategy over every pending row, as the rows stream in. The engine
-        starts while Ray Data tokenizes the first rows (in-process tokenizing: once a row
-        with a prompt arrived, so that a job of failed rows starts none); the rows that failed
-        before are written only once it started (a failed start writes nothing, not even
-        these rows, so a corrected command may start over)."""
-        c = self.config
-        if not self.pending:
-            return
-        stream = self.prompt_batches(skip=self.skip)
-        try:
-            with contextlib.ExitStack() as stack:
-                todo = self.tasks(stream, errors=True)
-                engine = None
-                if self.ray_data:  # the engine starts while the cluster tokenizes
-                    peek = stack.enter_context(ThreadPoolExecutor(1)).submit(next, todo, None)
-                    engine = self.start_engine(stack)
-                    first = peek.result()
-                else:
-                    first = next(todo, None)  # held errors until the first row to generate
-                self.hold_errors = False
-                limit = c.stop_after
-                if first is None or (limit is not None and len(self.held) >= limit):
-                    self.write_held()  # no row to generate: no engine (or not for long)
-                    self.meta.clear()
-                else:
-                    engine = engine or self.start_engine(stack)
-                    self.write_held()
-                    log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
-                             self.pending - self._written(), c.strategy.name, c.replicas,
-                             c.tp)
-                    self.generate(engine, c.strategy.name, itertools.chain([first], todo),
-                                  self.pending - self._written(), self.writer, "rows",
-                                  c.stop_after, self.on_row, "generated")
-        finally:
-            stream.close()
-        self.result.stopped_early = self._written() < self.pending
-        self.writer.flush()
-
-    def start_engine(self, stack: contextlib.ExitStack):
-        """The main pass's engine, stopped when ``stack`` closes."""
-        c = self.config
-        engine = stack.enter_context(self.engine_factory(c, c.strategy, c.replicas))
-        self.result.profile = _profile_report(engine, c.replicas)
-        self.result.max_num_seqs = _max_num_seqs(engine, c)
-        if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
-            log.warning("--max-num-seqs %d capped to %d: what the memory left after the "
-                        "weights holds (engine/memory.py)", c.max_num_seqs,
-                        self.result.max_num_seqs)
-        return engine
-
-    def write_held(self) -> None:
-        held, self.held = self.held, []
-        for row in held:
-            self.write_error(row[self.config.id_column], row["error"], row["num_input_tokens"])
-
-    def _written(self) -> int:
-        return self.writer.written + len(self.writer.buffer)
-
-    def baseline_left(self) -> bool:
-        """Whether a baseline pass has rows left to run (a complete job resumed)."""
-        if self.config.strategy.name == "ar" or self.config.baseline_fraction <= 0:
-            return False
-        return any(i not in self.base_done or i not in self.again_done
-                   for i in self.baseline_rows())
-
-    def baseline_rows(self) -> list:
-        """Ids of the baseline rows that are ok in the output: :func:`choose_baseline` over
-        the written rows that have a prompt (their id and length columns only)."""
-        c = self.config
-        table = self.out.read_rows(ROWS, self.schema,
-                                   [c.id_column, "num_input_tokens", "error", "error_kind"])
-        rows = table.to_pylist()
-        chosen = choose_baseline([(r[c.id_column], r["num_input_tokens"]) for r in rows
-                                  if r["error_kind"] != "input" or r["error"] is None],
-                                 c.baseline_fraction)
-        return [r[c.id_column] for r in rows if r[c.id_column] in chosen and r["error"] is None]
-
-    def baseline_passes(self) -> None:
-        """The baseline rows with the job's strategy again, then with ar, in two passes
-        batched alike, for a measured speedup (the main pass decoded them among other rows,
-        at another batch: its timings are not comparable with ar's)."""
-        c = self.config
-        check_terminate()
-        if c.strategy.name != "ar" and c.baseline_fraction > 0 and not self.result.stopped_early:
-            ready = self.baseline_rows()
-            for strategy, pass_writer, passed in ((c.strategy, self.again_writer, self.again_done),
-                                                  (AR, self.base_writer, self.base_done)):
-                left = [i for i in ready if i not in passed]
-                if not left:
-                    continue
-                replicas = min(c.replicas, len(left))
-                log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
-                         len(left), strategy.name, replicas)
-                stream = self.prompt_batches(keep=pa.array(left, self.scan.id_type))
-                try:
-                    with self.engine_factory(c, strategy, replicas) as engine:
-                        self.generate(engine, strategy.name, self.tasks(stream, False),
-                                      len(left), pass_writer, f"baseline ({strategy.name})",
-                                      None, None, "baseline_generated")
-                finally:
-                    stream.close()
-                check_terminate()
-        self.base_writer.flush()
-        self.again_writer.flush()
-
-    def generate(self, engine, strategy: str, todo: Iterator[Task], total: int,
-                 writer: PartWriter, label: str, stop_after: int | None,
-                 on_row: Callable[[dict], None] | None, counter: str) -> None:
-        """Generate ``todo`` (``total`` rows; until ``stop_after`` rows were written by this
-        run) and hand every row to ``writer``; counts go to the result as they happen (so
-        they are right even when the run is interrupted)."""
-        c, result = self.config, self.result
-        seqs = _max_num_seqs(engine, c)
-        inflight = c.max_inflight or seqs + 2
-        backend = self.backend_factory(engine)
-        dispatcher = Dispatcher(backend, c.generation_config(), max_inflight=inflight,
-                                max_attempts=c.max_attempts, row_timeout=c.row_timeout)
-        progress = Progress(total, c.progress_seconds, label, c.progress_bar,
-                            max_new_tokens=c.max_new_tokens,
-                            live=getattr(backend, "work", None),
-                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas)
-        errors_before = len(writer.failed)
-        seen_before = self.seen
-
-        def on_result(outcome: Outcome) -> None:
-            length, truncated = self.meta.pop(outcome.task.key)
-            row = result_row(c.id_column, outcome.task.key, strategy, outcome.result,
-                             error=outcome.error, num_input_tokens=length,
-                             truncated=truncated, replica=outcome.replica,
-                             attempts=outcome.task.attempts, error_kind=outcome.kind)
-            if outcome.result is not None and outcome.error is None:
-                setattr(result, counter, getattr(result, counter) + 1)
-            writer.add(row)
-            progress.update(outcome)
-            if on_row is not None:
-                on_row(row)
-
-        def on_tick() -> None:
-            check_terminate()
-            self.lease.check()
-            writer.maybe_flush()
-            # rows that failed on input are written, not generated: not the pass's to wait for
-            progress.total = total - (len(writer.failed) - errors_before - progress.failed)
-            rows, tokens = (now - before for now, before in zip(self.seen, seen_before))
-            if rows:  # the pass's prompt tokens, estimated from the rows streamed so far
-                progress.prompt_tokens = round(tokens / rows * progress.total)
-            progress.tick()
-
-        def should_stop(count: int) -> bool:  # count: rows in flight (finished: written)
-            return self._written() + len(dispatcher.inflight) >= stop_after
-
-        try:
-            dispatcher.run(todo, on_result, on_tick, None if stop_after is None else should_stop,
-                           lookahead=c.stream_rows)
-        finally:
-            writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
-            progress.close()
-            result.replica_restarts += dispatcher.restarts
-            result.replicas_lost += dispatcher.lost
-            result.row_retries += dispatcher.retried_rows
-            if dispatcher.restarts:
-                log.warning("%s: %d replica restart(s), %d row retry(ies)", label,
-                            dispatcher.restarts, dispatcher.retried_rows)
-
     # ------------------------------------------------------------------ 4. summary
 
     def write_summary(self) -> JobResult:
-        """summary.json and speedup.png over everything in the output directory."""
+        """summary.json and speedup.png over everything in the output directory: the main
+        pass's parts streamed, a few columns each (jobs/summary.py); the baseline passes'
+        rows (a small fraction) read whole."""
         c, result = self.config, self.result
         tables: dict[str, pa.Table] = {sub: self.out.read_rows(sub, self.schema)
-                                       for sub in (ROWS, BASELINE, BASELINE_STRATEGY)}
+                                       for sub in (BASELINE, BASELINE_STRATEGY)}
         if result.max_num_seqs is None:  # no engine ran now: the batch of the earlier runs
             result.max_num_seqs = ((self.previous.get("throughput") or {}).get("max_num_seqs")
                                    or (self.previous.get("run") or {}).get("max_num_seqs"))
@@ -518,10 +265,12 @@ class JobRun:
                "replica_restarts": result.replica_restarts,
                "replicas_lost": result.replicas_lost, "row_retries": result.row_retries,
                "profile": result.profile, "max_num_seqs": result.max_num_seqs}
-        summary = summarize(tables[ROWS], tables[BASELINE], c.id_column, self.scan.ids.to_pylist(), job,
-                            run, again=tables[BASELINE_STRATEGY])
+        parts = self.out.iter_rows(ROWS, self.schema, [c.id_column, *COLUMNS])
+        summary = summarize(parts, tables[BASELINE], c.id_column, self.scan.ids, job, run,
+                            again=tables[BASELINE_STRATEGY])
         self.out.write_bytes(SUMMARY_FILE, dumps(summary))
-        write_plot(summary, tables[ROWS], tables[BASELINE], c.id_column,
+        points = self.out.read_rows(ROWS, self.schema, [c.id_column, *PLOT_COLUMNS])
+        write_plot(summary, points, tables[BASELINE], c.id_column,
                    lambda data: self.out.write_bytes(PLOT_FILE, data),
                    again=tables[BASELINE_STRATEGY])
         result.summary = summary
@@ -537,22 +286,3 @@ class JobRun:
             return {}
 
 
-def _max_num_seqs(engine, config: JobConfig) -> int:
-    """Rows one replica decodes at once: what the replicas reported (the asked number, or
-    less where memory capped it), else as asked."""
-    info = getattr(engine, "replica_info", None)
-    seqs = info(0).get("max_num_seqs") if info is not None else None
-    return seqs or config.max_num_seqs or 1
-
-
-def _profile_report(engine, replicas: int) -> dict | None:
-    """Which latency profile priced this run: key, path and origin ("loaded" from a stored
-    file, "measured" now and kept at path, "given"); per replica when they differ."""
-    info = getattr(engine, "replica_info", None)
-    if info is None:
-        return None
-    reports = [info(i).get("profile") for i in range(replicas)]
-    reports = [r for r in reports if r]
-    if not reports:
-        return None
-    return reports[0] if all(r == reports[0] for r in reports) else {"replicas": reports}

@@ -40,8 +40,12 @@ import logging
 import math
 import re
 import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 log = logging.getLogger(__name__)
 
@@ -83,73 +87,147 @@ def error_kind(message: str) -> str:
     return re.sub(r"\d+", "N", message.split(";")[0].split(":")[0])[:120]
 
 
-def _throughput(rows: list[dict]) -> float | None:
-    tokens = sum(r["num_generated_tokens"] for r in rows)
-    wall = sum(r["time_taken_llm"] for r in rows)
-    return tokens / wall if wall > 0 else None
+#: The columns of an output part the summary reads.
+COLUMNS = ["num_input_tokens", "num_generated_tokens", "time_taken_llm", "prefill_s",
+           "tokens_per_s", "drafted", "accepted", "attention_skipped", "mlp_skipped",
+           "selections", "mean_batch", "replica", "generation_start", "generation_end",
+           "generated_tokens", "error"]  # the tokens: for the baseline rows (lossless)
 
 
-def _busy_seconds(rows: list[dict]) -> float:
-    """Length of the union of the rows' [generation_start, generation_end] intervals."""
-    spans = sorted((r["generation_start"].timestamp(), r["generation_end"].timestamp())
-                   for r in rows if r.get("generation_start") and r.get("generation_end"))
-    total, end = 0.0, -math.inf
-    for a, b in spans:
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+def _col(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """A column, or nulls where the table lacks it (a part of an older version, a test's
+    partial rows)."""
+    if name in table.column_names:
+        return table.column(name)
+    return pa.chunked_array([pa.nulls(len(table), pa.float64())])
+
+
+def _sum(values, zero=0):
+    total = pc.sum(values).as_py()
+    return zero if total is None else total
+
+
+def _seconds(column: pa.ChunkedArray) -> np.ndarray:
+    if pa.types.is_timestamp(column.type):
+        column = pc.cast(pc.cast(column, pa.timestamp("us")), pa.int64())
+        return column.to_numpy(zero_copy_only=False).astype(np.float64) / 1e6
+    return column.to_numpy(zero_copy_only=False).astype(np.float64)
+
+
+@dataclass
+class Totals:
+    """Running sums over ok rows (one table at a time: :meth:`add`), and the figures of
+    the module docstring from them."""
+
+    rows: int = 0
+    tokens: int = 0
+    input_tokens: int = 0
+    input_rows: int = 0  # rows with a prompt length (for the mean)
+    wall: float = 0.0
+    prefill: float = 0.0
+    batch_weight: int = 0
+    batch_sum: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    attention: float = 0.0  # attention_skipped x drafted
+    mlp: float = 0.0
+    selections: int = 0
+    replicas: set = field(default_factory=set)
+    spans: list = field(default_factory=list)  # (starts, ends) arrays in seconds
+
+    def add(self, ok: pa.Table) -> Totals:
+        """Add the rows of ``ok`` (rows without an error)."""
+        if not len(ok):
+            return self
+        gen = pc.fill_null(_col(ok, "num_generated_tokens"), 0)
+        drafted = pc.fill_null(_col(ok, "drafted"), 0)
+        mean_batch = _col(ok, "mean_batch")
+        n_in = _col(ok, "num_input_tokens")
+        self.rows += len(ok)
+        self.tokens += _sum(gen)
+        self.input_tokens += _sum(n_in)
+        self.input_rows += len(n_in) - n_in.null_count
+        self.wall += _sum(_col(ok, "time_taken_llm"), 0.0)
+        self.prefill += _sum(_col(ok, "prefill_s"), 0.0)
+        self.batch_weight += _sum(pc.if_else(pc.is_valid(mean_batch), gen, 0))
+        self.batch_sum += _sum(pc.multiply(mean_batch, gen), 0.0)
+        self.drafted += _sum(drafted)
+        self.accepted += _sum(_col(ok, "accepted"))
+        self.attention += _sum(pc.multiply(pc.fill_null(_col(ok, "attention_skipped"), 0),
+                                           drafted), 0.0)
+        self.mlp += _sum(pc.multiply(pc.fill_null(_col(ok, "mlp_skipped"), 0), drafted), 0.0)
+        self.selections += _sum(_col(ok, "selections"))
+        self.replicas.update(pc.unique(_col(ok, "replica")).to_pylist())
+        start, end = _col(ok, "generation_start"), _col(ok, "generation_end")
+        both = pc.and_(pc.is_valid(start), pc.is_valid(end))
+        if pc.any(both).as_py():
+            self.spans.append((_seconds(start.filter(both)), _seconds(end.filter(both))))
+        return self
+
+    def busy_seconds(self) -> float:
+        """Length of the union of the rows' [generation_start, generation_end] intervals."""
+        if not self.spans:
+            return 0.0
+        starts = np.concatenate([a for a, _ in self.spans])
+        ends = np.concatenate([b for _, b in self.spans])
+        order = np.lexsort((ends, starts))
+        starts, ends = starts[order], ends[order]
+        before = np.concatenate([[-np.inf], np.maximum.accumulate(ends)[:-1]])
+        return float(np.sum(np.where(ends > before, ends - np.maximum(starts, before), 0.0)))
+
+    def row_tokens_per_s(self) -> float | None:
+        return self.tokens / self.wall if self.rows and self.wall > 0 else None
+
+    def throughput(self, max_num_seqs=None) -> dict:
+        """Job-level throughput of the ok rows (see the module docstring)."""
+        busy = self.busy_seconds()
+        prefill = self.prefill / (len(self.replicas) or 1)
+        return {"tokens_per_s": self.tokens / busy if busy > 0 else None,
+                "decode_tokens_per_s": (self.tokens / (busy - prefill) if busy > prefill
+                                        else None),
+                "max_num_seqs": max_num_seqs,
+                "mean_batch": self.batch_sum / self.batch_weight if self.batch_weight else None}
+
+    def acceptance(self) -> dict:
+        d = self.drafted
+        return {"drafted": d, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / d if d else None,
+                "attention_skipped": self.attention / d if d else None,
+                "mlp_skipped": self.mlp / d if d else None, "selections": self.selections}
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows) if rows else pa.table({})
 
 
 def throughput(rows: list[dict], max_num_seqs=None) -> dict:
-    """Job-level throughput of the ok rows (see the module docstring)."""
-    tokens = sum(r["num_generated_tokens"] for r in rows)
-    busy = _busy_seconds(rows)
-    replicas = len({r["replica"] for r in rows}) or 1
-    prefill = sum(r["prefill_s"] or 0 for r in rows) / replicas
-    weight = sum(r["num_generated_tokens"] for r in rows if r.get("mean_batch") is not None)
-    return {"tokens_per_s": tokens / busy if busy > 0 else None,
-            "decode_tokens_per_s": tokens / (busy - prefill) if busy > prefill else None,
-            "max_num_seqs": max_num_seqs,
-            "mean_batch": (sum(r["mean_batch"] * r["num_generated_tokens"] for r in rows
-                               if r.get("mean_batch") is not None) / weight) if weight else None}
+    """:meth:`Totals.throughput` of ok rows given as dicts."""
+    return Totals().add(_table(rows)).throughput(max_num_seqs)
 
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def _acceptance(rows: list[dict]) -> dict:
-    drafted = sum(r["drafted"] or 0 for r in rows)
-    accepted = sum(r["accepted"] or 0 for r in rows)
-
-    def weighted(col):
-        return (sum((r[col] or 0) * (r["drafted"] or 0) for r in rows) / drafted
-                if drafted else None)
-    return {"drafted": drafted, "accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "attention_skipped": weighted("attention_skipped"),
-            "mlp_skipped": weighted("mlp_skipped"),
-            "selections": sum(r["selections"] or 0 for r in rows)}
-
-
 PLANS_SHOWN = 12
+PLAN_KEYS = ("rounds", "tokens", "seconds", "predicted_tokens", "priced_s")
 
 
-def _plans(rows: list[dict]) -> list[dict]:
-    """``plans`` (see the module docstring) from the rows' per-plan tallies."""
-    sums: dict[str, dict] = {}
-    keys = ("rounds", "tokens", "seconds", "predicted_tokens", "priced_s")
-    for r in rows:
-        for t in r.get("plans") or ():
-            acc = sums.setdefault(t["plan"], dict.fromkeys(keys, 0) | {"rows": 0})
+def add_plans(sums: dict[str, dict], plans: pa.ChunkedArray | pa.Array) -> None:
+    """Add the rows' per-plan tallies (the ``plans`` column) into ``sums``, plan by plan."""
+    for tallies in plans.to_pylist():
+        for t in tallies or ():
+            acc = sums.setdefault(t["plan"], dict.fromkeys(PLAN_KEYS, 0) | {"rows": 0})
             acc["rows"] += 1
-            for k in keys:
+            for k in PLAN_KEYS:
                 acc[k] += t[k] or 0
+
+
+def _plans(sums: dict[str, dict]) -> list[dict]:
+    """``plans`` (see the module docstring) from the summed per-plan tallies."""
     ranked = sorted(sums.items(), key=lambda kv: -kv[1]["seconds"])
     if len(ranked) > PLANS_SHOWN:
-        rest = dict.fromkeys(keys, 0) | {"rows": 0}
+        rest = dict.fromkeys(PLAN_KEYS, 0) | {"rows": 0}
         for _, acc in ranked[PLANS_SHOWN:]:
             for k in rest:
                 rest[k] += acc[k]
@@ -169,11 +247,10 @@ def plain_note(strategy: str) -> str:
     return f"{strategy} chose plain decoding for every row: no subnet paid on this hardware"
 
 
-def _acceptance_of_job(ok: list[dict], strategy: str | None) -> dict:
-    """``_acceptance`` of the job's ok rows, with ``note`` when a drafting strategy drafted
-    nothing at all."""
-    acc = _acceptance(ok)
-    if ok and strategy not in (None, "ar") and not acc["drafted"]:
+def _acceptance_of_job(ok: Totals, strategy: str | None) -> dict:
+    """The job's acceptance, with ``note`` when a drafting strategy drafted nothing at all."""
+    acc = ok.acceptance()
+    if ok.rows and strategy not in (None, "ar") and not acc["drafted"]:
         acc["note"] = plain_note(strategy)
     return acc
 
@@ -181,11 +258,13 @@ def _acceptance_of_job(ok: list[dict], strategy: str | None) -> dict:
 def _speedup(pairs: list[tuple[dict, dict]], lossless: list[tuple[dict, dict]]) -> dict:
     """pairs: (the job's strategy row from the baseline pass, ar row) of the same id, both
     ok; lossless: (the job's own row, ar row)."""
-    identical = sum(s["generated_tokens"] == a["generated_tokens"] for s, a in lossless)
+    identical = sum(list(s["generated_tokens"]) == list(a["generated_tokens"])
+                    for s, a in lossless)
     if not pairs:
         return {"rows": 0, "speedup": None, "decode_speedup": None,
                 "identical_tokens": identical}
-    spec, ar = throughput([p[0] for p in pairs]), throughput([p[1] for p in pairs])
+    spec = Totals().add(_table([p[0] for p in pairs])).throughput()
+    ar = Totals().add(_table([p[1] for p in pairs])).throughput()
     per_row = [s["tokens_per_s"] / a["tokens_per_s"] for s, a in pairs
                if s["tokens_per_s"] and a["tokens_per_s"]]
     speedup = _ratio(spec["tokens_per_s"], ar["tokens_per_s"])
@@ -207,58 +286,97 @@ def _speedup(pairs: list[tuple[dict, dict]], lossless: list[tuple[dict, dict]]) 
     }
 
 
-def summarize(rows: pa.Table, baseline: pa.Table, id_column: str, input_ids: list,
-              job: dict, run: dict, again: pa.Table | None = None) -> dict:
-    """The content of ``summary.json``; ``again``: the baseline rows run with the job's
-    strategy in the baseline pass."""
-    out = rows.to_pylist()
-    base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
-    again_ok = {} if again is None else {r[id_column]: r for r in again.to_pylist()
-                                         if r["error"] is None}
-    ok = [r for r in out if r["error"] is None]
-    failed = [r for r in out if r["error"] is not None]
-    written = {r[id_column] for r in out}
-    inputs = set(input_ids)
+@dataclass
+class _Bucket:
+    members: int = 0  # rows with a prompt length in the bucket, failed ones too
+    input_tokens: int = 0
+    ok: Totals = field(default_factory=Totals)
+
+
+def _ok_rows(table: pa.Table | None, id_column: str) -> dict:
+    if table is None:
+        return {}
+    return {r[id_column]: r for r in table.to_pylist() if r["error"] is None}
+
+
+def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column: str,
+              input_ids, job: dict, run: dict, again: pa.Table | None = None) -> dict:
+    """The content of ``summary.json``: ``rows`` the main pass's rows (a table, or its parts
+    one at a time: each read once, one row per id across them); ``baseline`` and ``again``
+    the ar and strategy baseline passes' rows (small); ``input_ids`` the input's ids (an
+    Arrow array or a list)."""
+    parts = [rows] if isinstance(rows, pa.Table) else rows
+    inputs = input_ids if isinstance(input_ids, (pa.Array, pa.ChunkedArray)) else pa.array(
+        list(input_ids))
+    base = _ok_rows(baseline, id_column)
+    again_ok = _ok_rows(again, id_column)
+    base_ids = pa.array(list(base), inputs.type if len(inputs) else None)
+    ok, written, in_input, failed = Totals(), 0, 0, 0
+    plans: dict[str, dict] = {}
     errors: dict[str, int] = {}
-    for r in failed:
-        kind = error_kind(r["error"])
-        errors[kind] = errors.get(kind, 0) + 1
-    lossless = [(r, base[r[id_column]]) for r in ok if r[id_column] in base]
-    pairs = [(again_ok[i], b) for i, b in base.items() if i in again_ok]
-    buckets = []
-    for lo, hi in zip(BUCKET_EDGES, BUCKET_EDGES[1:]):
-        members = [r for r in out if r["num_input_tokens"] is not None
-                   and lo <= r["num_input_tokens"] < hi]
-        if not members:
+    lossless: list[tuple[dict, dict]] = []
+    buckets = [_Bucket() for _ in BUCKET_EDGES[1:]]
+    edges = np.array(BUCKET_EDGES[1:-1], dtype=np.float64)
+    for part in parts:
+        if not len(part):
             continue
-        b_ok = [r for r in members if r["error"] is None]
-        b_pairs = [p for p in pairs if lo <= p[0]["num_input_tokens"] < hi]
-        b_lossless = [p for p in lossless if lo <= p[0]["num_input_tokens"] < hi]
-        buckets.append({
+        written += len(part)
+        ids = part.column(id_column)
+        in_input += _sum(pc.is_in(ids, value_set=inputs)) if len(inputs) else 0
+        is_ok = pc.is_null(part.column("error"))
+        failed_part = part.filter(pc.invert(is_ok))
+        failed += len(failed_part)
+        for entry in pc.value_counts(failed_part.column("error")).to_pylist():
+            kind = error_kind(entry["values"])
+            errors[kind] = errors.get(kind, 0) + entry["counts"]
+        ok_part = part.filter(is_ok)
+        ok.add(ok_part)
+        if "plans" in ok_part.column_names:
+            add_plans(plans, ok_part.column("plans"))
+        if len(base):
+            mine = ok_part.filter(pc.is_in(ok_part.column(id_column), value_set=base_ids))
+            lossless += [(r, base[r[id_column]]) for r in mine.select(
+                [id_column, "num_input_tokens", "generated_tokens"]).to_pylist()]
+        n_in = part.column("num_input_tokens")
+        where = np.searchsorted(edges, _seconds(n_in), side="right")
+        for b in np.unique(where[~np.isnan(_seconds(n_in))]):
+            mask = pa.array(where == b) if n_in.null_count == 0 else pc.and_(
+                pa.array(where == b), pc.is_valid(n_in))
+            members = part.filter(mask)
+            buckets[b].members += len(members)
+            buckets[b].input_tokens += _sum(members.column("num_input_tokens"))
+            buckets[b].ok.add(members.filter(pc.is_null(members.column("error"))))
+    pairs = [(again_ok[i], b) for i, b in base.items() if i in again_ok]
+    out_buckets = []
+    for (lo, hi), bucket in zip(zip(BUCKET_EDGES, BUCKET_EDGES[1:]), buckets):
+        if not bucket.members:
+            continue
+        acc = bucket.ok.acceptance()
+        out_buckets.append({
             "bucket": _label(lo, hi), "min_tokens": lo, "max_tokens": None if hi == math.inf
-            else hi, "rows": len(members), "ok": len(b_ok), "failed": len(members) - len(b_ok),
-            "mean_input_tokens": statistics.fmean(r["num_input_tokens"] for r in members),
-            "generated_tokens": sum(r["num_generated_tokens"] for r in b_ok),
-            "row_tokens_per_s": _throughput(b_ok) if b_ok else None,
-            **{k: v for k, v in _acceptance(b_ok).items()
-               if k in ("acceptance_rate", "attention_skipped", "mlp_skipped")},
-            "baseline": _speedup(b_pairs, b_lossless)})
+            else hi, "rows": bucket.members, "ok": bucket.ok.rows,
+            "failed": bucket.members - bucket.ok.rows,
+            "mean_input_tokens": bucket.input_tokens / bucket.members,
+            "generated_tokens": bucket.ok.tokens,
+            "row_tokens_per_s": bucket.ok.row_tokens_per_s(),
+            **{k: acc[k] for k in ("acceptance_rate", "attention_skipped", "mlp_skipped")},
+            "baseline": _speedup([p for p in pairs if lo <= p[0]["num_input_tokens"] < hi],
+                                 [p for p in lossless
+                                  if lo <= p[0]["num_input_tokens"] < hi])})
     return {
         "job": job,
-        "complete": inputs <= written,
-        "rows": {"input": len(inputs), "written": len(out), "ok": len(ok),
-                 "failed": len(failed), "pending": len(inputs - written),
-                 "not_in_input": len(written - inputs)},
+        "complete": in_input == len(inputs),
+        "rows": {"input": len(inputs), "written": written, "ok": ok.rows, "failed": failed,
+                 "pending": len(inputs) - in_input, "not_in_input": written - in_input},
         "errors": errors,
-        "tokens": {"input": sum(r["num_input_tokens"] or 0 for r in ok),
-                   "generated": sum(r["num_generated_tokens"] for r in ok)},
-        "row_tokens_per_s": _throughput(ok) if ok else None,
-        "throughput": throughput(ok, run.get("max_num_seqs")),
-        "generation_seconds": sum(r["time_taken_llm"] for r in ok),
+        "tokens": {"input": ok.input_tokens, "generated": ok.tokens},
+        "row_tokens_per_s": ok.row_tokens_per_s(),
+        "throughput": ok.throughput(run.get("max_num_seqs")),
+        "generation_seconds": ok.wall,
         "acceptance": _acceptance_of_job(ok, job.get("strategy")),
-        "plans": _plans(ok),
+        "plans": _plans(plans),
         "baseline": {"strategy": "ar", **_speedup(pairs, lossless)},
-        "buckets": buckets,
+        "buckets": out_buckets,
         "run": run,
     }
 

@@ -1,6 +1,6 @@
 """The engine as the jobs' dispatcher sees it (Ray ObjectRefs), and what Ray's errors mean.
 
-The dispatcher (jobs/dispatch.py) knows nothing of Ray: it submits rows, waits for handles,
+The dispatcher (runtime/dispatch.py) knows nothing of Ray: it submits rows, waits for handles,
 and asks whether a failure was the replica's (restart it, retry its rows) or the row's own
 (its error row). Both answers need Ray, so they live here.
 """
@@ -33,7 +33,7 @@ OUT_OF_MEMORY = tuple(t for t in (getattr(rx, "OutOfMemoryError", None),
 
 
 class EngineBackend:
-    """jobs.dispatch.Backend over :class:`~knapspec_dist.runtime.engine.Engine`."""
+    """runtime.dispatch.Backend over :class:`~knapspec_dist.runtime.engine.Engine`."""
 
     def __init__(self, engine: Engine):
         self.engine = engine

@@ -10,80 +10,51 @@ statistics out, the way ``ray.data.llm``'s processors work.
 ...     postprocess=lambda row: {"summary": row["generated_text"], **row})
 >>> out = processor(ray.data.read_parquet("/data/docs"))   # lazy, like any Dataset
 
-Stages, as in ``ray.data.llm``: ``preprocess`` (a ``map`` of the user's), chat template
-and tokenize (``messages`` with the template, or ``prompt`` as is; CPU actors), the engine
-(one Ray Data actor per replica, each owning one TP group: its placement group, coordinator
-and shard actors, i.e. a one-replica :class:`~knapspec_dist.runtime.engine.Engine`; the
-coordinator detokenizes), ``postprocess``. The rows of a batch decode together in the
-replica's continuous batch (``batch_size``, 2 x ``max_num_seqs`` by default, keeps it full).
+Stages, as in ``ray.data.llm`` and described once in runtime/stages.py: ``preprocess`` (a
+``map`` of the user's), chat template and tokenize (runtime/prompts.py's TokenizeStage, the
+batch job's own: ``messages`` through the template, or ``prompt`` as is; CPU actors; a
+prompt too long for the model's window is that row's error), the engine (one Ray Data actor
+per replica, each owning one TP group: its placement group, coordinator and shard actors,
+i.e. a one-replica :class:`~knapspec_dist.runtime.engine.Engine`, fed by the batch job's
+Dispatcher: a dead replica is restarted and its rows retried; the coordinator detokenizes),
+``postprocess``. The rows of a batch decode together in the replica's continuous batch
+(``batch_size``, 2 x ``max_num_seqs`` by default, keeps it full).
 
-With ``should_continue_on_error`` a row whose generation fails gets its ``error`` and the
-others go on; without it the first failure fails the Dataset, as in ``ray.data.llm``.
+With ``should_continue_on_error`` a row that fails gets its ``error`` (and ``error_kind``)
+and the others go on; without it the first failure fails the Dataset, as in ``ray.data.llm``.
 
-What the batch job (jobs/) adds and this does not: resume, exactly-once part files, the
-baseline passes with the measured speedup, and retries after a replica dies.
+What the batch job (jobs/) adds around the same stages: resume, exactly-once part files, the
+baseline passes with the measured speedup, retries across replicas, the summary.
 """
 
 from __future__ import annotations
 
-import datetime as dt
+import functools
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import pyarrow as pa
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.model.embedded import resolve_model_path
-from knapspec_dist.model.tokenizer import load_tokenizer
-from knapspec_dist.runtime.backend import describe_error
+from knapspec_dist.errors import UserError
+from knapspec_dist.runtime.backend import EngineBackend
+from knapspec_dist.runtime.dispatch import Dispatcher, Outcome
 from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.prompts import TokenizeStage, load_text_tools, make_builder
 from knapspec_dist.runtime.setup import check_setup
+from knapspec_dist.runtime.stages import (
+    RESULT_FIELDS,
+    Stage,
+    batch_tasks,
+    outcome_columns,
+)
 from knapspec_dist.spec.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProcessorConfig", "build_processor", "result_columns"]
-
-
-def _utc(epoch: float) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch else None
-
-
-def result_columns(result) -> dict:
-    """A GenerationResult as output columns (``ray.data.llm``'s names where they overlap):
-    the one mapping of our per-row statistics, shared with the batch job's rows."""
-    s = result.stats
-    return {"generated_text": result.text, "generated_tokens": list(result.token_ids),
-            "num_input_tokens": s.prompt_tokens, "num_generated_tokens": s.new_tokens,
-            "finish_reason": result.finish_reason, "time_taken_llm": s.wall_s,
-            "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "steps": s.steps,
-            "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
-            "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
-            "selections": s.selections, "mean_batch": s.mean_batch,
-            "plans": [{"plan": label, **asdict(t)} for label, t in s.plans.items()],
-            "generation_start": _utc(s.admitted_at), "generation_end": _utc(s.finished_at)}
-
-
-#: Per plan a row decoded with: its rounds, tokens, seconds, and the predicted tokens over the
-#: seconds priced (engine/generation.py ``PlanTally``); jobs/summary.py sums them per plan.
-PLANS = pa.list_(pa.struct([("plan", pa.string()), ("rounds", pa.int64()),
-                            ("tokens", pa.int64()), ("seconds", pa.float64()),
-                            ("predicted_tokens", pa.float64()), ("priced_s", pa.float64())]))
-
-
-#: Columns the engine stage adds to every row (null where the row failed), and ``error``.
-RESULT_FIELDS = [
-    ("generated_text", pa.string()), ("generated_tokens", pa.list_(pa.int32())),
-    ("num_input_tokens", pa.int64()), ("num_generated_tokens", pa.int64()),
-    ("finish_reason", pa.string()), ("time_taken_llm", pa.float64()),
-    ("prefill_s", pa.float64()), ("tokens_per_s", pa.float64()), ("steps", pa.int64()),
-    ("drafted", pa.int64()), ("accepted", pa.int64()), ("acceptance_rate", pa.float64()),
-    ("attention_skipped", pa.float64()), ("mlp_skipped", pa.float64()),
-    ("selections", pa.int64()), ("mean_batch", pa.float64()), ("plans", PLANS),
-    ("generation_start", pa.timestamp("us", tz="UTC")),
-    ("generation_end", pa.timestamp("us", tz="UTC")), ("error", pa.string())]
+__all__ = ["ProcessorConfig", "build_processor", "stages"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +75,7 @@ class ProcessorConfig:
     batch_size: int | None = None  # rows per engine call; None: 2 x max_num_seqs, else 16
     sampling: dict = field(default_factory=dict)
     should_continue_on_error: bool = False
+    max_attempts: int = 3  # replica failures a row may see before it fails (dispatch.py)
     apply_chat_template: bool = True  # ``messages`` through the template; else ``prompt``
     tokenizer_concurrency: int = 1
     tokenizer_cpus: float = 0.0  # 0: shares cores with the ranks (see runtime/stream.py)
@@ -120,60 +92,65 @@ class ProcessorConfig:
         return self.batch_size or (2 * self.max_num_seqs if self.max_num_seqs else 16)
 
 
-class ChatTemplateTokenize:
-    """``messages`` (or ``prompt``) to ``prompt_ids``; the tokenizer loaded once per actor."""
-
-    def __init__(self, model: str, chat: bool):
-        self.tokenizer, self.chat = load_tokenizer(resolve_model_path(model)), chat
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        if self.chat:
-            ids = [list(_ids(self.tokenizer.apply_chat_template(
-                m, add_generation_prompt=True, tokenize=True)))
-                for m in batch.column("messages").to_pylist()]
-        else:
-            ids = [self.tokenizer(p, add_special_tokens=True)["input_ids"]
-                   for p in batch.column("prompt").to_pylist()]
-        return batch.append_column("prompt_ids", pa.array(ids, pa.list_(pa.int32())))
-
-
-def _ids(encoded):
-    return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-
-
 class EngineStage:
-    """One replica (a one-replica Engine: its TP group) as a Ray Data actor; every row of a
-    batch is submitted at once, so they share the replica's continuous batch."""
+    """One replica (a one-replica Engine: its TP group) as a Ray Data actor, fed by the
+    Dispatcher: every row of a batch is submitted at once, so they share the replica's
+    continuous batch, and a replica failure restarts it and retries its rows."""
 
     def __init__(self, config: ProcessorConfig):
         c = config
-        self.config, self.generation = c, c.generation_config()
+        self.config = c
         self.engine = Engine(c.model, tp=c.tp, replicas=1, strategy=c.strategy, dtype=c.dtype,
                              device=c.device, cpus_per_rank=c.cpus_per_rank,
                              max_num_seqs=c.max_num_seqs)
+        self.dispatcher = Dispatcher(EngineBackend(self.engine), c.generation_config(),
+                                     max_inflight=c.rows_per_call(),
+                                     max_attempts=c.max_attempts)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        prompts = batch.column("prompt_ids").to_pylist()
-        refs = [self.engine.submit(0, ids, self.generation) for ids in prompts]
-        rows = []
-        for ref in refs:
-            try:
-                rows.append({**result_columns(ray.get(ref)), "error": None})
-            except Exception as e:  # noqa: BLE001 - a row's failure, by the config's rule
-                if not self.config.should_continue_on_error:
-                    raise
-                rows.append({"error": describe_error(e)})
+        rows: list[dict] = [{} for _ in range(batch.num_rows)]
+        tasks = []
+        for i, task in batch_tasks(batch, list(range(batch.num_rows))):
+            if task is None:  # the tokenize stage's error: the row's input
+                rows[i] = {"error": batch.column("error")[i].as_py(), "error_kind": "input",
+                           "num_input_tokens": batch.column("num_input_tokens")[i].as_py()}
+                self._check(rows[i])
+            else:
+                tasks.append(task)
+
+        def on_result(outcome: Outcome) -> None:
+            rows[outcome.task.key] = self._check(outcome_columns(outcome))
+
+        self.dispatcher.run(tasks, on_result, lookahead=0)
         out = pa.Table.from_pylist(rows, schema=pa.schema(RESULT_FIELDS))
-        keep = batch.drop_columns([n for n in out.column_names if n in batch.column_names]
-                                  + ["prompt_ids"])
+        keep = batch.drop_columns([n for n in batch.column_names
+                                   if n in out.column_names or n == "prompt_ids"])
         for name in out.column_names:
             keep = keep.append_column(name, out.column(name))
         return keep
+
+    def _check(self, row: dict) -> dict:
+        if row.get("error") is not None and not self.config.should_continue_on_error:
+            raise UserError(f"a row failed ({row['error']}); pass should_continue_on_error="
+                            "True to write it as that row's error and go on")
+        return row
 
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def stages(config: ProcessorConfig) -> list[Stage]:
+    """The processor's tokenize and engine stages (runtime/stages.py)."""
+    column = "messages" if config.apply_chat_template else "prompt"
+    builder = functools.partial(make_builder, load_text_tools, config, column, "", None,
+                                config.generation_config().max_new_tokens, False, column)
+    # The engine actor holds no CPU itself: its shard actors reserve the replica's CPUs/GPUs.
+    return [Stage(TokenizeStage, (builder, column), rows=16,
+                  actors=config.tokenizer_concurrency, cpus=config.tokenizer_cpus),
+            Stage(EngineStage, (config,), rows=config.rows_per_call(),
+                  actors=config.concurrency, cpus=0)]
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
@@ -183,19 +160,13 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     before the result is consumed). The model, tp and strategy are checked here, at once."""
     check_setup(config.model, config.tp, config.strategy)
 
+    pipeline = stages(config)
+
     def processor(ds: ray.data.Dataset) -> ray.data.Dataset:
         if preprocess is not None:
             ds = ds.map(preprocess)
-        ds = ds.map_batches(ChatTemplateTokenize, fn_constructor_args=(
-            config.model, config.apply_chat_template), batch_format="pyarrow", batch_size=16,
-            compute=ray.data.ActorPoolStrategy(size=config.tokenizer_concurrency),
-            num_cpus=config.tokenizer_cpus)
-        replicas = config.concurrency
-        pool = (ray.data.ActorPoolStrategy(min_size=replicas[0], max_size=replicas[1])
-                if isinstance(replicas, tuple) else ray.data.ActorPoolStrategy(size=replicas))
-        # The actor holds no CPU itself: its shard actors reserve the replica's CPUs/GPUs.
-        ds = ds.map_batches(EngineStage, fn_constructor_args=(config,), batch_format="pyarrow",
-                            batch_size=config.rows_per_call(), compute=pool, num_cpus=0)
+        for stage in pipeline:
+            ds = stage.on(ds)
         if postprocess is not None:
             ds = ds.map(postprocess)
         return ds

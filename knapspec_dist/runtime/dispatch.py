@@ -148,7 +148,9 @@ class Dispatcher:
         self._finished = 0
         self._on_result = on_result
         stopping = False
-        self._top_up()
+        full = None if should_stop is None else (
+            lambda: should_stop(self._finished + len(self.inflight)))
+        self._top_up(full, ahead=False)  # the first rows start before the lookahead is read
         while self.queue or self.inflight:
             if (should_stop is not None and not stopping
                     and should_stop(self._finished + len(self.inflight))):
@@ -158,8 +160,7 @@ class Dispatcher:
                              "left for a later run", len(self.queue))
                 self.queue.clear()
                 self.source = iter(())
-            self._fill(None if should_stop is None
-                       else lambda: should_stop(self._finished + len(self.inflight)))
+            self._fill(full)
             if not self.inflight:
                 if self.queue:
                     raise ReplicaLost(f"no replica left to run {len(self.queue)} row(s)")
@@ -181,17 +182,24 @@ class Dispatcher:
             if on_tick is not None:
                 on_tick()
             if not stopping:
-                self._top_up()
+                self._top_up(full)
 
-    def _top_up(self) -> None:
+    def _top_up(self, full: Callable[[], bool] | None = None, ahead: bool = True) -> None:
         """Pull rows from the source while fewer than the replicas' room plus ``lookahead``
-        wait (backpressure: a streamed input is read as the replicas take rows)."""
-        want = self.max_inflight * sum(self.alive) + self.lookahead
-        while len(self.queue) < want:
+        wait (backpressure: a streamed input is read as the replicas take rows). A row is
+        submitted as soon as it is pulled while a replica has room: the first row of a
+        streamed input starts without waiting for the rows queued behind it, and no row is
+        pulled once ``full()`` (``--stop-after`` reached)."""
+        room = self.max_inflight * sum(self.alive)
+        while ((len(self.queue) < room + self.lookahead) if ahead
+               else (len(self.queue) + len(self.inflight) < room)) and (
+                full is None or not full()):
             task = next(self.source, None)
             if task is None:
                 return
             self.queue.append(task)
+            if len(self.inflight) < room:
+                self._fill(full)
 
     def _emit(self, outcome: Outcome) -> None:
         self._finished += 1

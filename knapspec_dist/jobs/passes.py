@@ -1,0 +1,285 @@
+"""The generation passes of a job: the main pass over the input's stream, then the two
+baseline passes; each a stream of prompt batches (the processor's tokenize stage) fed to
+the replicas by the Dispatcher, every finished row to a part writer.
+
+A base class of :class:`~knapspec_dist.jobs.runner.JobRun`: the job's lifecycle (checks,
+lease, resume, summary) is there, the passes over the rows here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from knapspec_dist.jobs.baseline import baseline_ids
+from knapspec_dist.jobs.inputs import iter_texts
+from knapspec_dist.jobs.options import JobConfig
+from knapspec_dist.jobs.output import PartWriter, result_row
+from knapspec_dist.jobs.progress import Progress
+from knapspec_dist.jobs.termination import check_terminate
+from knapspec_dist.runtime.dispatch import Dispatcher, Outcome, Task
+from knapspec_dist.runtime.prompts import TokenizeStage, make_builder
+from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
+from knapspec_dist.runtime.stream import stream_batches
+from knapspec_dist.spec.options import StrategyOptions
+
+log = logging.getLogger("knapspec_dist.jobs.runner")  # the job's lines, as before the split
+
+AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
+
+
+def _missing(ids: pa.Array, done: pa.Array) -> pa.Array:
+    """``ids`` not in ``done`` (an anti-join)."""
+    return ids.filter(pc.invert(pc.is_in(ids, value_set=done.cast(ids.type))))
+
+
+class GenerationPasses:
+    """The passes of :class:`~knapspec_dist.jobs.runner.JobRun` (its state: see there)."""
+
+    def tokenize_stage(self, skip: pa.Array | None = None,
+                       keep: pa.Array | None = None) -> Stage:
+        """The processor's tokenize stage (runtime/stages.py) with the job's prompt options;
+        a pool that grows from one actor as the backlog asks: a fixed pool larger than the
+        input's blocks has actors still starting when the input is done, and Ray Data fails
+        the whole Dataset when such an actor is cancelled (seen on a busy machine)."""
+        c = self.config
+        builder = functools.partial(make_builder, self.text_tools, c, c.mode, c.instruction,
+                                    self.max_len, c.max_new_tokens, c.truncate, c.input_column)
+        return Stage(TokenizeStage, (builder, c.input_column, c.id_column, skip, keep),
+                     rows=16, actors=(1, max(1, min(c.tokenizers, len(self.scan.files)))),
+                     cpus=c.tokenizer_cpus)
+
+    def prompt_batches(self, skip: pa.Array | None = None,
+                       keep: pa.Array | None = None) -> Iterator[pa.Table]:
+        """The input's rows as prompt batches, streamed: tokenized by Ray Data on the
+        cluster, or by the same stage here (a small input, or the job's given text tools)."""
+        c = self.config
+        stage = self.tokenize_stage(skip, keep)
+        if self.ray_data:
+            yield from stream_batches(self.scan.files, self.scan.fs,
+                                      [c.id_column, c.input_column], stage,
+                                      batch_rows=c.stream_rows)
+            return
+        tokenize = stage.here()
+        for table in iter_texts(self.scan, c.stream_rows):
+            out = tokenize(table)
+            if out.num_rows:
+                yield out
+
+    def tasks(self, batches: Iterator[pa.Table], errors: bool) -> Iterator[Task]:
+        """Tasks of the prompt batches (runtime/stages.py's batch_tasks: each batch longest
+        prompt first); with ``errors`` a row's input error is written (held until
+        the engine started: a failed start writes nothing). Only the rows in flight keep
+        their token ids (a NumPy view of their batch) and their metadata (``self.meta``)."""
+        c = self.config
+        for batch in batches:
+            check_terminate()
+            ids = batch.column(c.id_column).to_pylist()
+            lengths = batch.column("num_input_tokens").to_pylist()
+            truncated = batch.column("truncated").to_pylist()
+            problems = batch.column("error").to_pylist()
+            for i, task in batch_tasks(batch, ids):
+                if task is None:
+                    if errors:
+                        self.write_error(ids[i], problems[i], lengths[i])
+                    continue
+                self.meta[ids[i]] = (lengths[i], truncated[i])
+                self.seen = (self.seen[0] + 1, self.seen[1] + lengths[i])
+                yield task
+
+    def write_error(self, row_id, error: str, length) -> None:
+        """A row that failed before generation (its input): finished already."""
+        c = self.config
+        row = result_row(c.id_column, row_id, c.strategy.name, error=error,
+                         num_input_tokens=length, error_kind="input")
+        if self.hold_errors:
+            self.held.append(row)
+            return
+        if c.stop_after is None or self._written() < c.stop_after:
+            self.writer.add(row)
+            if self.on_row:
+                self.on_row(row)
+
+    def main_pass(self) -> None:
+        """The job's strategy over every pending row, as the rows stream in. The engine
+        starts while Ray Data tokenizes the first rows (in-process tokenizing: once a row
+        with a prompt arrived, so that a job of failed rows starts none); the rows that failed
+        before are written only once it started (a failed start writes nothing, not even
+        these rows, so a corrected command may start over)."""
+        c = self.config
+        if not self.pending:
+            return
+        stream = self.prompt_batches(skip=self.skip)
+        try:
+            with contextlib.ExitStack() as stack:
+                todo = self.tasks(stream, errors=True)
+                engine = None
+                if self.ray_data:  # the engine starts while the cluster tokenizes
+                    peek = stack.enter_context(ThreadPoolExecutor(1)).submit(next, todo, None)
+                    engine = self.start_engine(stack)
+                    first = peek.result()
+                else:
+                    first = next(todo, None)  # held errors until the first row to generate
+                self.hold_errors = False
+                limit = c.stop_after
+                if first is None or (limit is not None and len(self.held) >= limit):
+                    self.write_held()  # no row to generate: no engine (or not for long)
+                    self.meta.clear()
+                else:
+                    engine = engine or self.start_engine(stack)
+                    self.write_held()
+                    log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
+                             self.pending - self._written(), c.strategy.name, c.replicas,
+                             c.tp)
+                    self.generate(engine, c.strategy.name, itertools.chain([first], todo),
+                                  self.pending - self._written(), self.writer, "rows",
+                                  c.stop_after, self.on_row, "generated")
+        finally:
+            stream.close()
+        self.result.stopped_early = self._written() < self.pending
+        self.writer.flush()
+
+    def start_engine(self, stack: contextlib.ExitStack):
+        """The main pass's engine, stopped when ``stack`` closes."""
+        c = self.config
+        engine = stack.enter_context(self.engine_factory(c, c.strategy, c.replicas))
+        self.result.profile = _profile_report(engine, c.replicas)
+        self.result.max_num_seqs = _max_num_seqs(engine, c)
+        if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
+            log.warning("--max-num-seqs %d capped to %d: what the memory left after the "
+                        "weights holds (engine/memory.py)", c.max_num_seqs,
+                        self.result.max_num_seqs)
+        return engine
+
+    def write_held(self) -> None:
+        held, self.held = self.held, []
+        for row in held:
+            self.write_error(row[self.config.id_column], row["error"], row["num_input_tokens"])
+
+    def _written(self) -> int:
+        return self.writer.written + len(self.writer.buffer)
+
+    def baseline_left(self) -> bool:
+        """Whether a baseline pass has rows left to run (a complete job resumed)."""
+        if self.config.strategy.name == "ar" or self.config.baseline_fraction <= 0:
+            return False
+        ready = baseline_ids(self.out, self.schema, self.config.baseline_fraction)
+        return any(len(_missing(ready, passed)) for passed in (self.done.baseline,
+                                                               self.done.again))
+
+    def baseline_passes(self) -> None:
+        """The baseline rows with the job's strategy again, then with ar, in two passes
+        batched alike, for a measured speedup (the main pass decoded them among other rows,
+        at another batch: its timings are not comparable with ar's)."""
+        c = self.config
+        check_terminate()
+        if c.strategy.name != "ar" and c.baseline_fraction > 0 and not self.result.stopped_early:
+            ready = baseline_ids(self.out, self.schema, c.baseline_fraction)
+            for strategy, pass_writer, passed in ((c.strategy, self.again_writer,
+                                                   self.done.again),
+                                                  (AR, self.base_writer, self.done.baseline)):
+                left = _missing(ready, passed)
+                if not left:
+                    continue
+                replicas = min(c.replicas, len(left))
+                log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
+                         len(left), strategy.name, replicas)
+                stream = self.prompt_batches(keep=left.cast(self.scan.id_type))
+                try:
+                    with self.engine_factory(c, strategy, replicas) as engine:
+                        self.generate(engine, strategy.name, self.tasks(stream, False),
+                                      len(left), pass_writer, f"baseline ({strategy.name})",
+                                      None, None, "baseline_generated")
+                finally:
+                    stream.close()
+                check_terminate()
+        self.base_writer.flush()
+        self.again_writer.flush()
+
+    def generate(self, engine, strategy: str, todo: Iterator[Task], total: int,
+                 writer: PartWriter, label: str, stop_after: int | None,
+                 on_row: Callable[[dict], None] | None, counter: str) -> None:
+        """Generate ``todo`` (``total`` rows; until ``stop_after`` rows were written by this
+        run) and hand every row to ``writer``; counts go to the result as they happen (so
+        they are right even when the run is interrupted)."""
+        c, result = self.config, self.result
+        seqs = _max_num_seqs(engine, c)
+        inflight = c.max_inflight or seqs + 2
+        backend = self.backend_factory(engine)
+        dispatcher = Dispatcher(backend, c.generation_config(), max_inflight=inflight,
+                                max_attempts=c.max_attempts, row_timeout=c.row_timeout)
+        progress = Progress(total, c.progress_seconds, label, c.progress_bar,
+                            max_new_tokens=c.max_new_tokens,
+                            live=getattr(backend, "work", None),
+                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas)
+        errors_before = writer.errors
+        seen_before = self.seen
+
+        def on_result(outcome: Outcome) -> None:
+            length, truncated = self.meta.pop(outcome.task.key)
+            row = {**result_row(c.id_column, outcome.task.key, strategy,
+                                num_input_tokens=length, truncated=truncated),
+                   **outcome_columns(outcome)}
+            if outcome.result is not None and outcome.error is None:
+                setattr(result, counter, getattr(result, counter) + 1)
+            writer.add(row)
+            progress.update(outcome)
+            if on_row is not None:
+                on_row(row)
+
+        def on_tick() -> None:
+            check_terminate()
+            self.lease.check()
+            writer.maybe_flush()
+            # rows that failed on input are written, not generated: not the pass's to wait for
+            progress.total = total - (writer.errors - errors_before - progress.failed)
+            rows, tokens = (now - before for now, before in zip(self.seen, seen_before))
+            if rows:  # the pass's prompt tokens, estimated from the rows streamed so far
+                progress.prompt_tokens = round(tokens / rows * progress.total)
+            progress.tick()
+
+        def should_stop(count: int) -> bool:  # count: rows in flight (finished: written)
+            return self._written() + len(dispatcher.inflight) >= stop_after
+
+        try:
+            dispatcher.run(todo, on_result, on_tick, None if stop_after is None else should_stop,
+                           lookahead=c.stream_rows)
+        finally:
+            writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
+            progress.close()
+            result.replica_restarts += dispatcher.restarts
+            result.replicas_lost += dispatcher.lost
+            result.row_retries += dispatcher.retried_rows
+            if dispatcher.restarts:
+                log.warning("%s: %d replica restart(s), %d row retry(ies)", label,
+                            dispatcher.restarts, dispatcher.retried_rows)
+
+
+
+def _max_num_seqs(engine, config: JobConfig) -> int:
+    """Rows one replica decodes at once: what the replicas reported (the asked number, or
+    less where memory capped it), else as asked."""
+    info = getattr(engine, "replica_info", None)
+    seqs = info(0).get("max_num_seqs") if info is not None else None
+    return seqs or config.max_num_seqs or 1
+
+
+def _profile_report(engine, replicas: int) -> dict | None:
+    """Which latency profile priced this run: key, path and origin ("loaded" from a stored
+    file, "measured" now and kept at path, "given"); per replica when they differ."""
+    info = getattr(engine, "replica_info", None)
+    if info is None:
+        return None
+    reports = [info(i).get("profile") for i in range(replicas)]
+    reports = [r for r in reports if r]
+    if not reports:
+        return None
+    return reports[0] if all(r == reports[0] for r in reports) else {"replicas": reports}

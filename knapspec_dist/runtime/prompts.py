@@ -1,0 +1,263 @@
+"""Turn rows into prompt token ids, row by row; a bad row gets an error, not an exception.
+
+:class:`TokenizeStage` does it batch by batch: the one chat-template-and-tokenize stage of
+both the Ray Data processor (runtime/processor.py) and the batch job (jobs/), run by Ray
+Data on the cluster's CPUs or, for a small job, in the driver (runtime/stages.py).
+
+Messages mode (the processor's ``messages`` column, ``ray.data.llm``'s convention): the
+chat template around the row's messages, with the generation prompt added.
+
+Text mode (``--text-column``): the prompt is the model's chat template around one user
+message, ``instruction + "\\n\\n" + document``, with the generation prompt added.  Prompt
+mode (``--prompt-column``): the text is tokenized as is (with the tokenizer's special
+tokens, e.g. BOS).
+
+A row fits when ``prompt tokens + max_new_tokens <= max_model_len`` (the model's context
+window unless ``--max-model-len`` lowers it).  Otherwise, without ``--truncate`` the row
+fails; with it the end of the document (prompt mode: of the prompt; messages mode: of the
+last message) is cut so that the row fits, and the row is marked ``truncated``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.tokenizer import encode, has_chat_template, load_tokenizer
+from knapspec_dist.runtime.setup import check_setup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """One row ready to generate, or its error."""
+
+    index: int  # position in the input
+    id: object
+    ids: list[int] | None  # prompt token ids; None when the row failed
+    num_input_tokens: int | None = None
+    truncated: bool = False
+    error: str | None = None
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, mode: str, instruction: str, max_model_len: int,
+                 max_new_tokens: int, truncate: bool, column: str):
+        self.tokenizer = tokenizer
+        self.mode = mode
+        self.instruction = instruction
+        self.max_model_len = max_model_len
+        self.max_new_tokens = max_new_tokens
+        self.truncate = truncate
+        self.column = column
+        if mode in ("text", "messages") and not has_chat_template(tokenizer):
+            raise UserError(f"{'--text-column' if mode == 'text' else 'messages'} needs a "
+                            "model whose tokenizer has a chat template; use "
+                            f"{'--prompt-column' if mode == 'text' else 'a prompt column'} "
+                            "with ready-made prompts instead")
+
+    @property
+    def limit(self) -> int:
+        """Most prompt tokens a row may have."""
+        return self.max_model_len - self.max_new_tokens
+
+    def _message(self, text: str) -> str:
+        return f"{self.instruction}\n\n{text}" if self.instruction else text
+
+    def encode(self, value) -> list[int]:
+        """A row's value (text, prompt or messages) as prompt token ids."""
+        if self.mode == "prompt":
+            return encode(self.tokenizer, value)
+        if self.mode == "text":
+            return encode(self.tokenizer, self._message(value), chat=True)
+        ids = self.tokenizer.apply_chat_template(list(value), add_generation_prompt=True,
+                                                 tokenize=True,
+                                                 tokenizer_kwargs={"verbose": False})
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _document(self, value) -> str:
+        """The part of a row's value that truncation cuts."""
+        return value[-1]["content"] if self.mode == "messages" else value
+
+    def _with_document(self, value, text: str):
+        if self.mode == "messages":
+            return [*value[:-1], {**value[-1], "content": text}]
+        return text
+
+    def build(self, index: int, row_id, text) -> Prompt:
+        if text is None:
+            return Prompt(index, row_id, None, error=f"{self.column!r} is null")
+        if isinstance(text, bytes):  # a value that is not UTF-8 is kept as bytes (texts_of)
+            return Prompt(index, row_id, None, error=utf8_error(self.column, text))
+        if self.mode == "messages":
+            if not isinstance(text, (list, tuple)) or not text or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in text):
+                return Prompt(index, row_id, None, error=f"{self.column!r} is empty or not "
+                              "a list of {role, content} messages")
+        elif not isinstance(text, str) or not text.strip():
+            return Prompt(index, row_id, None, error=f"{self.column!r} is empty")
+        ids = self.encode(text)
+        if len(ids) <= self.limit:
+            return Prompt(index, row_id, ids, len(ids))
+        if not self.truncate:
+            return Prompt(index, row_id, None, len(ids), error=(
+                f"prompt has {len(ids)} tokens; with --max-new-tokens {self.max_new_tokens} it "
+                f"needs {len(ids) + self.max_new_tokens} > the context window of "
+                f"{self.max_model_len} tokens (pass --truncate to cut long documents)"))
+        cut = self._truncate(text, len(ids))
+        if cut is None:
+            return Prompt(index, row_id, None, len(ids), error=(
+                f"prompt has {len(ids)} tokens and cannot be cut to fit {self.limit} "
+                f"(context window {self.max_model_len} - --max-new-tokens {self.max_new_tokens})"))
+        return Prompt(index, row_id, cut, len(cut), truncated=True)
+
+    def _truncate(self, text, full: int) -> list[int] | None:
+        """Prompt ids with the end of ``text``'s document dropped so that it fits, or None if
+        it cannot."""
+        pieces = self.tokenizer(self._document(text), add_special_tokens=False)["input_ids"]
+        overhead = full - len(pieces)  # template (or BOS) tokens around the text
+        keep = self.limit - overhead
+        for _ in range(8):  # re-tokenizing a cut text can merge or split a few tokens
+            if keep <= 0:
+                return None
+            ids = self.encode(self._with_document(text, self.tokenizer.decode(pieces[:keep])))
+            if len(ids) <= self.limit:
+                return ids
+            keep -= max(len(ids) - self.limit, 1)
+        return None
+
+
+def utf8_error(column: str, raw: bytes) -> str:
+    """The row error of a value that is not valid UTF-8: where the first bad byte is."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = raw[e.start:e.end]
+        return (f"{column!r} is not valid UTF-8: {e.reason} (byte 0x{bad[:1].hex()} at offset "
+                f"{e.start} of {len(raw)}); re-encode the text column as UTF-8")
+    return f"{column!r} is not valid UTF-8"
+
+
+#: Columns of the tokenize stage's output: one row per input row, its prompt or its error.
+PROMPT_COLUMNS = ("prompt_ids", "num_input_tokens", "truncated", "error")
+
+
+class TokenizeStage:
+    """Row batches to prompt batches: the chat template and tokenizer over ``text_column``
+    (:class:`PromptBuilder`), one row out per row in, with :data:`PROMPT_COLUMNS` added.
+
+    ``make_builder()`` gives the :class:`PromptBuilder` (called once per worker: it loads
+    the tokenizer). With an ``id_column`` (a job) only the id is carried, so the driver never
+    holds a text; rows whose id is in ``skip`` (resume: written already) are dropped before
+    they are tokenized, and when ``keep`` is given only its ids stay (the baseline passes).
+    Without one (the processor) every column but ``text_column`` is carried, as
+    ``ray.data.llm`` carries a user's columns.
+    """
+
+    def __init__(self, make_builder, text_column: str, id_column: str | None = None,
+                 skip: pa.Array | None = None, keep: pa.Array | None = None):
+        self.builder = make_builder()
+        self.id_column, self.text_column = id_column, text_column
+        self.skip, self.keep = skip, keep
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        if self.id_column is not None:
+            table = normalize(table, self.id_column, self.text_column)
+            ids = table.column(0)
+            if self.skip is not None and len(self.skip):
+                table = table.filter(pc.invert(pc.is_in(ids, value_set=self.skip)))
+            if self.keep is not None:
+                table = table.filter(pc.is_in(table.column(0), value_set=self.keep))
+        column = table.column(self.text_column)
+        values = (column.to_pylist() if self.builder.mode == "messages"
+                  else texts_of(as_binary(column)))
+        prompts = [self.builder.build(i, None, v) for i, v in enumerate(values)]
+        out = table.drop_columns([n for n in (self.text_column, *PROMPT_COLUMNS)
+                                  if n in table.column_names])
+        for name, values in (
+                ("prompt_ids", pa.array([p.ids for p in prompts], pa.list_(pa.int32()))),
+                ("num_input_tokens", pa.array([p.num_input_tokens for p in prompts], pa.int64())),
+                ("truncated", pa.array([p.truncated for p in prompts], pa.bool_())),
+                ("error", pa.array([p.error for p in prompts], pa.string()))):
+            out = out.append_column(name, values)
+        return out
+
+
+def load_text_tools(config):
+    """Tokenizer and context window of the model, from its folder (no weights are read),
+    once runtime's :func:`check_setup` passed: a bad model, tp or strategy option fails
+    before thousands of documents are tokenized and before any row is written."""
+    path, model_config = check_setup(config.model, config.tp, config.strategy)
+    return load_tokenizer(path), model_config.max_position_embeddings
+
+
+def make_builder(tools, config, mode: str, instruction: str, max_len: int | None,
+                 max_new_tokens: int, truncate: bool, column: str) -> PromptBuilder:
+    """A PromptBuilder from ``tools(config)`` (the tokenizer and the model's window, the
+    limit when ``max_len`` is None): picklable with functools.partial, for a stage's actors."""
+    tokenizer, window = tools(config)
+    return PromptBuilder(tokenizer, mode, instruction, window if max_len is None else max_len,
+                         max_new_tokens, truncate, column)
+
+
+def texts_of(column: pa.ChunkedArray) -> list:
+    """The (binary, see ``_check_types``) text column as python values: str, None, or the raw
+    bytes of a value that is not valid UTF-8 (that row's error, not the job's)."""
+    out: list = []
+    for value in column.to_pylist():
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            out.append(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(bytes(value))
+    return out
+
+
+def as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A string / binary column (large or not) as binary, its bytes unchecked: pyarrow does
+    not validate a string column's UTF-8 on read, and a cast or ``to_pylist`` would fail the
+    whole file on its first bad value; ``_texts`` decodes row by row instead."""
+    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+    chunks = [c.view(views[c.type]) if c.type in views else c for c in column.chunks]
+    return pa.chunked_array([c.cast(pa.binary()) for c in chunks], type=pa.binary())
+
+
+def check_id_type(table: pa.Table, path: str, id_column: str) -> pa.Table:
+    """The id column as strings or integers (a dictionary decoded, large strings cast)."""
+    id_type = table.schema.field(id_column).type
+    if pa.types.is_dictionary(id_type):
+        table = table.set_column(table.schema.get_field_index(id_column), id_column,
+                                 table.column(id_column).cast(id_type.value_type))
+        id_type = id_type.value_type
+    if not (pa.types.is_integer(id_type) or pa.types.is_string(id_type)
+            or pa.types.is_large_string(id_type)):
+        raise UserError(f"{path}: id column {id_column!r} has type {id_type}; "
+                        "expected strings or integers")
+    if pa.types.is_large_string(id_type):
+        table = table.set_column(table.schema.get_field_index(id_column), id_column,
+                                 table.column(id_column).cast(pa.string()))
+    return table
+
+
+def text_value_type(text_type: pa.DataType) -> pa.DataType:
+    return text_type.value_type if pa.types.is_dictionary(text_type) else text_type
+
+
+def normalize(table: pa.Table, id_column: str, text_column: str) -> pa.Table:
+    """One batch of (id, text) with the types the tokenize stage expects: ids as strings or
+    integers, the text as binary (a null column too: row-level errors, not a file error).
+    The file-level type checks ran in :func:`read_input`."""
+    table = check_id_type(table.select([id_column, text_column]), "", id_column)
+    text_type = text_value_type(table.schema.field(text_column).type)
+    column = table.column(text_column)
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(text_type)
+    column = column.cast(pa.binary()) if pa.types.is_null(text_type) else as_binary(column)
+    return table.set_column(1, text_column, column)

@@ -1,0 +1,58 @@
+"""An output written before input_sha256 was computed from Parquet footers (2026-12-01):
+its job resumes when the input's texts still hash as that version hashed them (and job.json
+then records the new hash); otherwise the refusal says the input changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import test_jobs as t  # noqa: E402
+
+from knapspec_dist.errors import UserError  # noqa: E402
+
+
+def old_digest(ids, docs) -> str:
+    """input_sha256 as the version before 2026-12-01 computed it: every id and text."""
+    digest = hashlib.sha256()
+    for row_id, text in zip(ids, docs):
+        digest.update(repr(row_id).encode())
+        digest.update(b"\0" if text is None else b"\1" + text.encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
+def as_old_version(out: Path, digest: str) -> str:
+    """job.json rewritten as the earlier version would have written it; the new hash."""
+    job = json.loads((out / "job.json").read_text())
+    new = job["fingerprint"]["input_sha256"]
+    job["fingerprint"]["input_sha256"] = digest
+    (out / "job.json").write_text(json.dumps(job))
+    return new
+
+
+def test_an_output_of_the_earlier_version_resumes_and_is_migrated(tmp_path):
+    ids, docs = list("abcde"), t.docs_of([3, 9, 5, 7, 4])[:4] + [None]
+    t.write_input(tmp_path / "in.parquet", ids, docs)
+    first, _ = t.run(t.job(tmp_path, stop_after=2, baseline_fraction=0))
+    out = Path(first.output)
+    new = as_old_version(out, old_digest(ids, docs))
+    second, _ = t.run(t.job(tmp_path, baseline_fraction=0))
+    assert second.skipped == 2 and second.summary["complete"]
+    assert json.loads((out / "job.json").read_text())["fingerprint"]["input_sha256"] == new
+
+
+def test_an_output_of_the_earlier_version_over_another_input_is_refused_saying_why(tmp_path):
+    ids, docs = list("abc"), t.docs_of([3, 9, 5])
+    t.write_input(tmp_path / "in.parquet", ids, docs)
+    first, _ = t.run(t.job(tmp_path, stop_after=1, baseline_fraction=0))
+    as_old_version(Path(first.output), old_digest(ids, [docs[0], docs[1], "edited"]))
+    with pytest.raises(UserError, match="different input: the same path and row count, but "
+                                        "its ids or texts changed"):
+        t.run(t.job(tmp_path, baseline_fraction=0))
