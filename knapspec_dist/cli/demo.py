@@ -16,13 +16,11 @@ from knapspec_dist.jobs import JobConfig, report, run_job
 from knapspec_dist.tools.corpus import bundled_sample_path
 
 # Seeded sampling, not greedy: greedy decoding of a 135M model loops ("The previous day was a
-# very different thing from the previous day..."). Top-p 0.8 at 0.7, not 0.9: at 0.9 the
-# printed row (emma-ch17) said "I'm glad you shared it with me" twice. Chosen with
-# scripts/check_demo_summaries.py (tools/repeats.py) over the chapters it finished: as few
-# rows with a repeat as any setting tried, and the printed row clean (seed 1 at 0.9 printed
-# a loop); lower temperatures loop more (0.3: most rows). No setting tried was clean on
-# every row (see the README). Lossless: every strategy emits plain sampling's tokens.
-DEMO_TEMPERATURE, DEMO_TOP_P = 0.7, 0.8
+# very different thing from the previous day..."). Top-p 0.9 at 0.7 still repeats a sentence
+# in a third of the rows (the printed one included), and no other sampling setting checked
+# with scripts/check_demo_summaries.py (tools/repeats.py) did better on the chapters: see the
+# README. It stays lossless: every strategy emits plain sampling's tokens for the same seed.
+DEMO_TEMPERATURE, DEMO_TOP_P = 0.7, 0.9
 
 
 def register(sub) -> None:
