@@ -17,9 +17,10 @@ from knapspec_dist.tools.corpus import bundled_sample_path
 
 # Seeded sampling, not greedy: greedy decoding of a 135M model loops ("The previous day was a
 # very different thing from the previous day..."). Top-p 0.9 at 0.7 still repeats a sentence
-# in a third of the rows (the printed one included), and no other sampling setting checked
-# with scripts/check_demo_summaries.py (tools/repeats.py) did clearly better (3 of 11 rows at
-# best, the printed row still repeating or looping): see the README. It stays lossless: every strategy emits plain sampling's tokens for the same seed.
+# in 5 of the 12 rows (the printed one included), and no other sampling setting checked
+# with scripts/check_demo_summaries.py (tools/repeats.py) did clearly better (3 of 12 rows at
+# best, the printed row still repeating or looping): see the README. It stays lossless:
+# every strategy emits plain sampling's tokens for the same seed.
 DEMO_TEMPERATURE, DEMO_TOP_P = 0.7, 0.9
 
 
