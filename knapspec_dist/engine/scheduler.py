@@ -73,13 +73,18 @@ class Throughput:
 @dataclass
 class Work:
     """What a scheduler has done so far, for a job's live progress and ETA: tokens emitted by
-    every row (finished or not), prompt tokens prefilled, and the seconds each took. Deltas
-    and sums over calls and replicas are field by field."""
+    every row (finished or not), prompt tokens prefilled, and the seconds each took; and the
+    decoding rounds, with the rows that decoded in each summed (``row_rounds``), so that one
+    row's rate is known however few rows decode at once. Deltas and sums over calls and
+    replicas are field by field."""
 
-    emitted: int = 0
+    emitted: int = 0  # by prefills (a row's first token) and rounds
     prefilled: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decoded: int = 0  # emitted by rounds only
+    rounds: int = 0
+    row_rounds: int = 0  # decoding rows summed over rounds
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -171,8 +176,12 @@ class Scheduler:
             elapsed = timer.seconds(start, end)
             after = sum(len(r.out) for r in b.rows)
             b.progress += (after - emitted) / size
-            self.work.emitted += after - emitted
-            self.work.decode_s += elapsed
+            w = self.work
+            w.emitted += after - emitted
+            w.decoded += after - emitted
+            w.decode_s += elapsed
+            w.rounds += 1
+            w.row_rounds += size
             tp = self.throughput
             tp.rounds += 1
             tp.row_rounds += size

@@ -11,10 +11,13 @@ measured for it (a replica prefills and decodes in turn, and the replicas run si
 - decoding: a row is expected to generate ``per_row`` tokens (the mean of the finished rows
   once there are some, ``max_new_tokens`` before); the rows in flight (``slots`` of them, the
   replicas' batch) need what they have left, and the rows still queued follow in waves of
-  ``slots``, each as long as one row, at the rate one row decodes (the replicas' decoding
-  token rate over the rows decoding together). A row still decoding is expected to need at
-  least half of what its ``max_new_tokens`` leaves (rows that stopped early at EOS do not make
-  the others short).
+  ``slots``, each as long as one row, at the rate one row decodes: its tokens per round (the
+  tokens of the rounds over the rows that took part in them, ``row_rounds``: more than one
+  under speculation) over the seconds of a round. Not the replicas' token rate over the
+  slots: in a prefill-heavy pass rows join one by one between prefill chunks, so only a few
+  decode at once until late, and that divided a row's rate by the idle slots too. A row
+  still decoding is expected to need at least half of what its ``max_new_tokens`` leaves
+  (rows that stopped early at EOS do not make the others short).
 
 Until both rates are measured the ETA is unknown ("?"). Without ``live`` (or before it
 answers) the token rate is the wall-clock one and prefill is not counted.
@@ -91,18 +94,22 @@ class Progress:
     def eta(self) -> float | None:
         """Seconds left (None until the rates are known): see the module docstring."""
         w = self.work
-        if w.decode_s > 0 and w.prefill_s > 0 and w.emitted > 0:
-            rate = w.emitted / (w.decode_s / self.replicas)  # decoding tokens per second
+        if w.decode_s > 0 and w.prefill_s > 0 and w.decoded > 0:
+            # one row's tokens per second: its tokens per round over the seconds of a round
+            row_rate = (w.decoded / w.row_rounds) / (w.decode_s / w.rounds)
             left = max(0, (self.prompt_tokens or 0) - w.prefilled)
             prefill = left * (w.prefill_s / self.replicas) / w.prefilled if left else 0.0
-            return prefill + self._decoding_s(rate)
+            rate = w.decoded / (w.decode_s / self.replicas)  # over all rows, replicas together
+            return prefill + self._decoding_s(rate, row_rate)
         rate = self.tokens_per_s
         if self.live is not None or rate <= 0 or self.tokens < min(self.slots or 1, self.total):
             return None
-        return self._decoding_s(rate)
+        # the wall-clock rate, with every slot assumed busy
+        return self._decoding_s(rate, rate / min(self.slots or 1, self.total))
 
-    def _decoding_s(self, rate: float) -> float:
-        """Seconds of decoding left at ``rate`` tokens per second over all rows."""
+    def _decoding_s(self, rate: float, row_rate: float) -> float:
+        """Seconds of decoding left, at ``rate`` tokens per second over all rows (when there
+        are no ``slots`` to count waves in) or ``row_rate`` for one decoding row."""
         ok = self.done - self.failed
         per_row = self.finished_tokens / ok if ok else self.max_new_tokens
         generated = max(0, self.tokens - self.finished_tokens)  # by the unfinished rows
@@ -112,7 +119,6 @@ class Progress:
         flying = min(self.slots, rows_left)
         if not flying:
             return 0.0
-        row_rate = rate / min(self.slots, self.total)  # one decoding row's tokens per second
         waves = -(-(rows_left - flying) // self.slots)
         done_each = generated / flying
         # A row still decoding has outlived the early finishers: expect at least half of what
