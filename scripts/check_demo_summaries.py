@@ -29,10 +29,10 @@ from knapspec_dist.engine.sampling import choose, row_seed
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION
-from knapspec_dist.jobs.prompts import PromptBuilder
 from knapspec_dist.llm import load
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.transfer import upload
+from knapspec_dist.runtime.prompts import PromptBuilder
 from knapspec_dist.spec.factory import build_strategy
 from knapspec_dist.spec.options import StrategyOptions
 from knapspec_dist.tools.corpus import bundled_sample_path

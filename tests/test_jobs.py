@@ -314,6 +314,14 @@ def test_truncate_with_the_real_tokenizer_fits_exactly():
     assert q.ids[:200] == tok(doc)["input_ids"][:200]  # the start is kept
 
 
+def test_an_instruction_naming_the_document_places_it_there():
+    tok = FakeTokenizer()
+    after = PromptBuilder(tok, "text", "{document}\n\nSum {it}:", 40, 4, False, "document")
+    before = PromptBuilder(tok, "text", "Sum {it}:", 40, 4, False, "document")
+    assert tok.decode(after.build(0, "a", "w {x} v").ids) == "w {x} v Sum {it}:"
+    assert tok.decode(before.build(0, "a", "w {x} v").ids) == "Sum {it}: w {x} v"
+
+
 def test_prompt_mode_uses_the_text_as_is():
     tok = FakeTokenizer()
     b = PromptBuilder(tok, "prompt", "", 20, 4, False, "prompt")

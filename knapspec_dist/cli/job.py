@@ -102,7 +102,8 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                               "--instruction and the document (default: document)")
         src.add_argument("--prompt-column", default=None, help="prompt column, used as is")
         io.add_argument("--instruction", default=DEFAULT_INSTRUCTION,
-                        help=f"instruction before the document (default: {DEFAULT_INSTRUCTION!r})")
+                        help="instruction before the document, or around it where it says "
+                             f"{{document}} (default: {DEFAULT_INSTRUCTION!r})")
     else:
         src.add_argument("--prompt-column", default=None,
                          help="prompt column, used as is (default: prompt)")

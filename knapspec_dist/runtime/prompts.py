@@ -8,7 +8,8 @@ Messages mode (the processor's ``messages`` column, ``ray.data.llm``'s conventio
 chat template around the row's messages, with the generation prompt added.
 
 Text mode (``--text-column``): the prompt is the model's chat template around one user
-message, ``instruction + "\\n\\n" + document``, with the generation prompt added.  Prompt
+message, ``instruction + "\\n\\n" + document`` (or the instruction with ``{document}``
+replaced by the document, where it names that place), with the generation prompt added.  Prompt
 mode (``--prompt-column``): the text is tokenized as is (with the tokenizer's special
 tokens, e.g. BOS).
 
@@ -31,6 +32,9 @@ from knapspec_dist.model.tokenizer import encode, has_chat_template, load_tokeni
 from knapspec_dist.runtime.setup import check_setup
 
 log = logging.getLogger(__name__)
+
+#: In an instruction, where the document goes (else the document follows the instruction).
+DOCUMENT = "{document}"
 
 
 @dataclass
@@ -67,6 +71,8 @@ class PromptBuilder:
         return self.max_model_len - self.max_new_tokens
 
     def _message(self, text: str) -> str:
+        if DOCUMENT in self.instruction:  # where the instruction places it (replace: a
+            return self.instruction.replace(DOCUMENT, text)  # document's braces stay as is)
         return f"{self.instruction}\n\n{text}" if self.instruction else text
 
     def encode(self, value) -> list[int]:
