@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: venv
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25
 
 demo: venv
 	$(VENV)/bin/knapspec demo
