@@ -23,12 +23,12 @@ import time
 import pyarrow.parquet as pq
 import torch
 
+from knapspec_dist.cli.demo import DEMO_INSTRUCTION
 from knapspec_dist.engine.generation import GenerationConfig, finish
 from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.engine.sampling import choose, row_seed
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION
 from knapspec_dist.llm import load
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.transfer import upload
@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--setting", action="append", required=True,
                    help="temperature,top_p,top_k,seed (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--instruction", default=DEFAULT_INSTRUCTION)
+    p.add_argument("--instruction", default=DEMO_INSTRUCTION)
     p.add_argument("--scheduler", action="store_true",
                    help="the engine's scheduler with ar, a prefill per setting (the demo's path)")
     p.add_argument("--rows", type=int, default=None, help="only the first N chapters")
