@@ -2,10 +2,12 @@
 makes room for the next at once.
 
 Each ``step``: admit waiting rows into free slots and prefill them, one at a time at the slot
-after the decoding rows, up to ``prefill_chunk`` prompt tokens per step while other rows are
-decoding (a long prompt is cut into chunks across steps, so it never stalls the others for its
-whole prefill; short ones are admitted several per step) and without limit while none is;
-then one round of the strategy over every decoding row; then retire the rows that finished.
+after the decoding rows, up to ``prefill_chunk`` prompt tokens per step (a long prompt is cut
+into chunks across steps, so it never stalls the decoding rows for its whole prefill; short
+ones are admitted several per step); then one round of the strategy over every decoding row;
+then retire the rows that finished. The chunks are the same whether or not other rows decode,
+so a row's prefill never depends on its neighbours, and a job's progress sees a long prompt's
+prefill chunk by chunk.
 Every strategy runs through this loop, batch 1 included.
 
 Throughput (``Throughput``): tokens emitted over the wall time from the first admission to the
@@ -158,10 +160,10 @@ class Scheduler:
                 row.stats.admitted_at = time.time()
                 if self._first is None:
                     self._first = row.admitted_s
-            if b.prefilling is None or (b.rows and budget <= 0):
+            if b.prefilling is None or budget <= 0:
                 break
             left = len(b.prefilling.prompt) - b.prefilling.prefilled
-            n = left if not b.rows else min(left, budget)
+            n = min(left, budget)
             budget -= n
             row = self._prefill_chunk(n)
             if row is not None and row.reason is not None:  # done at its first token
