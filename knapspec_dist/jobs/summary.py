@@ -97,8 +97,9 @@ COLUMNS = ["num_input_tokens", "num_generated_tokens", "time_taken_llm", "prefil
 def _col(table: pa.Table, name: str) -> pa.ChunkedArray:
     """A column, or nulls where the table lacks it (a part of an older version, a test's
     partial rows)."""
-    if name in table.column_names:
+    if name in table.column_names and not pa.types.is_null(table.column(name).type):
         return table.column(name)
+    # Absent, or all null in rows given as dicts (their type inferred as null): float nulls.
     return pa.chunked_array([pa.nulls(len(table), pa.float64())])
 
 
