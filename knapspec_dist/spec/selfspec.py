@@ -138,6 +138,7 @@ class SelfSpeculative(Strategy):
         context = round(statistics.fmean(lengths))
         sel.timed(RoundTiming(size, context, plan.skip, drafts.shape[1], draft_s, verify_s))
         rate, round_s = sel.predicted_rate(plan, context), draft_s + verify_s
+        label = plan.label  # once per round, not per row
         for b, row in enumerate(rows):
             s = row.stats
             s.select_s += select_s
@@ -149,7 +150,7 @@ class SelfSpeculative(Strategy):
             s.fallbacks += sel.fallbacks - fallbacks
             s.attention_skipped += verified[b] * attn  # the scheduler divides by drafted
             s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
-            tally = s.plans.setdefault(plan.label, PlanTally())
+            tally = s.plans.setdefault(label, PlanTally())
             tally.add(len(row.out) - before[b], round_s, rate)
 
     def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], inputs: RoundInputs,
