@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import tracemalloc
 
 import pyarrow as pa
 import pytest
 
+from knapspec_dist.jobs import plot
 from knapspec_dist.jobs.output import output_schema
 from knapspec_dist.jobs.plot import plot_data, write_plot
 from knapspec_dist.jobs.report import report
@@ -218,3 +220,28 @@ def test_rays_token_auth_default_is_info_and_its_disabled_warning_stays(message,
                                None, None)
     cluster._AUTH_FILTER.filter(record)
     assert record.levelno == level and record.levelname == logging.getLevelName(level)
+
+
+def test_speedup_png_of_many_rows_draws_every_kth_and_builds_no_row_objects(monkeypatch):
+    """A big job's plot thins its scatter to MAX_POINTS, evenly over the rows, and never turns
+    the main pass into one Python object per row (Arrow filters it)."""
+    summary, _, base, again = job_summary(drafted=4)
+    n = 100_000  # the old per-row objects: ~31 MiB of Python heap here, ~300 bytes a row
+    rows = pa.table({"num_input_tokens": pa.array(range(1, n + 1), pa.int64()),
+                     "tokens_per_s": pa.array([float(i % 7) for i in range(n)]),
+                     "acceptance_rate": pa.array([0.5] * n),
+                     "drafted": pa.array([i % 2 for i in range(n)], pa.int64()),
+                     "error": pa.array([None if i % 10 else "boom" for i in range(n)],
+                                       pa.string())})
+    monkeypatch.setattr(plot, "MAX_POINTS", 1000, raising=False)
+    tracemalloc.start()
+    data = plot.plot_data(summary, rows, base.slice(0, 0), "id")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB of Python objects for the plot's data"
+    ok = [(i + 1, float(i % 7)) for i in range(n) if i % 10 and i % 7]
+    assert len(data["rows"]) <= 1000 and data["rows"][0] == ok[0]
+    step = -(-len(ok) // 1000)
+    assert data["rows"] == ok[::step]
+    drafting = [(i + 1, 0.5) for i in range(n) if i % 10 and i % 2]
+    assert data["acceptance"] == drafting[::-(-len(drafting) // 1000)]

@@ -16,6 +16,7 @@ from typing import Callable
 
 import matplotlib
 import pyarrow as pa
+import pyarrow.compute as pc
 
 matplotlib.use("Agg")
 
@@ -24,19 +25,33 @@ import matplotlib.ticker  # noqa: E402
 
 #: The main pass's columns the plot reads (a point per ok row).
 PLOT_COLUMNS = ["num_input_tokens", "tokens_per_s", "acceptance_rate", "drafted", "error"]
+#: Points drawn per series at most: past that a scatter is a blot, so every k-th row is drawn
+#: (the table is filtered with Arrow: a million rows never become a million Python objects).
+MAX_POINTS = 20_000
+
+
+def _points(table: pa.Table, y: str, where: pa.ChunkedArray) -> list[tuple]:
+    """(prompt tokens, ``y``) of the ok rows with a prompt length, a ``y`` and ``where``; at
+    most MAX_POINTS, evenly spaced over the table's order."""
+    n = "num_input_tokens"
+    keep = pc.and_kleene(pc.and_kleene(pc.is_null(table["error"]), pc.greater(table[n], 0)),
+                         pc.and_kleene(pc.is_valid(table[y]), where))
+    kept = table.select([n, y]).filter(pc.fill_null(keep, False))
+    if kept.num_rows > MAX_POINTS:
+        kept = kept.take(pa.array(range(0, kept.num_rows, -(-kept.num_rows // MAX_POINTS))))
+    return list(zip(kept[n].to_pylist(), kept[y].to_pylist()))
 
 
 def plot_data(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
               again: pa.Table | None = None) -> dict:
     """The series of ``speedup.png``: ``rows`` [(prompt tokens, tokens/s)] per ok main-pass
-    row; ``pairs`` [(prompt tokens, strategy tokens/s, ar tokens/s)] per baseline row ok in
-    both baseline passes; ``acceptance`` [(prompt tokens, rate)] per drafting row; the
-    per-bucket ``acceptance_buckets``; and the ``title``."""
-    out = [r for r in rows.to_pylist() if r["error"] is None]
+    row (at most MAX_POINTS); ``pairs`` [(prompt tokens, strategy tokens/s, ar tokens/s)] per
+    baseline row ok in both baseline passes; ``acceptance`` [(prompt tokens, rate)] per
+    drafting row; the per-bucket ``acceptance_buckets``; and the ``title``."""
+    points = _points(rows, "tokens_per_s", pc.not_equal(rows["tokens_per_s"], 0))
+    acceptance = _points(rows, "acceptance_rate", pc.greater(rows["drafted"], 0))
     base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
     rerun = [] if again is None else [r for r in again.to_pylist() if r["error"] is None]
-    points = [(r["num_input_tokens"], r["tokens_per_s"]) for r in out
-              if r["num_input_tokens"] and r["tokens_per_s"]]
     pairs = [(r["num_input_tokens"], r["tokens_per_s"], base[r[id_column]]["tokens_per_s"])
              for r in rerun if r[id_column] in base and r["num_input_tokens"]
              and r["tokens_per_s"] and base[r[id_column]]["tokens_per_s"]]
@@ -51,8 +66,7 @@ def plot_data(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
     return {
         "rows": points,
         "pairs": pairs,
-        "acceptance": [(r["num_input_tokens"], r["acceptance_rate"]) for r in out
-                       if r["drafted"] and r["num_input_tokens"]],
+        "acceptance": acceptance,
         "acceptance_buckets": [(b["mean_input_tokens"], b["acceptance_rate"])
                                for b in summary["buckets"] if b["acceptance_rate"] is not None],
         "title": f"{job.get('strategy')} on {job.get('model')}: {title}",

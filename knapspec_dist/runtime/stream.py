@@ -2,7 +2,7 @@
 
 Why Ray Data here: reading Parquet and tokenizing documents are stateless CPU work that
 parallelizes over blocks, which Ray Data does with backpressure (a bounded number of blocks
-in flight; the driver pulls batches as its replicas take rows). The stage is the processor's
+in flight; the driver pulls blocks as its replicas take rows). The stage is the processor's
 own tokenize stage (runtime/stages.py); the rows then go to the job's replicas through the
 Dispatcher (runtime/dispatch.py), not to a Ray Data engine stage (see runtime/stages.py why).
 
@@ -48,7 +48,16 @@ def stream_batches(files: list[str], filesystem: pafs.FileSystem, columns: list[
                             "'ReadFiles")
     ds = ray.data.read_parquet(files, filesystem=filesystem, columns=columns,
                                file_extensions=None, num_cpus=0, concurrency=max(1, hi))
-    for batch in stage.on(ds).iter_batches(batch_size=batch_rows, batch_format="pyarrow",
-                                           prefetch_batches=2):
-        if batch.num_rows:
-            yield batch
+    # The blocks are fetched here, in the calling thread, not by ``iter_batches``: its
+    # consumer threads outlive an early stop (``--stop-after``) while one waits on a block,
+    # and a thread that touches Ray after ``ray.shutdown`` ends the whole process with exit
+    # status 1 (Ray's "core worker has already been shutdown"), every row written or not.
+    # Dropping this iterator shuts the executor down (it joins its own thread).
+    bundles = stage.on(ds).iter_internal_ref_bundles()
+    try:
+        for bundle in bundles:
+            for table in ray.get(bundle.block_refs):
+                for start in range(0, table.num_rows, batch_rows):
+                    yield table.slice(start, batch_rows)
+    finally:
+        del bundles
