@@ -342,7 +342,9 @@ def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
             rank.timed(replace(t, verify_s=t.verify_s * (1 + 0.01 * rank.comm.rank)))
             rank.plan(model, None)
     assert root.calibration.refits == other.calibration.refits >= 2
-    assert root.calibration.fits == other.calibration.fits
+    mine, theirs = root.calibration.factors(1), other.calibration.factors(1)
+    assert (mine.attention, mine.mlp, mine.head) == pytest.approx(
+        (theirs.attention, theirs.mlp, theirs.head), rel=1e-9)
     infos = [r for r in caplog.records if r.levelname == "INFO"]
     assert len(root.saved) == len(infos) >= 1 and other.saved == []
 
