@@ -149,6 +149,22 @@ def test_a_busy_machine_reports_rarely_and_a_real_drift_once(caplog):
     assert len(infos) == len(saved) and "attention x3." in infos[-1]
 
 
+def test_reports_are_spaced_unless_the_departure_is_large():
+    """A drift of 1.15x after a reported one is news, but waits for ``REPORT_EVERY`` rounds
+    since that report; one of 2x (past ``LARGE`` bands) is reported at its first refresh."""
+    stored = cost_model()
+    saved_at: list[int] = []
+    cal = Calibration(lambda b: stored, LAYERS, lambda p: saved_at.append(cal.rounds))
+    for scale, count in ((1.5, 100), (1.5 * 1.15, 400), (3.0, 100)):
+        for t in rounds(stored, count):
+            cal.observe(replace(t, draft_s=scale * t.draft_s, verify_s=scale * t.verify_s))
+    refresh = calibration.SUSTAIN + calibration.REFRESH  # a drift's first refresh, after it
+    first, spaced, large = saved_at
+    assert first == refresh
+    assert spaced - first >= calibration.REPORT_EVERY > 100 + refresh - first
+    assert large == 500 + refresh
+
+
 def test_a_busy_profiles_wide_spread_does_not_hide_a_2x_drift():
     """A profile measured on a busy machine states a spread of 0.78: the band is capped, so
     attention 2x dearer (rounds 20-50 % slower) is a drift, and so is everything 2x faster."""
