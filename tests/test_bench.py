@@ -137,6 +137,49 @@ def test_bench_report_shows_near_ties_and_bugs(tmp_path):
     assert "| 64 | b | clasp | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.5 | **BUG** |" in md
 
 
+def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_path):
+    """Per context and strategy that priced its plans: the top plans by seconds, summed over
+    the prompts, the rest as other; realized and predicted tok/s. Unpriced plans: no table."""
+    from knapspec_dist.tools.bench.report import PLANS_SHOWN
+
+    def tally(rounds, tokens, seconds, rate):
+        return {"rounds": rounds, "tokens": tokens, "seconds": seconds,
+                "predicted_tokens": rate * seconds, "priced_s": seconds}
+
+    labels = ["ar"] + [f"a{i},m{i}@4" for i in range(PLANS_SHOWN + 1)]  # one more than shown
+    base = {"new_tokens": 16, "wall_s": 1.0, "prefill_s": 0.1, "drafted": 8, "accepted": 4,
+            "prompt_tokens": 64, "attention_skipped": 1.0, "mlp_skipped": 1.0, "select_s": 0.0,
+            "selections": 1, "draft_s": 0.2, "verify_s": 0.5}
+    runs = [{"strategy": "ar", "context": 64, "prompt": p, "matches_ar": True, "stats":
+             {**base, "plans": {"ar": {**tally(15, 15, 0.5, 0.0), "priced_s": 0.0}}}}
+            for p in "ab"]
+    runs += [{"strategy": "knapspec", "context": 64, "prompt": p, "matches_ar": True, "stats":
+              {**base, "plans": {label: tally(2 + k, 3 + k, 0.1 * (k + 1) + 0.01 * j, 30 + k)
+                                 for k, label in enumerate(labels)}}}
+             for j, p in enumerate("ab")]
+    header = {"machine": {"cpu": "x", "torch_threads": 1, "cpu_count": 2}, "command": "c",
+              "date": "d", "torch": "t", "model": "m", "dtype": "bf16", "device": "cpu",
+              "new_tokens": 16, "prompts": 2}
+    rows = summarize(runs)
+    assert rows[0]["plans"] == []  # ar priced nothing
+    write_markdown(tmp_path / "r.md", header, rows, runs)
+    section = (tmp_path / "r.md").read_text().split("## plans")[1]
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+             if line.startswith("| 64 |")]
+    assert {c[1] for c in table} == {"knapspec"}
+    # the plans with the most seconds first, summed over the two prompts; the rest: other
+    ranked = list(reversed(labels))
+    assert [c[2] for c in table] == ranked[:PLANS_SHOWN] + ["other"]
+    for cells, label in zip(table[:PLANS_SHOWN], ranked):
+        k = labels.index(label)
+        seconds = 2 * 0.1 * (k + 1) + 0.01
+        assert cells[3:] == [str(2 * (2 + k)), str(2 * (3 + k)),
+                             f"{2 * (3 + k) / seconds:.2f}", f"{30 + k:.2f}"]
+    rest = [labels.index(label) for label in ranked[PLANS_SHOWN:]]
+    assert table[-1][3:5] == [str(sum(2 * (2 + k) for k in rest)),
+                              str(sum(2 * (3 + k) for k in rest))]
+
+
 def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, tmp_path, capsys):
     """`knapspec throughput`: mixed-length documents through the scheduler at two batch sizes;
     every row equals batch-1 ar, the batched run decodes more than one row per round."""

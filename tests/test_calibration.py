@@ -5,7 +5,9 @@ the profile refits nothing; the tokens stay ``ar``'s."""
 from __future__ import annotations
 
 import json
+import random
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -112,6 +114,68 @@ def test_no_refit_when_the_clock_agrees_with_the_profile():
     burst = [timed(stored, frozenset(), 0, 900, noise=0.5)] * (calibration.SUSTAIN - 1)
     assert not any(cal.observe(t) for t in [*burst, *rounds(stored, 10)])
     assert cal.refits == 0
+
+
+def loaded(true: LatencyProfile, count: int, seed: int, bursts: bool = True):
+    """Rounds as a busy machine times them: each +-6 % at random and, with ``bursts``, every
+    150 rounds a burst of 10-60 rounds slowed 1.5-3x (another process running)."""
+    gen = random.Random(seed)
+    plans = [(frozenset(), 0), (ATTENTIONS, 4), (MLPS, 3)]
+    burst_end, slow = -1, 1.0
+    for i in range(count):
+        if bursts and i % 150 == 0:
+            burst_end, slow = i + gen.randint(10, 60), gen.uniform(1.5, 3.0)
+        t = timed(true, *plans[i % 3], 500 + 40 * (i % 100))
+        k = (1 + gen.uniform(-0.06, 0.06)) * (slow if i < burst_end else 1.0)
+        yield replace(t, draft_s=k * t.draft_s, verify_s=k * t.verify_s)
+
+
+def test_a_busy_machine_reports_rarely_and_a_real_drift_once(caplog):
+    """Repeated bursts of load on a stationary machine refit (they price the next selection)
+    but are not news; a real 3x drift of attention after them is reported once."""
+    stored = cost_model()
+    saved = []
+    cal = Calibration(lambda b: stored, LAYERS, saved.append)
+    caplog.set_level("INFO", logger=calibration.__name__)
+    refits = sum(cal.observe(t) for t in loaded(stored, 3000, seed=1))
+    assert refits >= 20  # every burst was refitted ...
+    assert len(saved) <= 2  # ... and (almost) none was reported
+    before = len(saved)
+    assert sum(cal.observe(t) for t in loaded(cost_model(attention_scale=3.0), 1500, seed=2,
+                                              bursts=False))
+    assert len(saved) == before + 1
+    assert saved[-1].samples["online"]["factors"]["attention"] == pytest.approx(3.0, rel=0.1)
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(infos) == len(saved) and "attention x3." in infos[-1]
+
+
+def test_reports_are_spaced_unless_the_departure_is_large():
+    """A drift of 1.15x after a reported one is news, but waits for ``REPORT_EVERY`` rounds
+    since that report; one of 2x (past ``LARGE`` bands) is reported at its first refresh."""
+    stored = cost_model()
+    saved_at: list[int] = []
+    cal = Calibration(lambda b: stored, LAYERS, lambda p: saved_at.append(cal.rounds))
+    for scale, count in ((1.5, 100), (1.5 * 1.15, 400), (3.0, 100)):
+        for t in rounds(stored, count):
+            cal.observe(replace(t, draft_s=scale * t.draft_s, verify_s=scale * t.verify_s))
+    refresh = calibration.SUSTAIN + calibration.REFRESH  # a drift's first refresh, after it
+    first, spaced, large = saved_at
+    assert first == refresh
+    assert spaced - first >= calibration.REPORT_EVERY > 100 + refresh - first
+    assert large == 500 + refresh
+
+
+def test_a_busy_profiles_wide_spread_does_not_hide_a_2x_drift():
+    """A profile measured on a busy machine states a spread of 0.78: the band is capped, so
+    attention 2x dearer (rounds 20-50 % slower) is a drift, and so is everything 2x faster."""
+    stored = cost_model(spread=0.78)
+    assert stored.spread() == pytest.approx(0.78)
+    for true in (cost_model(attention_scale=2.0), stored):
+        cal = Calibration(lambda b: stored, LAYERS)
+        half = 0.5 if true is stored else 1.0
+        assert any(cal.observe(replace(t, draft_s=half * t.draft_s, verify_s=half * t.verify_s))
+                   for t in rounds(true, 100))
+        assert cal.band(1) == calibration.MAX_BAND
 
 
 def test_the_fit_is_robust_and_keeps_unseparable_costs_in_proportion():
@@ -257,6 +321,48 @@ def test_every_tp_rank_is_fed_rank0s_seconds():
     rank0.plan(model, None)
     rank1.plan(model, None)
     assert root.fed == other.fed == [mine]
+
+
+def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
+    """Every rank refits alike from rank 0's seconds, but one online file is written and one
+    line logged per report: rank 0's (a fake comm, no Ray or gloo)."""
+    from types import SimpleNamespace
+
+    from knapspec_dist.spec.selfspec import Plan
+    from knapspec_dist.spec.spmd import SyncedSelector
+
+    stored = cost_model()
+
+    class Inner:  # as KnapSpecSelector: its calibration made at start, fed by ``timed``
+        def start(self, model):
+            self.saved = []
+            self.calibration = Calibration(lambda b: stored, LAYERS, self.saved.append)
+
+        def plan(self, model, batch):
+            return Plan(frozenset(), 0)
+
+        def timed(self, timing):
+            self.calibration.observe(timing)
+
+    model = SimpleNamespace(cfg=SimpleNamespace(num_items=2 * LAYERS))
+    sent, root, other = [], Inner(), Inner()
+    ranks = [SyncedSelector(root, SimpleNamespace(
+                 cuda=False, rank=0, broadcast=lambda t, src: sent.append(t.clone()))),
+             SyncedSelector(other, SimpleNamespace(
+                 cuda=False, rank=1, broadcast=lambda t, src: t.copy_(sent[-1])))]
+    caplog.set_level("INFO", logger=calibration.__name__)
+    for rank in ranks:
+        rank.start(model)
+    for t in rounds(cost_model(attention_scale=3.0), 3 * calibration.REFRESH):
+        for rank in ranks:
+            rank.timed(replace(t, verify_s=t.verify_s * (1 + 0.01 * rank.comm.rank)))
+            rank.plan(model, None)
+    assert root.calibration.refits == other.calibration.refits >= 2
+    mine, theirs = root.calibration.factors(1), other.calibration.factors(1)
+    assert (mine.attention, mine.mlp, mine.head) == pytest.approx(
+        (theirs.attention, theirs.mlp, theirs.head), rel=1e-9)
+    infos = [r for r in caplog.records if r.levelname == "INFO"]
+    assert len(root.saved) == len(infos) >= 1 and other.saved == []
 
 
 def test_on_for_knapspec_off_for_the_authors_and_named_by_flags(engine_model):

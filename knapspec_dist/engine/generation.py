@@ -4,7 +4,8 @@ prompt checks and the stop rule, shared by every strategy and the scheduler."""
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.errors import UserError
@@ -47,6 +48,41 @@ class PlanTally:
         if rate is not None:
             self.predicted_tokens += rate * seconds
             self.priced_s += seconds
+
+
+PLAN_KEYS = tuple(f.name for f in fields(PlanTally))
+
+
+def add_plans(sums: dict[str, dict], plans: Iterable[list[dict] | None]) -> None:
+    """Add rows' per-plan tallies (per row, its plans' ``{"plan": label, **PlanTally}``, as
+    the jobs' ``plans`` column and the bench's runs hold them) into ``sums``, plan by plan."""
+    for tallies in plans:
+        for t in tallies or ():
+            acc = sums.setdefault(t["plan"], dict.fromkeys(PLAN_KEYS, 0) | {"rows": 0})
+            acc["rows"] += 1
+            for k in PLAN_KEYS:
+                acc[k] += t[k] or 0
+
+
+def ranked_plans(sums: dict[str, dict], shown: int) -> list[dict]:
+    """The summed tallies' ``shown`` plans with the most seconds, the rest summed as
+    ``other``: rounds, tokens, the realized tokens per second (over the rounds' seconds) and
+    the predicted (over the seconds priced); what a job's summary and the bench report give."""
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1]["seconds"])
+    if len(ranked) > shown:
+        rest = dict.fromkeys(PLAN_KEYS, 0) | {"rows": 0}
+        for _, acc in ranked[shown:]:
+            for k in rest:
+                rest[k] += acc[k]
+        ranked = ranked[:shown] + [("other", rest)]
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+
+    return [{"plan": label, "rows": acc["rows"], "rounds": acc["rounds"], "tokens": acc["tokens"],
+             "tokens_per_s": ratio(acc["tokens"], acc["seconds"]),
+             "predicted_tokens_per_s": ratio(acc["predicted_tokens"], acc["priced_s"])}
+            for label, acc in ranked]
 
 
 @dataclass

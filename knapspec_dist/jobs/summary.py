@@ -47,6 +47,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from knapspec_dist.engine.generation import add_plans, ranked_plans
+
 log = logging.getLogger(__name__)
 
 BUCKET_EDGES = [0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, math.inf]
@@ -211,34 +213,6 @@ def _ratio(a, b):
 
 
 PLANS_SHOWN = 12
-PLAN_KEYS = ("rounds", "tokens", "seconds", "predicted_tokens", "priced_s")
-
-
-def add_plans(sums: dict[str, dict], plans: pa.ChunkedArray | pa.Array) -> None:
-    """Add the rows' per-plan tallies (the ``plans`` column) into ``sums``, plan by plan."""
-    for tallies in plans.to_pylist():
-        for t in tallies or ():
-            acc = sums.setdefault(t["plan"], dict.fromkeys(PLAN_KEYS, 0) | {"rows": 0})
-            acc["rows"] += 1
-            for k in PLAN_KEYS:
-                acc[k] += t[k] or 0
-
-
-def _plans(sums: dict[str, dict]) -> list[dict]:
-    """``plans`` (see the module docstring) from the summed per-plan tallies."""
-    ranked = sorted(sums.items(), key=lambda kv: -kv[1]["seconds"])
-    if len(ranked) > PLANS_SHOWN:
-        rest = dict.fromkeys(PLAN_KEYS, 0) | {"rows": 0}
-        for _, acc in ranked[PLANS_SHOWN:]:
-            for k in rest:
-                rest[k] += acc[k]
-        ranked = ranked[:PLANS_SHOWN] + [("other", rest)]
-    return [{"plan": label, "rows": acc["rows"], "rounds": acc["rounds"], "tokens": acc["tokens"],
-             "tokens_per_s": _ratio(acc["tokens"], acc["seconds"]),
-             "predicted_tokens_per_s": _ratio(acc["predicted_tokens"], acc["priced_s"])}
-            for label, acc in ranked]
-
-
 #: ``baseline.note`` when both baseline passes decoded plainly.
 NOISE_NOTE = "both passes decoded plainly: this is run-to-run noise, not a speedup"
 
@@ -333,7 +307,7 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
         ok_part = part.filter(is_ok)
         ok.add(ok_part)
         if "plans" in ok_part.column_names:
-            add_plans(plans, ok_part.column("plans"))
+            add_plans(plans, ok_part.column("plans").to_pylist())
         if len(base):
             mine = ok_part.filter(pc.is_in(ok_part.column(id_column), value_set=base_ids))
             lossless += [(r, base[r[id_column]]) for r in mine.select(
@@ -375,7 +349,7 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
         "throughput": ok.throughput(run.get("max_num_seqs")),
         "generation_seconds": ok.wall,
         "acceptance": _acceptance_of_job(ok, job.get("strategy")),
-        "plans": _plans(plans),
+        "plans": ranked_plans(plans, PLANS_SHOWN),
         "baseline": {"strategy": "ar", **_speedup(pairs, lossless)},
         "buckets": out_buckets,
         "run": run,

@@ -22,12 +22,17 @@ nearest measured q's where q has none). Factors are fitted per batch size with e
 (the batch-size dependence), else pooled.
 
 Drift: a round off its prediction by more than the profile's band (its stated noise,
-``LatencyProfile.spread``, at least ``MIN_BAND``) for ``SUSTAIN`` rounds in a row starts a new
-regime; the factors are refitted from the rounds since that run began, and refreshed every
-``REFRESH`` rounds of the regime. The refit prices the next selection (``price``). A refit that
-differs from the stored profile (or from the last refit reported) by more than the band is
-logged at INFO and saved, with its raw samples and origin "online", to the profile cache
-(profiles/store.py ``keep_online``). When the clock agrees with the profile nothing is refitted.
+``LatencyProfile.spread``, at least ``MIN_BAND`` and at most ``MAX_BAND``: a spread past the
+limit a profile is cached at is the load's while it was measured, and would hide a 2x drift)
+for ``SUSTAIN`` rounds in a row starts a new regime; the factors are refitted from the rounds
+since that run began, and refreshed every ``REFRESH`` rounds of the regime. Every refit prices
+the next selection (``price``). A refit is reported (logged at INFO and saved, with its raw
+samples and origin "online", to the profile cache: profiles/store.py ``keep_online``) only
+when it is news: it is a refresh (its regime has lasted ``REFRESH`` rounds, so a burst of load
+that ends sooner is never reported), it departs from the last refit reported (first: the
+stored profile) by more than the band, and ``REPORT_EVERY`` rounds have passed since the last
+report, or it departs by more than ``LARGE`` bands. Under TP only rank 0 reports
+(``leader``). When the clock agrees with the profile nothing is refitted.
 
 Acceptance per subnet is refitted from the same rounds by spec/acceptance.py's
 ``AcceptanceBook``; this module prices time only. Everything here is a function of the samples,
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from knapspec_dist.profiles.profile import LatencyProfile, LinearFit
+from knapspec_dist.profiles.store import SPREAD_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,9 @@ SUSTAIN = 8  # rounds in a row off the band that make a drift
 REFRESH = 64  # rounds of a regime between refreshes of its fit
 WINDOW = 512  # raw samples kept per regime
 MIN_BAND = 0.10  # the least relative deviation counted as drift
+MAX_BAND = SPREAD_LIMIT  # the most (a wider stated spread was measured on a busy machine)
+REPORT_EVERY = 256  # rounds between two reported refits at least, ...
+LARGE = 2.0  # ... unless the later departs from the earlier by this many bands
 MIN_BATCH_SAMPLES = SUSTAIN  # samples of one batch size it is fitted from alone
 PRIOR = 1.0  # the prior spread of a sublayer factor, relative to the common ratio
 HUBER = 1.345  # Huber's constant, in robust standard deviations of the residuals
@@ -88,14 +97,6 @@ class Factors:
 
     def verify_at(self, q: int) -> tuple[float, float]:
         return self.verify.get(q) or self.verify.get(0) or (1.0, 1.0)
-
-    def deviation(self, other: Factors) -> float:
-        """The largest relative difference of a common cost."""
-        pairs = [(self.attention, other.attention), (self.mlp, other.mlp),
-                 (self.head, other.head)]
-        for q in self.verify | other.verify:
-            pairs += list(zip(self.verify_at(q), other.verify_at(q)))
-        return max(abs(a / b - 1.0) for a, b in pairs)
 
     def describe(self) -> str:
         verify = ", ".join(f"{f'q{q}' if q else 'every q'} x{k[0]:.2f}/x{k[1]:.2f}"
@@ -179,6 +180,15 @@ def features(t: RoundTiming, price: Callable[[int], LatencyProfile], num_layers:
     return xs, y, [v.slope * t.context, v.intercept]
 
 
+def priced(f: Factors, t: RoundTiming, feats: Features) -> float:
+    """The seconds of round ``t`` as ``f`` prices it (``feats``: its ``features``): how far two
+    fits differ is judged in the rounds' time, where a cost's share weighs its factor."""
+    xs, _, v = feats
+    ks, ki = f.verify_at(t.steps + 1)
+    draft = f.attention * xs[0] + f.mlp * xs[1] + f.head * xs[2]
+    return t.steps * draft + ks * v[0] + ki * v[1]
+
+
 def fit(samples: list[RoundTiming], price: Callable[[int], LatencyProfile],
         num_layers: int, memo: dict[RoundTiming, Features] | None = None) -> Factors:
     """Factors from ``samples``; ``price(batch)``: the stored profile at that batch size;
@@ -210,11 +220,14 @@ class Calibration:
     def __init__(self, price: Callable[[int], LatencyProfile], num_layers: int,
                  save: Callable[[LatencyProfile], object] | None = None):
         """``price(batch)``: the stored profile at that batch size; ``save``: where a refit
-        that departs from it goes (profiles/store.py ``keep_online``; None: nowhere)."""
+        that is news goes (profiles/store.py ``keep_online``; None: nowhere)."""
         self.price, self.num_layers, self.save = price, num_layers, save
+        self.leader = True  # whether this process reports its refits (TP: rank 0 only)
         self.refits = 0  # drift-started regimes and their refreshes, over all runs
+        self.rounds = 0  # rounds observed, over all runs
+        self.reported_at: int | None = None  # ``rounds`` at the last report
         self.fits: dict[int | None, Factors] = {}  # batch size (None: pooled) -> factors
-        self.reported = Factors()  # the last refit logged (first: the stored profile)
+        self.reported = Factors()  # the last refit reported (first: the stored profile)
         self.regimes: dict[int, deque[RoundTiming]] = {}
         self.runs: dict[int, list[RoundTiming]] = {}  # per size, its rounds off the band
         self.since_fit = 0
@@ -234,7 +247,7 @@ class Calibration:
         return found
 
     def band(self, batch: int) -> float:
-        return max(self.price(batch).spread() or 0.0, MIN_BAND)
+        return min(max(self.price(batch).spread() or 0.0, MIN_BAND), MAX_BAND)
 
     def predicted(self, t: RoundTiming) -> float:
         p = self.profile(t.batch)
@@ -244,6 +257,7 @@ class Calibration:
     def observe(self, t: RoundTiming) -> bool:
         """One timed round; whether the prices were refitted from it."""
         b, band = t.batch, self.band(t.batch)
+        self.rounds += 1
         off = abs((t.draft_s + t.verify_s) / self.predicted(t) - 1.0) > band
         run = self.runs[b] = self.runs.get(b, []) + [t] if off else []
         if b in self.regimes:
@@ -254,10 +268,11 @@ class Calibration:
             self.regimes[b] = deque(run, maxlen=WINDOW)
             self.runs[b] = []
             self.refit(f"drift: {SUSTAIN} rounds of batch {b} in a row off the profile by "
-                       f"more than {100 * band:.0f} %")
+                       f"more than {100 * band:.0f} %", settled=False)
             return True
         if self.fits and self.since_fit >= REFRESH:
-            self.refit(f"refreshed from {sum(map(len, self.regimes.values()))} rounds")
+            self.refit(f"refreshed from {sum(map(len, self.regimes.values()))} rounds",
+                       settled=True)
             return True
         return False
 
@@ -265,7 +280,9 @@ class Calibration:
     def samples(self) -> list[RoundTiming]:
         return [t for regime in self.regimes.values() for t in regime]
 
-    def refit(self, why: str) -> None:
+    def refit(self, why: str, settled: bool) -> None:
+        """Refit the factors from the regimes' samples; report them if news (``settled``:
+        REFRESH rounds or more since the last drift)."""
         samples = self.samples
         memo = {t: self.memo[t] for t in samples if t in self.memo}
         fits: dict[int | None, Factors] = {None: fit(samples, self.price, self.num_layers, memo)}
@@ -277,11 +294,18 @@ class Calibration:
         self.refits += 1
         pooled = fits[None]
         band = min(map(self.band, self.regimes))
-        if pooled.deviation(self.reported) <= band:
-            log.debug("online calibration (%s): within %.0f %% of the last refit", why,
+        departs = max(abs(priced(pooled, t, memo[t]) / priced(self.reported, t, memo[t]) - 1)
+                      for t in samples)  # the largest relative difference of a round
+        due = (self.reported_at is None or self.rounds - self.reported_at >= REPORT_EVERY
+               or departs > LARGE * band)
+        if not (settled and departs > band and due):
+            log.debug("online calibration (%s): %s, %.0f %% from the last reported (band "
+                      "%.0f %%), not reported", why, pooled.describe(), 100 * departs,
                       100 * band)
             return
-        self.reported = pooled
+        self.reported, self.reported_at = pooled, self.rounds
+        if not self.leader:
+            return
         log.info("online calibration (%s): %s against the stored profile", why,
                  pooled.describe())
         if self.save is not None:

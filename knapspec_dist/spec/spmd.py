@@ -39,7 +39,8 @@ class SyncedSelector:
     ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
     ranks draft with the same subnet and gamma and run the DP at the same steps. The last
     round's seconds ride on the same broadcast: every rank's calibration (spec/calibration.py)
-    is fed rank 0's, one round later, so all price the next selection alike."""
+    is fed rank 0's, one round later, so all price the next selection alike; only rank 0's
+    reports its refits (logs and saves the online profile: one file, not one per rank)."""
 
     SCHEDULE = {"next_selection": 1, "last_select_s": 1_000_000}  # name: integer scale
     NANOS = 1_000_000_000  # the round's seconds, broadcast in nanoseconds
@@ -56,7 +57,11 @@ class SyncedSelector:
         return getattr(self.inner, name)
 
     def start(self, model):
-        return self.inner.start(model)
+        out = self.inner.start(model)
+        calibration = getattr(self.inner, "calibration", None)  # made at the first start
+        if calibration is not None:
+            calibration.leader = self.comm.rank == 0
+        return out
 
     def wants_reference(self):
         return self.inner.wants_reference()

@@ -33,7 +33,8 @@ model's window is shortened to fit (logged; the JSON keeps the real prompt lengt
 
 Every run emits ``--new-tokens`` tokens (EOS does not stop it unless ``--stop-at-eos``), so
 rates compare like with like. Outputs in ``--out``: ``results.json`` (every run: strategy,
-context, prompt, stats), ``results.md`` (a table per context), ``speedup.png`` and
+context, prompt, stats), ``results.md`` (a table per context, and the top plans of each
+strategy whose selection priced them), ``speedup.png`` and
 ``skipped.png``. Rates are given end to end (prefill included: ``stats.tokens_per_s``) and for
 decoding only (tokens after the first / seconds after prefill); all strategies share the same
 prefill, so the decode rate is where strategies differ.

@@ -1,5 +1,10 @@
 """Results of a bench run: per-(context, strategy) summary, the Markdown tables, the
-machine and the command line that repeats it (the plots: plots.py)."""
+machine and the command line that repeats it (the plots: plots.py).
+
+Per plan (``stats.plans``, engine/generation.py ``PlanTally``) the report gives, for each
+strategy whose selection priced its plans (knapspec's, clasp), the ``PLANS_SHOWN`` plans with
+the most seconds and the rest as "other": rounds, tokens, realized tokens per second (over the
+rounds' draft and verify seconds) next to the predicted (what the selection priced it at)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,21 @@ from pathlib import Path
 
 import torch
 
+from knapspec_dist.engine.generation import add_plans, ranked_plans
 from knapspec_dist.profiles.device import cpu_model_name
+
+PLANS_SHOWN = 4  # plans per context and strategy in results.md, the rest as "other"
+
+
+def plans_of(stats: list[dict]) -> list[dict]:
+    """The runs' per-plan tallies, summed and ranked (engine/generation.py ``ranked_plans``);
+    none where no plan was priced (a strategy without a selection: nothing to compare)."""
+    sums: dict[str, dict] = {}
+    add_plans(sums, ([{"plan": label, **t} for label, t in (s.get("plans") or {}).items()]
+                     for s in stats))
+    if not any(acc["priced_s"] for acc in sums.values()):
+        return []
+    return ranked_plans(sums, PLANS_SHOWN)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -42,6 +61,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "fallbacks": sum(s.get("fallbacks", 0) for s in mine),
             "draft_s": sum(s["draft_s"] for s in mine),
             "verify_s": sum(s["verify_s"] for s in mine),
+            "plans": plans_of(mine),
             "matches_ar": all(r["matches_ar"] for r in runs
                               if r["context"] == n and r["strategy"] == label),
             "ties": sum(1 for r in runs if r["context"] == n and r["strategy"] == label
@@ -177,5 +197,26 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
                 f"{r.get('selections', 0)} ({r.get('fallbacks', 0)}) | "
                 f"{_same_tokens(r)} |")
         lines.append("")
+    lines += plans_table(rows)
     lines += divergence_table(runs)
     path.write_text("\n".join(lines))
+
+
+def plans_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: per context and strategy that priced plans, its top plans."""
+    shown = [r for r in rows if r.get("plans")]
+    if not shown:
+        return []
+    lines = ["## plans", "",
+             "Per plan (`a3,m5@4`: attention of layer 3 and MLP of layer 5 skipped, drafts of 4; "
+             f"`ar`: plain decoding) the {PLANS_SHOWN} with the most seconds, the rest as "
+             "other: tok/s are tokens over the rounds' draft and verify seconds (the selection "
+             "not included); predicted: what the selection priced them at.", "",
+             "| context | strategy | plan | rounds | tokens | tok/s | predicted tok/s |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for r in shown:
+        for p in r["plans"]:
+            lines.append(f"| {r['context']} | {r['strategy']} | {p['plan']} | {p['rounds']} | "
+                         f"{p['tokens']} | {_fmt(p['tokens_per_s'], '.2f')} | "
+                         f"{_fmt(p['predicted_tokens_per_s'], '.2f')} |")
+    return lines + [""]
