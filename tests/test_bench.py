@@ -62,6 +62,34 @@ def test_bench_writes_results_table_and_plots(checkpoint, tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == PNG
 
 
+def test_bench_repeats_run_each_document_again_in_rotated_order(checkpoint, tmp_path,
+                                                               monkeypatch):
+    """--repeats 2: every (document, strategy) twice, the strategy order rotating from repeat
+    to repeat (so neither strategy always runs first), the rates summed over all runs and the
+    per-repeat speedups in results.md."""
+    order = []
+    generate = compare.generate
+
+    def recording(strategy, model, prompts, config, **kw):
+        order.append(getattr(strategy, "name", "?"))
+        return generate(strategy, model, prompts, config, **kw)
+
+    monkeypatch.setattr(compare, "generate", recording)
+    assert bench(checkpoint, tmp_path, "--repeats", "2", "--no-warmup") == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    runs = doc["runs"]
+    assert len(runs) == 2 * 2 * 2 * 2 and doc["repeats"] == 2
+    assert sorted({(r["context"], r["prompt"], r["repeat"]) for r in runs}) == sorted(
+        {(r["context"], r["prompt"]) + (k,) for r in runs for k in (0, 1)})
+    firsts = order[::2]  # the first strategy of each rotation
+    assert firsts[:4] == ["ar", "static", "static", "ar"]  # document 0: 0, 1; document 1: 1, 0
+    rows = doc["summary"]
+    static = [r for r in rows if r["strategy"] != "ar"]
+    assert all(r["runs"] == 4 and len(r["repeat_speedups"]) == 2 for r in static)
+    md = (tmp_path / "results.md").read_text()
+    assert "2 repeats each" in md and "End-to-end speedup per repeat: static:a1@2 " in md
+
+
 def test_bench_fails_when_a_strategy_differs_from_ar(checkpoint, tmp_path, capsys, monkeypatch):
     """A fault injected from outside: every self-speculative run's last token is changed."""
     original = compare.generate

@@ -61,6 +61,9 @@ def register(sub) -> None:
                         "knapspec:once,static:a3,m5@4")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=2, help="documents per context")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every strategy on every document, interleaved (the order "
+                        "rotates); the rates sum them all: on a noisy machine, more repeats")
     p.add_argument("--prompt-style", default="summarize", choices=["summarize", "continue"],
                    help="summarize: chat-wrapped summary request (if the tokenizer has a chat "
                         "template); continue: the bare document")
@@ -101,8 +104,8 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     apply_preset(args, parser)
     contexts = parse_ints(args.contexts, "--contexts")
-    if args.new_tokens < 1 or args.prompts < 1:
-        raise UserError("--new-tokens and --prompts must be >= 1")
+    if args.new_tokens < 1 or args.prompts < 1 or args.repeats < 1:
+        raise UserError("--new-tokens, --prompts and --repeats must be >= 1")
     specs = parse_strategies(args.strategies)
     if args.profile is not None and not Path(args.profile).is_file():
         raise UserError(f"--profile {args.profile!r}: no such file")
@@ -120,7 +123,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         write_results(out, header, runs, mismatches)
 
     runs, mismatches = compare_strategies(setup.model, setup.strategies, setup.prompts, config,
-                                          save, runner)
+                                          save, runner, args.repeats)
     save(runs, mismatches)
     if args.preset == "findings":
         write_findings(out, header, runs, mismatches, setup.model.cfg.num_layers)
@@ -168,6 +171,7 @@ def results_header(args: argparse.Namespace, parser: argparse.ArgumentParser, se
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": torch.__version__, "model": str(setup.path), "dtype": args.dtype,
             "device": args.device, "new_tokens": args.new_tokens, "prompts": args.prompts,
+            "repeats": args.repeats,
             "contexts": contexts, "profile": setup.profile_name,
             "strategies": {s.label: {**vars(s.options), "profile": setup.profile_name}
                            for s in setup.specs}}

@@ -20,11 +20,13 @@ log = logging.getLogger(__name__)
 def compare_strategies(model: Transformer, strategies: dict[str, Strategy],
                        prompts: dict[int, list[Prompt]], config: GenerationConfig,
                        save: Callable[[list[dict]], None] = lambda runs: None,
-                       runner: ModelRunner | None = None) -> tuple[list[dict], list[str]]:
-    """Every strategy on every prompt; returns the runs and the mismatch messages.
+                       runner: ModelRunner | None = None, repeats: int = 1
+                       ) -> tuple[list[dict], list[str]]:
+    """Every strategy on every prompt, ``repeats`` times; returns the runs and the mismatch
+    messages.
 
-    The order of the strategies rotates from prompt to prompt, so a drifting machine favours
-    none. Each run that differs from ``ar`` gets its first difference classified (one
+    The order of the strategies rotates from prompt to prompt and from repeat to repeat, so a
+    drifting machine favours none (a prompt's repeats run back to back, interleaved). Each run that differs from ``ar`` gets its first difference classified (one
     full-model forward, :func:`knapspec_dist.spec.ties.check_divergence`): ``divergence`` in
     the run's record, and a message saying near-tie or BUG. ``save`` gets the runs so far
     after each context.
@@ -33,31 +35,39 @@ def compare_strategies(model: Transformer, strategies: dict[str, Strategy],
     runs, mismatches = [], []
     for n, group in prompts.items():
         for j, prompt in enumerate(group):
-            order = labels[j % len(labels):] + labels[:j % len(labels)]
-            results = {}
-            for label in order:
-                r = generate(strategies[label], model, [prompt.ids], config, runner=runner)[0]
-                results[label] = r
-                s = r.stats
-                log.info("context %d, %s, %s: %d tokens, %.2f tok/s (decode %.2f s), "
-                         "acceptance %.2f", n, prompt.id, label, s.new_tokens, s.tokens_per_s,
-                         s.wall_s - s.prefill_s, s.acceptance_rate)
-            reference = results["ar"].token_ids
-            for label in labels:
-                r = results[label]
-                div = check_divergence(model, prompt.ids, reference, r.token_ids)
-                if div is not None:
-                    mismatches.append(f"{label} differs from ar at context {n}, prompt "
-                                      f"{prompt.id}, {div.describe()}")
-                    (log.warning if div.is_tie else log.error)(mismatches[-1])
-                runs.append({"strategy": label, "context": n, "prompt": prompt.id,
-                             "prompt_tokens": len(prompt.ids), "matches_ar": div is None,
-                             "first_mismatch": None if div is None else div.position,
-                             "divergence": None if div is None else div.to_dict(),
-                             "finish_reason": r.finish_reason,
-                             "token_ids": r.token_ids, "stats": r.stats.to_dict()})
+            for rep in range(repeats):
+                k = (j + rep) % len(labels)
+                results = {label: generate(strategies[label], model, [prompt.ids], config,
+                                           runner=runner)[0]
+                           for label in labels[k:] + labels[:k]}
+                for label, r in results.items():
+                    s = r.stats
+                    log.info("context %d, %s, %s (repeat %d): %d tokens, %.2f tok/s (decode "
+                             "%.2f s), acceptance %.2f", n, prompt.id, label, rep + 1,
+                             s.new_tokens, s.tokens_per_s, s.wall_s - s.prefill_s,
+                             s.acceptance_rate)
+                for label in labels:
+                    runs.append(_checked(model, n, prompt, label, rep, results[label],
+                                         results["ar"].token_ids, mismatches))
         save(runs)
     return runs, mismatches
+
+
+def _checked(model: Transformer, n: int, prompt: Prompt, label: str, rep: int, r,
+             reference: list[int], mismatches: list[str]) -> dict:
+    """A run's record, its first difference from ``ar``'s ``reference`` classified (a
+    message in ``mismatches``: near-tie or BUG)."""
+    div = check_divergence(model, prompt.ids, reference, r.token_ids)
+    if div is not None:
+        mismatches.append(f"{label} differs from ar at context {n}, prompt {prompt.id}, "
+                          f"{div.describe()}")
+        (log.warning if div.is_tie else log.error)(mismatches[-1])
+    return {"strategy": label, "context": n, "prompt": prompt.id, "repeat": rep,
+            "prompt_tokens": len(prompt.ids), "matches_ar": div is None,
+            "first_mismatch": None if div is None else div.position,
+            "divergence": None if div is None else div.to_dict(),
+            "finish_reason": r.finish_reason, "token_ids": r.token_ids,
+            "stats": r.stats.to_dict()}
 
 
 def bugs(runs: list[dict]) -> list[dict]:

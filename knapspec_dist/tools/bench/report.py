@@ -74,7 +74,23 @@ def summarize(runs: list[dict]) -> list[dict]:
         row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else 0.0
         row["decode_speedup"] = (row["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
                                  if ar["decode_tokens_per_s"] else 0.0)
+        row["repeat_speedups"] = _repeat_speedups(runs, row["context"], row["strategy"])
     return rows
+
+
+def _repeat_speedups(runs: list[dict], n: int, label: str) -> list[float]:
+    """End-to-end speedup against ar per repeat (each over all prompts of the context): how
+    far one repeat moves from another on this machine. Empty for a single repeat."""
+    reps = sorted({r.get("repeat", 0) for r in runs if r["context"] == n})
+    if len(reps) < 2:
+        return []
+
+    def rate(strategy: str, rep: int) -> float:
+        mine = [r["stats"] for r in runs if r["context"] == n and r["strategy"] == strategy
+                and r.get("repeat", 0) == rep]
+        wall = sum(s["wall_s"] for s in mine)
+        return sum(s["new_tokens"] for s in mine) / wall if wall else 0.0
+    return [rate(label, k) / rate("ar", k) if rate("ar", k) else 0.0 for k in reps]
 
 
 def _verdict(run: dict) -> str | None:
@@ -165,7 +181,9 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
         f"- date: {header['date']}",
         f"- torch {header['torch']}, model {header['model']} ({header['dtype']}, "
         f"{header['device']}), greedy, {header['new_tokens']} new tokens, "
-        f"{header['prompts']} prompt(s) per context",
+        f"{header['prompts']} prompt(s) per context"
+        + (f", {header['repeats']} repeats each (interleaved; rates over all)"
+           if header.get("repeats", 1) > 1 else ""),
         "",
         "tok/s: new tokens / wall seconds, prefill included; decode tok/s: tokens after the "
         "first / seconds after prefill (the part strategies change). Speedups are against "
@@ -197,6 +215,11 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
                 f"{r.get('selections', 0)} ({r.get('fallbacks', 0)}) | "
                 f"{_same_tokens(r)} |")
         lines.append("")
+        spread = [r for r in group if r["repeat_speedups"] and r["strategy"] != "ar"]
+        if spread:
+            lines += ["End-to-end speedup per repeat: " + "; ".join(
+                f"{r['strategy']} " + ", ".join(f"{x:.3f}x" for x in r["repeat_speedups"])
+                for r in spread), ""]
     lines += plans_table(rows)
     lines += divergence_table(runs)
     path.write_text("\n".join(lines))
