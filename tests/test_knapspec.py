@@ -18,7 +18,7 @@ from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.clasp import ClaspSelector
 from knapspec_dist.spec.guard import PlanRun
 from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
 from knapspec_dist.spec.schedule import SpareRule, smoothed_alpha
 from knapspec_dist.spec.selfspec import Plan, SelfSpeculative
 
@@ -160,6 +160,11 @@ def test_speculation_needs_its_estimate_less_its_noise_to_pay(engine_model):
                 and tpt.tokens_per_time(lower, best.gamma, draft, verify) >= plain)
         assert choice == (best if pays else tpt.Choice(None, 0, plain))
         outcomes.add(pays)
+        if not pays:  # the plain choice's frontier keeps the margin it was turned down by
+            selector.selected(Selection(n, selector.weights(n, layers), candidate, alphas,
+                                        choice, Plan(frozenset(), 0), positions),
+                              alphas, 1)
+            assert selector.spare_rule.frontier.lower == [lower]
     assert outcomes == {True, False}  # both sides of the margin are exercised
 
 

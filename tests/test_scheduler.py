@@ -205,6 +205,31 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
     assert not rule.frontier_rules_out(selector.prices(layers), 1000, 5)
 
 
+def test_a_frontier_is_priced_with_the_noise_margin_its_dp_chose_by(engine_model):
+    """A DP that turned its subnets down for their margin (the estimate less its noise does
+    not beat plain decoding) is not redone at the next due selection on the same prices: its
+    frontier is re-priced with the same lower bounds. Without them a subnet whose mean looked
+    paying reran the DP for every document (7-8 DPs per 12 documents of one context in the
+    README's batch-1 bench)."""
+    from knapspec_dist.spec.schedule import Frontier
+
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1),
+                                KnapSpecConfig())
+    rule = selector.spare_rule
+    selector.schedule.last_select_s, selector.schedule.rounds_since_dp = 0.5, 0
+    weights = selector.weights(1000, layers)
+    useful = rule.least_paying_weight(selector.prices(layers), weights, 1000, 5)
+    skip = frozenset(range(2, 2 * layers - 2))
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.95])  # the mean would pay
+    assert not rule.frontier_rules_out(selector.prices(layers), 1000, 5)
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.95], lower=[0.2])
+    assert rule.frontier_rules_out(selector.prices(layers), 1000, 5)
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.95], lower=[0.95])
+    assert not rule.frontier_rules_out(selector.prices(layers), 1000, 5)
+
+
 def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engine_model):
     """Once a DP has cost s seconds, the next runs only if drafting at the best rate any
     subnet could reach, until the longest remaining row is done, could save more than s."""

@@ -373,9 +373,10 @@ class KnapSpecSelector(KnapsackSelector):
         """Keep a fruitless DP's frontier; guard a speculative plan."""
         choice, n = selection.choice, selection.context
         plain = choice.candidate is None or not choice.gamma
+        lower = self.lower if len(self.lower) == len(selection.candidates) else None
         self.spare_rule.frontier = Frontier(
-            n, selection.weights, useful, [c.skipped for c in selection.candidates], raw) \
-            if plain else None
+            n, selection.weights, useful, [c.skipped for c in selection.candidates], raw,
+            lower) if plain else None
         num_layers = len(selection.weights) // 2
         self.guard.watch(None if plain else PlanRun(
             n, raw[choice.candidate],

@@ -118,13 +118,16 @@ class Prices:
 class Frontier:
     """What a DP that chose plain decoding returned: its subnets and their raw acceptance,
     at context ``context``, weights ``weights``, subnets skipping less than ``useful_from``
-    not evaluated. Priced again at a later batch size or context, it can spare the next DP."""
+    not evaluated; ``lower``: the acceptance each had at least (its estimate less its noise),
+    as the DP's choice weighed it. Priced again at a later batch size or context, it can
+    spare the next DP."""
 
     context: int
     weights: list[int]
     useful_from: int
     skips: list[frozenset[int]]
     alphas: list[float]
+    lower: list[float] | None = None
 
 
 class SpareRule:
@@ -215,10 +218,14 @@ class SpareRule:
             return False  # the rows have changed enough since: check again, at 1 % of time
         p = prices.profile
         if f.skips:
+            # priced as the DP chose, its noise margin included: without it a subnet the DP
+            # turned down for its margin looks paying here, and every due DP is redone
             alphas = [min(1.0, prices.calibration * a) for a in f.alphas]
+            lower = None if f.lower is None else [min(1.0, prices.calibration * a)
+                                                  for a in f.lower]
             times = [p.draft_time(skip, n, prices.num_layers) for skip in f.skips]
             choice = tpt.search(alphas, times, lambda q: p.verify_time(q, n),
-                                max_gamma=self.max_gamma, min_gain=self.min_gain)
+                                max_gamma=self.max_gamma, min_gain=self.min_gain, lower=lower)
             if choice.candidate is not None:
                 return False
         return self.least_paying_weight(prices, f.weights, n, positions) >= f.useful_from
