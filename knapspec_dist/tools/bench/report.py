@@ -46,7 +46,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "context": n, "strategy": label, "runs": len(mine),
             "prompt_tokens": sum(s["prompt_tokens"] for s in mine) / len(mine),
             "new_tokens": new,
-            "tokens_per_s": new / wall if wall else 0.0,
+            "tokens_per_s": _tokens_per_s(mine),
             "decode_tokens_per_s": (new - len(mine)) / decode if decode else 0.0,
             "acceptance": sum(s["accepted"] for s in mine) / drafted if drafted else None,
             # tokens per decode or verify round (the first token comes from the prefill)
@@ -78,6 +78,12 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def _tokens_per_s(stats: list[dict]) -> float:
+    """New tokens over wall seconds, prefill included, of runs summed."""
+    wall = sum(s["wall_s"] for s in stats)
+    return sum(s["new_tokens"] for s in stats) / wall if wall else 0.0
+
+
 def _repeat_speedups(runs: list[dict], n: int, label: str) -> list[float]:
     """End-to-end speedup against ar per repeat (each over all prompts of the context): how
     far one repeat moves from another on this machine. Empty for a single repeat."""
@@ -86,11 +92,10 @@ def _repeat_speedups(runs: list[dict], n: int, label: str) -> list[float]:
         return []
 
     def rate(strategy: str, rep: int) -> float:
-        mine = [r["stats"] for r in runs if r["context"] == n and r["strategy"] == strategy
-                and r.get("repeat", 0) == rep]
-        wall = sum(s["wall_s"] for s in mine)
-        return sum(s["new_tokens"] for s in mine) / wall if wall else 0.0
-    return [rate(label, k) / rate("ar", k) if rate("ar", k) else 0.0 for k in reps]
+        return _tokens_per_s([r["stats"] for r in runs if r["context"] == n
+                              and r["strategy"] == strategy and r.get("repeat", 0) == rep])
+    return [(mine / ar if ar else 0.0) for mine, ar in
+            ((rate(label, k), rate("ar", k)) for k in reps)]
 
 
 def _verdict(run: dict) -> str | None:
