@@ -16,10 +16,12 @@ from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.spec import tpt
+from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
+from knapspec_dist.spec.schedule import Frontier
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.spec.selfspec import Plan, SelfSpeculative, StaticSelector
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
@@ -143,7 +145,6 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
 def test_least_paying_weight_is_the_exact_threshold(engine_model):
     """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
     estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
-    from knapspec_dist.spec import tpt
     from knapspec_dist.spec.schedule import smoothed_alpha
 
     model = engine_model(NAME)
@@ -172,7 +173,6 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
     to 1.25 n is skipped if, priced at the batch size of the moment, neither the subnets that
     DP returned nor those it did not evaluate could pay, until the decoding since (priced by
     the profile) is 100 times what the DP cost (RECHECK_SHARE)."""
-    from knapspec_dist.spec.schedule import Frontier
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
@@ -211,7 +211,6 @@ def test_a_frontier_is_priced_with_the_noise_margin_its_dp_chose_by(engine_model
     frontier is re-priced with the same lower bounds. Without them a subnet whose mean looked
     paying reran the DP for every document (7-8 DPs per 12 documents of one context in the
     README's batch-1 bench)."""
-    from knapspec_dist.spec.schedule import Frontier
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
@@ -253,3 +252,54 @@ def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engi
         batch.rows[1].out = [0] * (100 - left)  # the longest row has `left` tokens to go
         batch.rows[0].out = [0] * 99
         assert rule.worth_a_dp(prices, batch, weights, 1000, 5) is worth
+
+
+def test_fruitless_dps_in_a_row_stop_new_prices_calling_a_dp_and_back_off_the_recheck(
+        engine_model):
+    """Hysteresis against calibration's price moves: after one fruitless DP a frontier that
+    pays at new prices calls a DP; after two in a row at about this context it does not (each
+    such DP on the README's batch-1 bench found nothing again), and the periodic re-check's
+    interval doubles per fruitless DP in a row, up to MAX_BACKOFF. A longer context restarts
+    the count."""
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    one = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1)
+    selector = KnapSpecSelector(one, KnapSpecConfig())
+    rule, schedule = selector.spare_rule, selector.schedule
+    prices = selector.prices(layers)
+    weights = selector.weights(1000, layers)
+    useful = rule.least_paying_weight(prices, weights, 1000, 5)
+    skip = frozenset(range(2, 2 * layers - 2))
+    schedule.last_select_s, schedule.rounds_since_dp = 0.5, 0
+    assert rule.fruitless(1000) == 1  # no frontier yet
+    paying = Frontier(1000, weights, useful, [skip], [0.95])  # pays at these prices
+    rule.frontier = paying
+    assert rule.fruitless(1100) == 2 and rule.fruitless(1300) == 1  # 1300 > 1.25 x 1000
+    assert not rule.frontier_rules_out(prices, 1000, 5)  # one fruitless DP: redo
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.95], fruitless=2)
+    assert rule.frontier_rules_out(prices, 1000, 5)  # two in a row: prices alone do not
+    assert not rule.frontier_rules_out(prices, 1300, 5)  # a longer context still does
+    step = one.verify_time(1, 1100)
+    due = 0.5 / (rule.RECHECK_SHARE * step)  # the re-check after one fruitless DP
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.2])
+    for fruitless, backoff in ((1, 1), (2, 2), (3, 4), (4, 8), (9, 8)):
+        rule.frontier = Frontier(1000, weights, useful, [skip], [0.2], fruitless=fruitless)
+        for rounds, spared in ((int(backoff * due) - 1, True), (int(backoff * due) + 1, False)):
+            schedule.rounds_since_dp = rounds
+            assert rule.frontier_rules_out(prices, 1100, 5) is spared, (fruitless, rounds)
+
+
+def test_a_plain_choice_keeps_the_count_of_fruitless_dps_in_a_row(engine_model):
+    """``KnapSpecSelector.selected`` stores the streak in the frontier it keeps; a longer
+    context restarts it."""
+    model = engine_model(NAME)
+    selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION), KnapSpecConfig())
+    weights = selector.weights(1000, model.cfg.num_layers)
+    plain = Selection(1000, weights, [], [], tpt.Choice(None, 0, 1.0), Plan(frozenset(), 0))
+    for expected in (1, 2, 3):
+        selector.selected(plain, [], 1)
+        assert isinstance(selector.spare_rule.frontier, Frontier)
+        assert selector.spare_rule.frontier.fruitless == expected
+    selector.selected(Selection(1400, weights, [], [], tpt.Choice(None, 0, 1.0),
+                                Plan(frozenset(), 0)), [], 1)
+    assert selector.spare_rule.frontier.fruitless == 1  # the context grew past 1.25x

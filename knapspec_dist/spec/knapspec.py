@@ -376,7 +376,7 @@ class KnapSpecSelector(KnapsackSelector):
         lower = self.lower if len(self.lower) == len(selection.candidates) else None
         self.spare_rule.frontier = Frontier(
             n, selection.weights, useful, [c.skipped for c in selection.candidates], raw,
-            lower) if plain else None
+            lower, self.spare_rule.fruitless(n)) if plain else None
         num_layers = len(selection.weights) // 2
         self.guard.watch(None if plain else PlanRun(
             n, raw[choice.candidate],

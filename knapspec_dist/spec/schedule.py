@@ -128,6 +128,7 @@ class Frontier:
     skips: list[frozenset[int]]
     alphas: list[float]
     lower: list[float] | None = None
+    fruitless: int = 1  # the DPs in a row at about this context that chose plain decoding
 
 
 class SpareRule:
@@ -136,6 +137,8 @@ class SpareRule:
 
     RESELECT_GROWTH = 1.25  # context growth that makes a fruitless selection worth redoing
     RECHECK_SHARE = 0.01  # ... and the share of decoding time a periodic re-check may cost
+    REPRICED_UNTIL = 2  # fruitless DPs in a row after which new prices no longer call a DP
+    MAX_BACKOFF = 8  # the most the re-check's interval grows by after fruitless DPs in a row
 
     def __init__(self, schedule: SelectionSchedule, *, min_gain: float, max_gamma: int,
                  max_skip_fraction: float):
@@ -203,19 +206,32 @@ class SpareRule:
         remaining = max(r.limit - len(r.out) for r in batch.rows)
         return remaining * step * max(0.0, 1.0 - 1.0 / (step * best)) > last
 
+    def fruitless(self, n: int) -> int:
+        """The DPs in a row that chose plain decoding, a plain choice at context n included
+        (the count restarts where the context grew past ``RESELECT_GROWTH``)."""
+        f = self.frontier
+        return f.fruitless + 1 if f is not None and n <= self.RESELECT_GROWTH * f.context else 1
+
     def frontier_rules_out(self, prices: Prices, n: int, positions: int) -> bool:
         """The last DP chose plain decoding at a context within ``RESELECT_GROWTH`` of n, and
         at today's prices (batch size, context, calibration) neither the subnets it returned
         nor the ones it did not (which skipped less than its ``useful_from``) could pay. It is
         redone anyway once the decoding since, priced by the profile, reaches the DP's cost
-        over ``RECHECK_SHARE`` (other rows, other text). Rows of similar length pay for one DP,
-        not one each."""
+        over ``RECHECK_SHARE`` (other rows, other text), an interval that doubles with every
+        fruitless DP in a row (up to ``MAX_BACKOFF``). Rows of similar length pay for one DP,
+        not one each. Hysteresis: once ``REPRICED_UNTIL`` DPs in a row found nothing, new
+        prices alone no longer call a DP (calibration's refits move them by the machine's
+        noise, and each such DP was redone for nothing: 7-8 DPs per 12 documents of one
+        context on the README's batch-1 bench); the re-check and a longer context still do."""
         f = self.frontier
         if f is None or n > self.RESELECT_GROWTH * f.context:
             return False
         decoded = self.schedule.rounds_since_dp * prices.step(n)  # priced: rank-equal
-        if decoded * self.RECHECK_SHARE >= (self.schedule.last_select_s or 0.0):
+        backoff = min(2 ** (f.fruitless - 1), self.MAX_BACKOFF)
+        if decoded * self.RECHECK_SHARE >= backoff * (self.schedule.last_select_s or 0.0):
             return False  # the rows have changed enough since: check again, at 1 % of time
+        if f.fruitless >= self.REPRICED_UNTIL:
+            return True
         p = prices.profile
         if f.skips:
             # priced as the DP chose, its noise margin included: without it a subnet the DP
