@@ -173,7 +173,6 @@ def test_a_fruitless_selection_spares_the_next_where_its_frontier_cannot_pay(eng
     to 1.25 n is skipped if, priced at the batch size of the moment, neither the subnets that
     DP returned nor those it did not evaluate could pay, until the decoding since (priced by
     the profile) is 100 times what the DP cost (RECHECK_SHARE)."""
-
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     one = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1)
@@ -211,7 +210,6 @@ def test_a_frontier_is_priced_with_the_noise_margin_its_dp_chose_by(engine_model
     frontier is re-priced with the same lower bounds. Without them a subnet whose mean looked
     paying reran the DP for every document (7-8 DPs per 12 documents of one context in the
     README's batch-1 bench)."""
-
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1),
@@ -272,8 +270,7 @@ def test_fruitless_dps_in_a_row_stop_new_prices_calling_a_dp_and_back_off_the_re
     skip = frozenset(range(2, 2 * layers - 2))
     schedule.last_select_s, schedule.rounds_since_dp = 0.5, 0
     assert rule.fruitless(1000) == 1  # no frontier yet
-    paying = Frontier(1000, weights, useful, [skip], [0.95])  # pays at these prices
-    rule.frontier = paying
+    rule.frontier = Frontier(1000, weights, useful, [skip], [0.95])  # pays at these prices
     assert rule.fruitless(1100) == 2 and rule.fruitless(1300) == 1  # 1300 > 1.25 x 1000
     assert not rule.frontier_rules_out(prices, 1000, 5)  # one fruitless DP: redo
     rule.frontier = Frontier(1000, weights, useful, [skip], [0.95], fruitless=2)
@@ -281,7 +278,6 @@ def test_fruitless_dps_in_a_row_stop_new_prices_calling_a_dp_and_back_off_the_re
     assert not rule.frontier_rules_out(prices, 1300, 5)  # a longer context still does
     step = one.verify_time(1, 1100)
     due = 0.5 / (rule.RECHECK_SHARE * step)  # the re-check after one fruitless DP
-    rule.frontier = Frontier(1000, weights, useful, [skip], [0.2])
     for fruitless, backoff in ((1, 1), (2, 2), (3, 4), (4, 8), (9, 8)):
         rule.frontier = Frontier(1000, weights, useful, [skip], [0.2], fruitless=fruitless)
         for rounds, spared in ((int(backoff * due) - 1, True), (int(backoff * due) + 1, False)):

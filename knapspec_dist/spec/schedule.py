@@ -206,11 +206,17 @@ class SpareRule:
         remaining = max(r.limit - len(r.out) for r in batch.rows)
         return remaining * step * max(0.0, 1.0 - 1.0 / (step * best)) > last
 
+    def frontier_at(self, n: int) -> Frontier | None:
+        """The last fruitless DP's frontier, where context n has not grown past
+        ``RESELECT_GROWTH`` of its context (beyond, it says nothing)."""
+        f = self.frontier
+        return f if f is not None and n <= self.RESELECT_GROWTH * f.context else None
+
     def fruitless(self, n: int) -> int:
         """The DPs in a row that chose plain decoding, a plain choice at context n included
         (the count restarts where the context grew past ``RESELECT_GROWTH``)."""
-        f = self.frontier
-        return f.fruitless + 1 if f is not None and n <= self.RESELECT_GROWTH * f.context else 1
+        f = self.frontier_at(n)
+        return 1 if f is None else f.fruitless + 1
 
     def frontier_rules_out(self, prices: Prices, n: int, positions: int) -> bool:
         """The last DP chose plain decoding at a context within ``RESELECT_GROWTH`` of n, and
@@ -223,8 +229,8 @@ class SpareRule:
         prices alone no longer call a DP (calibration's refits move them by the machine's
         noise, and each such DP was redone for nothing: 7-8 DPs per 12 documents of one
         context on the README's batch-1 bench); the re-check and a longer context still do."""
-        f = self.frontier
-        if f is None or n > self.RESELECT_GROWTH * f.context:
+        f = self.frontier_at(n)
+        if f is None:
             return False
         decoded = self.schedule.rounds_since_dp * prices.step(n)  # priced: rank-equal
         backoff = min(2 ** (f.fruitless - 1), self.MAX_BACKOFF)
