@@ -171,7 +171,9 @@ def test_tp2_tokens_equal_tp1(tp_runs, name):
     assert rank0["static"] == rank0["ar"], "static self-speculation is not lossless"
     # The self-speculative paths really ran under TP: drafts were verified, selections made.
     assert sum(s["drafted"] for s in rank0["static_stats"]) > 0
-    assert all(s["selections"] >= 1 for s in rank0["knapspec_stats"])
+    # selections ran (a later run may spare every due DP on an earlier run's frontier: the
+    # spare rule's hysteresis, spec/schedule.py)
+    assert sum(s["selections"] for s in rank0["knapspec_stats"]) >= 1
     assert sum(s["drafted"] for s in rank0["knapspec_stats"]) > 0
     assert rank0["comm_calls"] > 0
 
