@@ -23,8 +23,9 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.weights import load_model
-from knapspec_dist.engine.sampling import (SamplingConfig, accept, choose, gumbel, probabilities,
-                                           row_seed)
+from knapspec_dist.engine.sampling import (G_MAX, SamplingConfig, accept, choose, confidence,
+                                           gumbel, gumbel_of_bits, probabilities, row_seed,
+                                           sample, sample_everywhere)
 from knapspec_dist.spec import selfspec
 from knapspec_dist.spec.autoregressive import Autoregressive
 from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
@@ -142,6 +143,100 @@ def test_noise_is_a_pure_function_of_seed_index_and_token():
     assert not torch.equal(g[0, 0], g[0, 1]) and not torch.equal(g[0], g[2])
     assert torch.isfinite(g).all()
     assert row_seed(7, "a") == row_seed(7, "a") != row_seed(7, "b") != row_seed(8, "a")
+
+
+def test_noise_is_finite_at_the_extreme_hash_values():
+    """The smallest and largest 52-bit values give u strictly inside (0, 1): finite noise,
+    at most G_MAX (an infinite value would win whatever its token's logit)."""
+    top = (1 << 52) - 1
+    g = gumbel_of_bits(torch.tensor([0, 1, top - 1, top], dtype=torch.int64))
+    assert torch.isfinite(g).all()
+    assert g[-1] <= G_MAX and g[-1] > g[-2] > g[1] > g[0]  # distinct values, in order
+    assert abs(float(g[-1]) - 52.0 * math.log(2)) < 1.0  # -log(-log(1 - 2^-53)) ~ 53 ln 2
+
+
+def peaked_logits(vocab: int, nucleus: int, seed: int) -> torch.Tensor:
+    """Logits whose top-p 0.9 nucleus is about ``nucleus`` tokens and whose tail spreads
+    over the rest of a large vocabulary (a language model's shape)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=gen) * 1.5
+    head = torch.randperm(vocab, generator=gen)[:nucleus]
+    logits[head] = 9.0 + torch.randn(nucleus, generator=gen)
+    return logits
+
+
+def sample_many(logits: torch.Tensor, cfg: SamplingConfig, n: int, chunk: int) -> torch.Tensor:
+    """``n`` draws from one distribution, each with its own row seed, ``chunk`` rows a call."""
+    out = []
+    for lo in range(0, n, chunk):
+        rows = min(chunk, n - lo)
+        seeds = torch.tensor([row_seed(77, lo + i) for i in range(rows)], dtype=torch.int64)
+        out.append(sample(logits[None, None].expand(rows, 1, -1), cfg, seeds,
+                          torch.zeros(rows, 1, dtype=torch.int64))[:, 0])
+    return torch.cat(out)
+
+
+def test_sampling_at_a_152k_vocabulary_fits_the_warped_distribution():
+    """Qwen3's vocabulary with top-p 0.9: 6,000 draws fit the exact nucleus distribution
+    (chi-square at ALPHA), none outside it. A sampler that lets a uniformly random token win
+    at 2^-24 per token (0.9 % of draws at this vocabulary, nearly all outside the nucleus:
+    ~54 here) fails both; so does a leak of 0.3 % (~18 draws, none with probability 1e-7)."""
+    vocab, n = 151_936, 6_000
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9)
+    logits = peaked_logits(vocab, 40, seed=3)
+    probs = probabilities(logits[None], cfg)[0]
+    support = {int(i): float(probs[i]) for i in torch.nonzero(probs).flatten()}
+    tokens = sample_many(logits, cfg, n, chunk=500).tolist()
+    outside = sum(1 for t in tokens if t not in support)
+    assert outside == 0, f"{outside} of {n} draws outside the top-p support"
+    assert_fits(tokens, support, "152k vocabulary, top-p 0.9")
+
+
+def test_a_million_draws_stay_inside_the_support():
+    """10^6 draws at a 512-token vocabulary, a third each with top-p, top-k and both: not one
+    outside the support (a 2^-24-per-token leak gives ~30 here)."""
+    vocab, n = 512, 340_000
+    logits = peaked_logits(vocab, 30, seed=5)
+    for cfg in (SamplingConfig(temperature=1.0, top_p=0.9), SamplingConfig(temperature=1.0,
+                top_k=20), SamplingConfig(temperature=1.5, top_k=50, top_p=0.8)):
+        allowed = probabilities(logits[None], cfg)[0] > 0
+        tokens = sample_many(logits, cfg, n, chunk=68_000)
+        assert bool(allowed[tokens].all()), f"{cfg}: {int((~allowed[tokens]).sum())} outside"
+        assert len(set(tokens.tolist())) > 5  # it really samples
+
+
+WIDE = [SamplingConfig(0.7, 0, 0.9), SamplingConfig(1.0, 0, 0.95), SamplingConfig(0.7, 40, 1.0),
+        SamplingConfig(1.3, 100, 0.8), SamplingConfig(0.7, 2000, 0.95), SamplingConfig(0.5, 1, 1.0),
+        SamplingConfig(1.0, 0, 1.0), SamplingConfig(0.7, 64, 1.0)]
+
+
+@pytest.mark.parametrize("vocab", [50, 5000, 49_152])
+def test_the_choice_among_candidates_is_the_whole_vocabulary_choice(vocab):
+    """The candidate path (top logits only) gives the token the whole-vocabulary reference
+    gives, at every position: peaked and flat rows, ties (inside the cut and at its edge),
+    top-k wider than the candidates, top-p whose nucleus is wider than them."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows, t = 6, 5
+    logits = torch.randn(rows, t, vocab, generator=gen) * torch.tensor([1.0, 3.0, 8.0, 1.0, 3.0,
+                                                                        8.0])[:, None, None]
+    logits[1] += 6.0 * (torch.arange(vocab) < 20)  # a peaked row
+    logits[0, 0, :70] = 4.0  # a tie that straddles 64 candidates
+    logits[3, 2, :] = 0.0  # a flat row: every token ties
+    logits[4, 1, 7:12] = logits[4, 1].max()  # a tie at the top
+    seeds = torch.tensor([row_seed(3, i) for i in range(rows)], dtype=torch.int64)
+    steps = torch.arange(t).repeat(rows, 1) + 11
+    for cfg in WIDE:
+        want = sample_everywhere(logits, cfg, seeds, steps)
+        assert torch.equal(sample(logits, cfg, seeds, steps), want), cfg
+
+
+def test_confidence_is_the_top_probability():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 4000, generator=gen) * 4
+    logits[0, :3] += 12.0  # a small nucleus
+    for cfg in WIDE[:6]:
+        want = probabilities(logits, cfg).amax(dim=-1)
+        assert torch.allclose(confidence(logits, cfg), want, rtol=1e-5, atol=1e-6), cfg
 
 
 def test_sampled_drafts_are_accepted_exactly_where_the_target_samples_them():

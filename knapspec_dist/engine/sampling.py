@@ -3,8 +3,12 @@
 Sampling is the Gumbel-max trick: the token at a row's output index t is
 ``argmax(warped_logits / T + G)``, where ``warped`` applies top-k / top-p (-inf outside) and
 ``G`` is Gumbel noise over the vocabulary that depends only on the row's seed and on t
-(``gumbel``: a counter-based hash, no generator state). That is an exact sample from
-``softmax(warped / T)`` (up to the 2^-24 resolution of the uniforms behind the noise).
+(``gumbel``: a counter-based hash of a 64-bit (row, index) key and the token, no generator
+state). That is an exact sample from ``softmax(warped / T)`` up to the 2^-52 resolution of the
+uniforms behind the noise, which lie strictly inside (0, 1): the noise is always finite, so no
+token outside the top-k / top-p support can win. Only the candidates that can win need noise:
+on a CPU, where noise and a sort over a 49k-152k vocabulary cost as much as a small model's
+forward, the choice is made among the largest logits whenever that is provably the same choice.
 
 Speculation verifies sampled drafts the way it verifies greedy ones, on perturbed logits: a
 draft token at index t is ``argmax(draft logits + G_t)`` with the same noise the target uses
@@ -30,6 +34,12 @@ from knapspec_dist.errors import UserError
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # the multiplier of a 32-bit avalanche hash; products stay below 2^59
+_SALT = 0x9E3779B9  # separates the key's second 32-bit half from the first
+_GRID = 2.0 ** -52  # the uniforms' resolution: (k + 1/2) * 2^-52 is exact in float64
+# The largest noise value there is (u = 1 - 2^-53): a token whose logit is more than this below
+# a candidate's perturbed logit can never win, which is what lets the choice skip its noise.
+G_MAX = float(-torch.log(-torch.log(torch.tensor(1 - 2.0 ** -53, dtype=torch.float64))))
+CANDIDATE_WIDTHS = (64, 1024)  # the top-k widths tried before the whole vocabulary
 
 
 @dataclass(frozen=True)
@@ -69,34 +79,80 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _token_hashes(vocab: int, device: torch.device) -> torch.Tensor:
-    """The per-token half of the noise's hash: the same for every row and step, so made once."""
-    return _mix(torch.arange(vocab, device=device, dtype=torch.int64))
+def _token_hashes(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token halves of the noise's hash: the same for every row and step, so made once."""
+    ids = torch.arange(vocab, device=device, dtype=torch.int64)
+    return _mix(ids), _mix(ids ^ _SALT)
+
+
+def _keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 64-bit key of each (row, output index), as two 32-bit halves [B, T]: two rows share
+    a whole noise vector only with probability 2^-64."""
+    lo, hi, t = seeds & _M32, (seeds >> 32) & _M32, steps & _M32
+    first = _mix(lo[:, None] ^ _mix(hi[:, None] ^ _mix(t)))
+    second = _mix(hi[:, None] ^ _mix(lo[:, None] ^ _mix(t ^ _SALT)))
+    return first, second
+
+
+def gumbel_of_bits(k: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise (fp32) from 52 random bits ``k`` (int64 in [0, 2^52)): ``u = (k + 1/2)
+    2^-52`` is exact in float64 and strictly inside (0, 1), so the noise is finite (at most
+    ``G_MAX``) and uniform at that resolution."""
+    u = (k.double() + 0.5) * _GRID
+    return (-torch.log(-torch.log(u))).float()
+
+
+def _noise(first: torch.Tensor, second: torch.Tensor, h1: torch.Tensor,
+           h2: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from the keys and the tokens' hashes (broadcast): 52 bits of their
+    64-bit hash."""
+    return gumbel_of_bits((_mix(first ^ h1) << 20) | (_mix(second ^ h2) >> 12))
 
 
 def gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise [B, T, vocab] (fp32) for rows with ``seeds`` [B] at output indices
     ``steps`` [B, T]: a pure function of (seed, step, token), the same on every device."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    base = _mix(lo[:, None] ^ _mix(hi[:, None] ^ _mix(steps & _M32)))  # [B, T]
-    h = _mix(base[..., None] ^ _token_hashes(vocab, seeds.device))
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -torch.log(-torch.log(u))
+    first, second = _keys(seeds, steps)
+    h1, h2 = _token_hashes(vocab, seeds.device)
+    return _noise(first[..., None], second[..., None], h1, h2)
+
+
+def _noise_at(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``gumbel(seeds, steps, V)`` gathered at token ``ids`` [B, T, K], without the rest."""
+    first, second = _keys(seeds, steps)
+    return _noise(first[..., None], second[..., None], _mix(ids), _mix(ids ^ _SALT))
+
+
+def _kept_mass(p_sorted: torch.Tensor) -> torch.Tensor:
+    """The mass strictly above each token of a descending order: the top-p rule drops a token
+    once it reaches top_p. An exclusive prefix sum, so it never decreases along the order, and
+    (the CPU's cumsum being sequential) a prefix of the order gets the sums the whole gets."""
+    total = torch.cumsum(p_sorted, dim=-1)
+    return torch.cat([torch.zeros_like(total[..., :1]), total[..., :-1]], dim=-1)
+
+
+def _kth_cut(z: torch.Tensor, kth: torch.Tensor | None) -> torch.Tensor:
+    return z if kth is None else z.masked_fill(z < kth, float("-inf"))
+
+
+def warped_top_k(z: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Tempered logits ``z`` with the top-k cut applied (-inf outside; ties at the k-th kept)."""
+    if cfg.top_k and cfg.top_k < z.shape[-1]:
+        return _kth_cut(z, torch.topk(z, cfg.top_k, dim=-1).values[..., -1:])
+    return z
 
 
 def warped(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Logits / temperature with top-k and top-p applied (-inf outside), fp32 [..., V]."""
-    logits = logits.float() / cfg.temperature
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    """Logits / temperature with top-k and top-p applied (-inf outside), fp32 [..., V]: the
+    reference the candidate path (``_choose_among_candidates``) reproduces bit for bit."""
+    z = warped_top_k(logits.float() / cfg.temperature, cfg)
     if cfg.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        p = torch.softmax(sorted_logits, dim=-1)
-        drop = p.cumsum(dim=-1) - p >= cfg.top_p  # keep the first token past top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        drop = _kept_mass(torch.exp(sorted_z - lse)) >= cfg.top_p  # the top token always stays
+        kept = sorted_z.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, kept)
+    return z
 
 
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -106,13 +162,122 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return torch.softmax(warped(logits, cfg), dim=-1)
 
 
-def perturbed(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
-              steps: torch.Tensor) -> torch.Tensor:
-    """What a token is the argmax of: the logits themselves (greedy), or the warped logits
-    plus each row's noise at ``steps`` [B, T] (``logits`` [B, T, V])."""
+def confidence(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The top-1 probability [B] of the distribution each row of ``logits`` [B, V] draws from
+    (drafting's early exit). With top-p it needs the nucleus' mass, found among the largest
+    logits where it fits there (always on small vocabularies: then it is the whole row)."""
+    if cfg.greedy or cfg.top_p == 1.0 or logits.device.type != "cpu":
+        return probabilities(logits, cfg).amax(dim=-1)
+    z = warped_top_k(logits.float() / cfg.temperature, cfg)
+    width = min(z.shape[-1], CANDIDATE_WIDTHS[0])
+    v = torch.topk(z, width, dim=-1).values
+    p = torch.exp(v - torch.logsumexp(z, dim=-1, keepdim=True))
+    kept = _kept_mass(p) < cfg.top_p
+    if width < z.shape[-1] and not bool((torch.cumsum(p, dim=-1)[..., -1] >= cfg.top_p).all()):
+        return probabilities(logits, cfg).amax(dim=-1)
+    return p[..., 0] / (p * kept).sum(dim=-1)
+
+
+def _first_best(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest id among the largest ``values`` [N, K]: what ``argmax`` over the
+    whole vocabulary returns when values tie (its first maximal index)."""
+    best = values.amax(dim=-1, keepdim=True)
+    big = torch.iinfo(torch.int64).max
+    return torch.where(values == best, ids, torch.full_like(ids, big)).amin(dim=-1)
+
+
+def sample_everywhere(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
+                      steps: torch.Tensor) -> torch.Tensor:
+    """The reference choice [B, T]: argmax of the warped logits plus the noise over every token."""
+    return (warped(logits, cfg) + gumbel(seeds, steps, logits.shape[-1])).argmax(dim=-1)
+
+
+def _choose_among_candidates(z: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
+                             steps: torch.Tensor, width: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference choice from the ``width`` largest logits only: the token [B, T] and
+    whether it is proven to be the reference's [B, T].
+
+    Let ``b`` be the smallest of the candidates' logits. Every token above ``b`` is a candidate
+    and every other token lies at or below ``b`` (ties at ``b`` may straddle the cut, so those
+    candidates are set aside). The choice is proven when the candidates hold the whole support
+    (the top-k or top-p cut falls inside them) or when no outside token can win
+    (``b + G_MAX`` is below the best candidate's perturbed logit). Warped values, top-p masses
+    and noise are computed as ``warped`` and ``gumbel`` compute them, so a proven choice is the
+    reference's to the bit.
+    """
+    v, ids = torch.topk(z, width, dim=-1)
+    ids, by_id = ids.sort(dim=-1)  # ties in id order, as a stable sort of the whole row has them
+    v, order = v.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    b = v[..., -1:]
+    inside = v > b  # every token above b is here
+    m = inside.sum(dim=-1, keepdim=True)  # how many candidates lie above b
+    complete = torch.zeros_like(inside[..., 0])
+    kth = None
+    if cfg.top_k and cfg.top_k < z.shape[-1]:
+        known = m >= cfg.top_k  # the k-th value is among the candidates, above b
+        kth = v[..., min(cfg.top_k, width) - 1:][..., :1]
+        complete = complete | known[..., 0]
+        inside = inside & (~known | (v >= kth))
+        kth = torch.where(known, kth, torch.full_like(kth, float("-inf")))
+    if cfg.top_p < 1.0:
+        if kth is not None and not bool(complete.all()):
+            raise _Unproven  # the normalizer needs the whole top-k support
+        lse = torch.logsumexp(_kth_cut(z, kth), dim=-1, keepdim=True)
+        p = torch.exp(v - lse).masked_fill(~inside, 0.0)
+        above = _kept_mass(p)
+        reached = torch.cumsum(p, dim=-1)[..., -1] >= cfg.top_p  # the first outside token drops
+        inside = inside & (above < cfg.top_p)
+        complete = complete | reached
+    scores = (v + _noise_at(seeds, steps, ids)).masked_fill(~inside, float("-inf"))
+    best = scores.amax(dim=-1)
+    complete = complete | (b[..., 0] + G_MAX < best)
+    return _first_best(scores, ids), complete
+
+
+class _Unproven(Exception):
+    """The candidates cannot prove this batch's choice: take the whole vocabulary."""
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
+           steps: torch.Tensor) -> torch.Tensor:
+    """The token [B, T] each row samples at output indices ``steps`` [B, T] from ``logits``
+    [B, T, V] (greedy: the argmax; no seeds or steps needed).
+
+    The sampled token is ``argmax(warped + G)`` over the vocabulary. On a CPU it is found from
+    the largest logits (``_choose_among_candidates``), widening until proven, since noise and
+    sort over 49k-152k tokens per position cost as much as a small model's forward; rows not
+    proven take the whole vocabulary. On other devices the whole vocabulary is cheap and needs
+    no read-back, so they take it directly.
+    """
     if cfg.greedy:
-        return logits
-    return warped(logits, cfg) + gumbel(seeds, steps, logits.shape[-1])
+        return logits.argmax(dim=-1)
+    if logits.device.type != "cpu":
+        return sample_everywhere(logits, cfg, seeds, steps)
+    b, t, vocab = logits.shape
+    flat_logits = logits.reshape(b * t, 1, vocab)
+    flat_z, flat_steps = flat_logits.float() / cfg.temperature, steps.reshape(b * t, 1)
+    flat_seeds = seeds[:, None].expand(b, t).reshape(b * t)
+    out = torch.empty(b * t, dtype=torch.int64)
+    todo = torch.arange(b * t)
+    # Without a cut only the bound can prove a choice, and at usual temperatures it does not.
+    cut = cfg.top_p < 1.0 or 0 < cfg.top_k < vocab
+    for width in CANDIDATE_WIDTHS if cut else ():
+        if width >= vocab or not len(todo):
+            break
+        try:
+            tokens, proven = _choose_among_candidates(flat_z[todo], cfg, flat_seeds[todo],
+                                                      flat_steps[todo], width)
+        except _Unproven:
+            continue
+        proven = proven[:, 0]
+        out[todo[proven]] = tokens[proven, 0]
+        todo = todo[~proven]
+    if len(todo):
+        out[todo] = sample_everywhere(flat_logits[todo], cfg, flat_seeds[todo],
+                                      flat_steps[todo])[:, 0]
+    return out.reshape(b, t)
 
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
@@ -121,7 +286,7 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
     no seeds or steps needed)."""
     if cfg.greedy:
         return logits.argmax(dim=-1)
-    return perturbed(logits[:, None], cfg, seeds, steps[:, None])[:, 0].argmax(dim=-1)
+    return sample(logits[:, None], cfg, seeds, steps[:, None])[:, 0]
 
 
 def accept(drafts: torch.Tensor, target_logits: torch.Tensor, cfg: SamplingConfig,
@@ -139,7 +304,7 @@ def accept(drafts: torch.Tensor, target_logits: torch.Tensor, cfg: SamplingConfi
         target = target_logits.argmax(dim=-1)
     else:
         index = steps[:, None] + torch.arange(g + 1, device=steps.device)
-        target = perturbed(target_logits, cfg, seeds, index).argmax(dim=-1)
+        target = sample(target_logits, cfg, seeds, index)
     n = (drafts == target[:, :g]).long().cumprod(1).sum(1)
     if limit is not None:
         n = torch.minimum(n, limit)

@@ -20,7 +20,7 @@ import torch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, PlanTally, finish
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.sampling import accept, choose, probabilities
+from knapspec_dist.engine.sampling import accept, choose, confidence
 from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
@@ -175,7 +175,7 @@ class SelfSpeculative(Strategy):
             drafts.append(d)
             tok = d[:, None]
             if forward.early_exit:
-                unsure |= probabilities(logits, sampling).amax(dim=-1) < self.tau_conf
+                unsure |= confidence(logits, sampling) < self.tau_conf
                 if bool(unsure.all()):
                     break
         if not drafts:
