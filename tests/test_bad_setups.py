@@ -1,9 +1,9 @@
-"""A new user's bad setups (issue 11), run as the user runs them: ``jobs/summarize.py`` and
+"""A new user's bad setups, run as the user runs them: ``jobs/summarize.py`` and
 ``knapspec generate`` in a fresh process.  Each ends with exit 2 and one ``error:`` line (no
 traceback), or is handled as described, and a job's rows on disk are exactly what they
 should be: never mixed with another job's, never blocked by a failed start.
 
-``C`` is ``--strategy ar --max-new-tokens 8 --baseline-fraction 0`` as in the issue.
+``C`` is ``--strategy ar --max-new-tokens 8 --baseline-fraction 0``: the cheapest job.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def rows_on_disk(out: Path) -> list[dict]:
 def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, capsys):
     """Cases 2, 1 and 8: a failed start (bad --model, --gamma 0) blocks nothing; the corrected
     job runs; the same output folder then refuses another input and stays untouched; the
-    summary groups the over-long rows under one kind.  Issue 16: a row of invalid UTF-8
+    summary groups the over-long rows under one kind.  A row of invalid UTF-8
     (Parquet does not check a string column's bytes) is that row's error alone."""
     short = "The cat sat on the mat. It was a sunny day and the cat was happy."
     texts = [short, short + " The end.", "word " * 300, "word " * 450]

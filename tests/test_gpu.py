@@ -1,9 +1,9 @@
-"""The GPU path (issue 9): every strategy, the profiler and the bench on ``--device cuda``.
+"""The GPU path: every strategy, the profiler and the bench on ``--device cuda``.
 
 Every test runs once per device: ``cpu`` with the tiny random checkpoint (fast, part of the
 normal suite), ``cuda`` with SmolLM2 (marked ``gpu``; skipped where no CUDA device exists, and
 where SmolLM2 is not installed, saying so: scripts/gpu_pack.py brings it; run with
-``pytest -m gpu``). The rules checked are DESIGN.md's "Execution on GPUs":
+``pytest -m gpu``). The rules checked are docs/design.md's "Execution on GPUs":
 
 * fp32: every strategy emits exactly ``ar``'s greedy tokens;
 * bf16: a q-token verify and a 1-token decode may round differently, so a strategy may diverge
@@ -69,7 +69,7 @@ def target(request, checkpoints) -> Target:
     path = real.path
     tok = load_tokenizer(path)
     prompts = [encode(tok, document_of_tokens(tok, n)) for n in (256, 1000)]
-    skip = "a10,a12,a14,a16,m11,m13"  # the shared GPU README's bf16 tie setup
+    skip = "a10,a12,a14,a16,m11,m13"  # the bf16 tie setup of docs/gpu-measurements.md
     return Target("cuda", path, skip, f"static:{skip}@4", prompts, 64, 512)
 
 

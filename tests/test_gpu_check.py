@@ -186,7 +186,7 @@ def _check_doc(doc: dict) -> None:
 
 
 def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
-    """The script a GPU session runs, on a CPU: no SmolLM2 pack, gpu-check --quick."""
+    """The script the GPU machine runs, on a CPU: no SmolLM2 pack, gpu-check --quick."""
     env = subprocess_env()
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                KNAPSPEC_PACK=str(tmp_path / "no-pack"), KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))

@@ -1,4 +1,4 @@
-"""No unplanned host sync in a round (issue 17): on CUDA every read of a device value
+"""No unplanned host sync in a round: on CUDA every read of a device value
 (``.item()``, ``bool(t)``, ``.tolist()``) waits for the stream, and so does every tensor made
 from host numbers with a pageable copy. A dispatch mode counts both in each round on the CPU:
 a decode round makes exactly its one upload (``Batch.inputs``, pinned and non-blocking on a

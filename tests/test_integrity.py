@@ -1,4 +1,4 @@
-"""Issue 16's output integrity: one writer per output (the lease), exactly once on read, out
+"""Output integrity: one writer per output (the lease), exactly once on read, out
 of memory retried instead of written as a final error, and the cosmetic defects.
 
 The unit tests use test_jobs.py's fakes (no Ray). The real ones run the user's command,

@@ -1,6 +1,6 @@
-"""An output written before input_sha256 was computed from Parquet footers (2026-12-01):
-its job resumes when the input's texts still hash as that version hashed them (and job.json
-then records the new hash); otherwise the refusal says the input changed."""
+"""An output whose job.json holds input_sha256 in its first form (every id and text, not the
+Parquet footers): its job resumes when the input's texts still hash as that form hashes them
+(and job.json then records the new hash); otherwise the refusal says the input changed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from knapspec_dist.errors import UserError  # noqa: E402
 
 
 def old_digest(ids, docs) -> str:
-    """input_sha256 as the version before 2026-12-01 computed it: every id and text."""
+    """input_sha256 in its first form: every id and text."""
     digest = hashlib.sha256()
     for row_id, text in zip(ids, docs):
         digest.update(repr(row_id).encode())

@@ -1,4 +1,4 @@
-"""Issue 16, the unit parts: negative profile costs refused, a busy-machine profile not
+"""What a user is shown, unit by unit: negative profile costs refused, a busy-machine profile not
 cached, the batch-profile note logged once at INFO, and what the demo shows when the
 strategy drafted nothing (report, summary.json, speedup.png's data)."""
 

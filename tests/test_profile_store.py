@@ -1,4 +1,4 @@
-"""Profile persistence and the execution mode (issue 9 B and C): a profile is measured once
+"""Profile persistence and the execution mode: a profile is measured once
 per hardware, kept in the profile cache, found by later runs (and other replicas), must cover
 the run's longest context, and is keyed by its execution mode."""
 

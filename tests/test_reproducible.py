@@ -1,4 +1,4 @@
-"""Seeded sampling reproduces (issue 16, defect 3), run as the user runs it: real jobs and
+"""Seeded sampling reproduces, run as the user runs it: real jobs and
 ``knapspec generate`` on SmolLM2 at temperature 0.8 (the jobs in fresh processes).
 
 A row's tokens depend only on its prompt, the options and the seed: not on the rows batched

@@ -208,8 +208,7 @@ def test_a_frontier_is_priced_with_the_noise_margin_its_dp_chose_by(engine_model
     """A DP that turned its subnets down for their margin (the estimate less its noise does
     not beat plain decoding) is not redone at the next due selection on the same prices: its
     frontier is re-priced with the same lower bounds. Without them a subnet whose mean looked
-    paying reran the DP for every document (7-8 DPs per 12 documents of one context in the
-    README's batch-1 bench)."""
+    paying reran the DP for nearly every document of one context."""
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1),
@@ -256,8 +255,8 @@ def test_fruitless_dps_in_a_row_stop_new_prices_calling_a_dp_and_back_off_the_re
         engine_model):
     """Hysteresis against calibration's price moves: after one fruitless DP a frontier that
     pays at new prices calls a DP; after two in a row at about this context it does not (each
-    such DP on the README's batch-1 bench found nothing again), and the periodic re-check's
-    interval doubles per fruitless DP in a row, up to MAX_BACKOFF. A longer context restarts
+    such DP finds nothing again), and the periodic re-check's interval doubles per fruitless
+    DP in a row, up to MAX_BACKOFF. A longer context restarts
     the count."""
     model = engine_model(NAME)
     layers = model.cfg.num_layers

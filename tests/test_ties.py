@@ -51,7 +51,7 @@ def test_spacing_is_the_bf16_step(x):
 
 
 def test_tolerance_is_four_bf16_steps_and_zero_in_fp32():
-    assert spacing(19.75, BF16) == 0.125  # the shared GPU README's measured tie step
+    assert spacing(19.75, BF16) == 0.125  # the measured tie step (docs/gpu-measurements.md)
     assert tolerance(19.75, BF16) == 0.5
     assert tolerance(40.0, BF16) == 1.0
     assert tolerance(14.56, BF16) == 0.25

@@ -19,7 +19,7 @@ from knapspec_dist.tools.corpus import bundled_sample_path
 # very different thing from the previous day..."). The instruction after the chapter, not
 # before it: with it first, SmolLM2 often answered as an editor and 3-7 of the 12 rows
 # repeated a sentence under every sampling setting tried; with it last, 0 of 12 at 0.7 / 0.9
-# (scripts/check_demo_summaries.py, tools/repeats.py; the README's demo section). It stays
+# (scripts/check_demo_summaries.py, tools/repeats.py; docs/sampling.md). It stays
 # lossless: every strategy emits plain sampling's tokens for the same seed.
 DEMO_TEMPERATURE, DEMO_TOP_P = 0.7, 0.9
 DEMO_INSTRUCTION = "{document}\n\nSummarize the document above in a few sentences."

@@ -2,8 +2,9 @@
 decoding repeats.
 
 A decode step at small batch is a few hundred small kernels; launched one by one from Python
-they cost 2-3.5x the step's memory-bound time on an H200 (../shared/gpu). Captured once as a
-CUDA graph and replayed, the launches go. What is captured, per (rows, T, skip set):
+they cost 4.6-11.5x the step's memory-bound time on an H200, 2.4-3.5x the same step replayed
+as a CUDA graph (docs/gpu-measurements.md). Captured once and replayed, the launches go. What
+is captured, per (rows, T, skip set):
 
 - decode (T = 1) and verify (T = 2..``max_graph_tokens``) of the full model, keeping the
   hidden states the KnapSpec selector reads (they are intermediates the forward makes anyway);

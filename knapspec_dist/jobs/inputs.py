@@ -215,9 +215,9 @@ def _digest_footer(digest, meta: pq.FileMetaData, text_index: int) -> None:
 
 
 def legacy_digest(scan: InputScan, batch_rows: int = 256) -> str:
-    """``input_sha256`` as jobs written before 2026-12-01 defined it (every id and text, in
-    input order), streamed a batch at a time: a migration, computed only to resume such an
-    output (see OutputDir.check)."""
+    """``input_sha256`` in its first form (every id and text, in input order), which older
+    outputs' job.json hold; streamed a batch at a time: a migration, computed only to resume
+    such an output (see OutputDir.check)."""
     digest = hashlib.sha256()
     for table in iter_texts(scan, batch_rows):
         for row_id, raw in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):

@@ -15,8 +15,8 @@ What it keeps from the authors (``self_speculation_strategy/knapspec.py`` and
 - no margin and no guard: it always drafts with the best-ranked subnet.
 
 It prices sublayers with our measured latency profile (the one the default resolves, in the
-mode decoding runs in) instead of the authors' three linear coefficients; README.md lists the
-other departures.
+mode decoding runs in) instead of the authors' three linear coefficients; docs/paper-mode.md lists
+the other departures.
 """
 
 from __future__ import annotations

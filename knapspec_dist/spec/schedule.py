@@ -227,8 +227,8 @@ class SpareRule:
         fruitless DP in a row (up to ``MAX_BACKOFF``). Rows of similar length pay for one DP,
         not one each. Hysteresis: once ``REPRICED_UNTIL`` DPs in a row found nothing, new
         prices alone no longer call a DP (calibration's refits move them by the machine's
-        noise, and each such DP was redone for nothing: 7-8 DPs per 12 documents of one
-        context on the README's batch-1 bench); the re-check and a longer context still do."""
+        noise, and a DP called by such a move finds nothing again); the re-check and a longer
+        context still do."""
         f = self.frontier_at(n)
         if f is None:
             return False

@@ -138,7 +138,7 @@ class SelfSpeculative(Strategy):
         context = round(statistics.fmean(lengths))
         sel.timed(RoundTiming(size, context, plan.skip, drafts.shape[1], draft_s, verify_s))
         rate, round_s = sel.predicted_rate(plan, context), draft_s + verify_s
-        label = plan.label  # once per round, not per row
+        label = plan.label  # one plan for every row of the round
         for b, row in enumerate(rows):
             s = row.stats
             s.select_s += select_s

@@ -34,8 +34,8 @@ states differ from the one-shot's by other kernels' bf16 rounding in every layer
 (SmolLM2, bf16, CPU, 20 positions, top-5 tokens, 1-token decode and 4-token verify against
 the one-shot forward): that spread was 0-2 ulps at top logits 10-28, and up to 3-3.5 ulps at
 top logits 4-12, where the top logit's ulp is small against the hidden-state rounding. Hence
-4 ulps. The shared gpu README's CPU ties had gaps 0 and 1 ulp (0.125 at logits 19-23); a wrong
-token is typically tens of ulps below the top.
+4 ulps. The bf16 ties measured on the CPU (docs/gpu-measurements.md) had gaps 0 and 1 ulp
+(0.125 at logits 19-23); a wrong token is typically tens of ulps below the top.
 Justification of FP32_CUDA_ULPS = 64: on CUDA a 1-token decode and a q-token verify run
 different cuBLAS kernels (GEMV against GEMM, split-K or not), which sum in different orders, so
 their fp32 logits differ by accumulated rounding, far below any real disagreement but enough to

@@ -1,6 +1,6 @@
 """gpu-check's batched section: continuous batching of long documents with ``ar`` and with
 ``knapspec``, priced by profiles measured at each batch size, on SmolLM2 (a random tiny model
-under ``--quick``; without the wheel the section does not run). The issue's goal on an H200:
+under ``--quick``; without the wheel the section does not run). The goal on an H200:
 at 8k context and batch 32, batched knapspec at least 1.3x batched ar's tokens/s."""
 
 from __future__ import annotations

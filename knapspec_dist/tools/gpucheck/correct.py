@@ -91,7 +91,7 @@ def real_model(quick: bool) -> RealModel:
         return RealModel(ensure_smollm2())
     except SmolLM2NotInstalledError as e:
         return RealModel(None, f"SmolLM2 not installed: {str(e).split(':')[0]}; bring it with "
-                         "scripts/gpu_pack.py, README 'GPU check'")
+                         "scripts/gpu_pack.py, docs/gpu-check.md")
     except Exception as e:  # noqa: BLE001 - a failed conversion skips its sections, no more
         log.warning("SmolLM2 could not be converted", exc_info=e)
         return RealModel(None, f"SmolLM2 could not be converted: {error_line(e)}")

@@ -50,7 +50,7 @@ def error_line(e: BaseException) -> str:
 
 def where_from(e: BaseException, frames: int = 6) -> list[str]:
     """The innermost frames of the traceback (file:line in function): where to look first,
-    kept in the JSON since the GPU session that saw it may be over."""
+    kept in the JSON, which may be all that comes back from the GPU machine."""
     stack = traceback.extract_tb(e.__traceback__)[-frames:]
     return [f"{f.filename}:{f.lineno} in {f.name}" for f in stack]
 

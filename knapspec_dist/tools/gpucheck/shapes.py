@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from knapspec_dist.model.config import ModelConfig
 
-H200_BANDWIDTH = 4.3e12  # bytes/s: the copy bandwidth measured on an H200 (../shared/gpu)
+H200_BANDWIDTH = 4.3e12  # bytes/s: copy bandwidth measured on an H200 (docs/gpu-measurements.md)
 GIB = 1 << 30
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
