@@ -1,13 +1,17 @@
 """The coordinator actor of one replica: it resolves the latency profile and orders requests.
 
-* Profiles: resolved by profiles/store.py's ``resolve`` for the replica's devices, model
+* Profiles: resolved by profiles/store.py's ``lookup`` for the replica's devices, model
   shape, dtype, tp and mode: the one the user named, or the stored one that covers the job's
-  longest context (``profiles/``, then the profile cache); when none matches it says so in
-  the log, has the shards measure one (all ranks, MAX over ranks, the all-reduce included)
-  rather than guessing, and keeps it in the profile cache for later jobs and the other
-  replicas. A replica whose ranks report different devices never matches a stored profile and
-  is measured (priced at its slowest rank). The profile (and those at other batch sizes beside
-  it) goes to the shards, whose selectors price with it; this actor keeps its description.
+  longest context (``profiles/``, then the profile cache). When none matches, a strategy that
+  refits its prices online (knapspec, unless ``fixed`` or ``paper``) starts at once from a
+  starting point (this machine's last online refit, else another device's profile of the
+  same model), said in the log; any other has the shards measure one (all ranks, MAX over
+  ranks, the all-reduce included), awaited without blocking this actor's loop, and keeps it
+  in the profile cache for later jobs and the other replicas (the engine's start-up wait
+  does not count that measurement against its timeout: ``measuring_since``). A replica whose
+  ranks report different devices never matches a stored profile and is measured (priced at
+  its slowest rank). The profile (and those at other batch sizes beside it) goes to the
+  shards, whose selectors price with it; this actor keeps its description.
 * Requests: continuously batched. Requests queue here; a driver task admits them into the
   shards' schedulers (speculation/scheduler.py) as slots free up, up to ``max_num_seqs`` rows
   at once, with one Ray call per batch of rounds that every rank receives in the same order

@@ -4,7 +4,8 @@ Per replica: one placement group (STRICT_PACK: all ranks on one node; bundles {"
 "CPU": c} on CUDA, {"CPU": c} on CPU), one shard actor per rank (rank 0 picks the
 torch.distributed port) and one coordinator actor. Replicas start together, phase by phase
 (placement, actors, rendezvous, loading, profile), so their weights load in parallel; the
-first failure or a phase past the start-up timeout stops all of them, and stopping waits
+first failure or a phase past the start-up timeout stops all of them (time a coordinator
+spends measuring a latency profile is not counted: it is logged as it goes), and stopping waits
 until Ray reports every actor dead and the placement group removed, so nothing is left over.
 """
 
