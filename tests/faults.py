@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import ray.cloudpickle
 
@@ -22,6 +23,18 @@ class RankOneDiesAtSetup(Shard):
         if self.rank == 1:
             os._exit(1)
         return super().setup(*args, **kwargs)
+
+
+def slow_measure(delay_s: float) -> type[Shard]:
+    """A rank class whose profile measurement first waits ``delay_s`` (a slow machine's
+    minutes of measuring)."""
+
+    class SlowMeasure(Shard):
+        def measure_profile(self, *args, **kwargs) -> dict:
+            time.sleep(delay_s)
+            return super().measure_profile(*args, **kwargs)
+
+    return SlowMeasure
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
 MODES = ("eager", "graph")  # how the measured forwards ran: eager PyTorch or CUDA graphs
-ORIGINS = ("measured", "online")
+ORIGINS = ("measured", "online", "borrowed")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -72,8 +72,10 @@ class LatencyProfile:
     verify: dict[int, LinearFit]  # q -> t_verify(q, n), fit over n
     allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
     mode: str = "eager"  # execution mode of the measured forwards: "eager" or "graph"
-    origin: str = "measured"  # "measured" (profiler.py) or "online" (refitted from timed
-    # rounds, spec/calibration.py; its raw rounds in samples["online"])
+    origin: str = "measured"  # "measured" (profiler.py), "online" (refitted from timed
+    # rounds, spec/calibration.py; its raw rounds in samples["online"]) or "borrowed" (another
+    # device's, the starting point of this one's calibration: profiles/store.py; its source in
+    # samples["borrowed"])
 
     def spread(self) -> float | None:
         """How much the repeated timings of the measured points disagreed: the median over

@@ -9,6 +9,16 @@ its measured contexts reach the longest context the run needs (when that is know
 does, one is measured (never guessed) and kept in the cache, so the next job, and the other
 replicas of a cluster sharing the cache, load it instead of measuring again.
 
+A run whose prices online calibration refits (spec/calibration.py) need not wait for that
+measurement: with ``borrow``, when nothing of this device matches, it starts from a
+``starting_point`` instead (origin "borrowed"): this device's last online refit of the
+same model, else another device's profile of the same model (same kind of device, dtype,
+batch, tp and mode), relabelled as this device's with the source kept in
+``samples["borrowed"]``. The calibration fits its prices to this machine from the run's
+own timed rounds and keeps each refit, raw rounds included, in ``online/``. On a CPU that
+no shipped profile names, the first run then starts in seconds instead of measuring for
+minutes.
+
 A measured profile is kept only when it was measured on a quiet machine: the median over
 its measured points of each point's relative spread ``(max - min) / median`` of the repeats
 (``LatencyProfile.spread``) must be at most ``SPREAD_LIMIT`` = 0.25, and on a CPU the
@@ -27,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from knapspec_dist.errors import UserError
@@ -61,7 +71,8 @@ class ProfileChoice:
 
     profile: LatencyProfile
     path: str | None  # the file it was loaded from, or where a measured one was kept
-    origin: str  # "loaded" (a stored file or the one named) or "measured" (now)
+    origin: str  # "loaded" (a stored file or the one named), "measured" (now) or
+    # "borrowed" (a starting point that online calibration fits: ``starting_point``)
     siblings: list[LatencyProfile] = field(default_factory=list)
 
     @property
@@ -272,36 +283,113 @@ def contexts_for(need: int | None, window: int | None = None) -> list[int]:
     return sorted({c for c in CONTEXT_STEPS if c < need} | {need})
 
 
-def resolve(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *,
-            measure: Measure, tp: int = 1, need: int | None = None, window: int | None = None,
-            contexts: Sequence[int] | None = None) -> ProfileChoice:
-    """The profile that prices a run on ``devices`` (``device_info`` of every rank): the file
-    ``path`` names (used alone), else the first stored one that matches and covers ``need``
-    (with its batch siblings), else one measured now by ``measure`` (at ``contexts``, default
-    ``contexts_for(need, window)``), kept in the cache, with the stored batch siblings.
-    Ranks on different devices never match a stored profile: they are measured."""
+def lookup(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *,
+           tp: int = 1, need: int | None = None, borrow: bool = False) -> ProfileChoice | None:
+    """The profile that prices a run on ``devices`` (``device_info`` of every rank) without
+    measuring: the file ``path`` names (used alone), else the first stored one that matches
+    and covers ``need`` (with its batch siblings), else with ``borrow`` a ``starting_point``;
+    None (with a WARNING saying so) when one must be measured. Ranks on different devices
+    never match a stored profile."""
     if path:
         return ProfileChoice(load_profile(path, shape), str(path), "loaded")
     device, mode = devices[0], decode_mode(devices[0])
     names = sorted({d.get("name") for d in devices})
-    found = None
     if len(names) > 1:
         log.warning("ranks run on different devices %s; no stored profile applies, measuring "
                     "one (priced at the slowest rank)", names)
-    else:
-        found = find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need)
+        return None
+    found = find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need)
+    if found is not None:
+        found.siblings = batch_siblings(found.profile)
+        return found
+    what = (f"device {device.get('name')!r}, model {shape}, {dtype}, batch 1, tp {tp}, {mode}"
+            f"{f', contexts up to {need}' if need else ''}")
+    where = " or ".join(map(str, search_dirs()))
+    if borrow:
+        found = starting_point(device, shape, dtype, tp, mode, need)
+        if found is not None:
+            log.warning("no latency profile in %s matches %s: starting from %s (%s), which "
+                        "online calibration refits to this machine from the run's own timed "
+                        "rounds (refits kept in %s); `knapspec profile` measures one for this "
+                        "machine", where, what, found.path, found.profile.samples["borrowed"]
+                        ["why"], online_profiles_dir())
+            return found
+    log.warning("no latency profile in %s matches %s: measuring one now (kept in %s for later "
+                "runs if its repeats agree)", where, what, cache_profiles_dir())
+    return None
+
+
+def adopt(profile: LatencyProfile) -> ProfileChoice:
+    """A profile measured now: kept in the cache (``keep``), with the stored batch siblings."""
+    return ProfileChoice(profile, keep(profile), "measured", batch_siblings(profile))
+
+
+def resolve(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *,
+            measure: Measure, tp: int = 1, need: int | None = None, window: int | None = None,
+            contexts: Sequence[int] | None = None, borrow: bool = False) -> ProfileChoice:
+    """``lookup``, else one measured now by ``measure`` (at ``contexts``, default
+    ``contexts_for(need, window)``) and ``adopt``-ed."""
+    found = lookup(path, devices, shape, dtype, tp=tp, need=need, borrow=borrow)
     if found is None:
-        if len(names) == 1:
-            log.warning("no latency profile in %s matches device %r, model %s, %s, batch 1, "
-                        "tp %d, %s%s: measuring one now (kept in %s for later runs if its repeats "
-                        "agree)",
-                        " or ".join(map(str, search_dirs())), device.get("name"), shape, dtype,
-                        tp, mode, f", contexts up to {need}" if need else "",
-                        cache_profiles_dir())
-        profile = measure(list(contexts or contexts_for(need, window)), mode)
-        found = ProfileChoice(profile, keep(profile), "measured")
-    found.siblings = batch_siblings(found.profile)
+        found = adopt(measure(list(contexts or contexts_for(need, window)),
+                              decode_mode(devices[0])))
     return found
+
+
+def _profiles_in(directories: Sequence[Path]) -> list[tuple[Path, LatencyProfile]]:
+    """Every readable profile in ``directories``, in lookup order."""
+    out = []
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*.json")):
+            try:
+                out.append((path, LatencyProfile.load(path)))
+            except (ValueError, OSError):
+                continue
+    return out
+
+
+def starting_point(device: dict, shape: dict, dtype: str, tp: int = 1, mode: str = "eager",
+                   need: int | None = None) -> ProfileChoice | None:
+    """What prices a run that online calibration refits when no profile of ``device``
+    matches: this device's last online refit of the model (``online_profiles_dir()``), else
+    another device's profile of the same model, kind of device, dtype, batch 1, tp and mode
+    (preferring one that covers ``need``, then the same CPU model, then the same thread
+    count), with that device's stored batch siblings. Relabelled as ``device``'s
+    (``borrowed``); None when there is none."""
+    for path, profile in _profiles_in([online_profiles_dir()]):
+        if matches(profile, device, shape, dtype, 1, tp, mode):
+            return ProfileChoice(borrowed(profile, device, path, "this machine's online refit "
+                                          "of an earlier run"), str(path), "borrowed")
+    kind = device.get("kind")
+    candidates = [(path, p) for path, p in _profiles_in(search_dirs())
+                  if p.device.get("kind") == kind and p.origin == "measured"
+                  and matches(p, p.device, shape, dtype, 1, tp, mode)]
+    if not candidates:
+        return None
+
+    def rank(item: tuple[Path, LatencyProfile]) -> tuple:
+        p = item[1]
+        return (need is not None and p.max_context < need,
+                p.device.get("cpu_model") != device.get("cpu_model"),
+                p.device.get("threads") != device.get("threads"))
+
+    path, source = min(candidates, key=rank)  # min is stable: the first in lookup order
+    why = f"measured on {source.device.get('name')!r}"
+    siblings = [borrowed(s, device, path, why) for s in batch_siblings(source)]
+    return ProfileChoice(borrowed(source, device, path, why), str(path), "borrowed", siblings)
+
+
+def borrowed(profile: LatencyProfile, device: dict, path: Path, why: str) -> LatencyProfile:
+    """``profile`` as the starting point of ``device``'s calibration: keyed by ``device``
+    (so its online refits are kept as this device's), origin "borrowed", and where it came
+    from in ``samples["borrowed"]`` (source device, key and file; kept through refits)."""
+    source = profile.samples.get("borrowed") or {"device": profile.device, "key": profile.key(),
+                                                 "path": str(path)}
+    out = replace(profile, device=dict(device), origin="borrowed")
+    out.samples = {**profile.samples, "borrowed": {**source, "why": why}}
+    return out
 
 
 def resolve_for_model(path: str | None, model: Transformer,

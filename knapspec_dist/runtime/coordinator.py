@@ -1,13 +1,17 @@
 """The coordinator actor of one replica: it resolves the latency profile and orders requests.
 
-* Profiles: resolved by profiles/store.py's ``resolve`` for the replica's devices, model
+* Profiles: resolved by profiles/store.py's ``lookup`` for the replica's devices, model
   shape, dtype, tp and mode: the one the user named, or the stored one that covers the job's
-  longest context (``profiles/``, then the profile cache); when none matches it says so in
-  the log, has the shards measure one (all ranks, MAX over ranks, the all-reduce included)
-  rather than guessing, and keeps it in the profile cache for later jobs and the other
-  replicas. A replica whose ranks report different devices never matches a stored profile and
-  is measured (priced at its slowest rank). The profile (and those at other batch sizes beside
-  it) goes to the shards, whose selectors price with it; this actor keeps its description.
+  longest context (``profiles/``, then the profile cache). When none matches, a strategy that
+  refits its prices online (knapspec, unless ``fixed`` or ``paper``) starts at once from a
+  starting point (this machine's last online refit, else another device's profile of the
+  same model), said in the log; any other has the shards measure one (all ranks, MAX over
+  ranks, the all-reduce included), awaited without blocking this actor's loop, and keeps it
+  in the profile cache for later jobs and the other replicas (the engine's start-up wait
+  does not count that measurement against its timeout: ``measuring_since``). A replica whose
+  ranks report different devices never matches a stored profile and is measured (priced at
+  its slowest rank). The profile (and those at other batch sizes beside it) goes to the
+  shards, whose selectors price with it; this actor keeps its description.
 * Requests: continuously batched. Requests queue here; a driver task admits them into the
   shards' schedulers (speculation/scheduler.py) as slots free up, up to ``max_num_seqs`` rows
   at once, with one Ray call per batch of rounds that every rank receives in the same order
@@ -33,7 +37,13 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.profiles.store import ProfileChoice, resolve
+from knapspec_dist.profiles.store import (
+    ProfileChoice,
+    adopt,
+    contexts_for,
+    decode_mode,
+    lookup,
+)
 from knapspec_dist.spec.options import StrategyOptions
 
 log = logging.getLogger(__name__)
@@ -44,6 +54,14 @@ CALL_SECONDS = 1.0  # ... and about this long: steps of long prefill chunks are 
 
 async def _awaitable(ref):
     return await ref
+
+
+def calibrates(options: StrategyOptions) -> bool:
+    """Whether the strategy refits its prices from its timed rounds (spec/factory.py's rule:
+    knapspec, unless ``fixed`` or ``paper``), so it may start from a borrowed profile."""
+    if options.name != "knapspec":
+        return False
+    return options.calibrate if options.calibrate is not None else not options.paper
 
 
 def _kind(e: BaseException) -> str:
@@ -59,6 +77,7 @@ class Coordinator:
                                                                      vocab_size, tp, dtype)
         self.shards: list = []
         self.profile_description: dict | None = None  # key, path, origin (info)
+        self.measuring: dict | None = None  # a profile measurement under way
         self._queue: deque = deque()  # (id, prompt ids, config, future, key) not yet admitted
         self._active: dict[int, asyncio.Future] = {}  # admitted to the shards, not finished
         self._ray: dict[int, float] = {}  # each active row's share of Ray round trips
@@ -86,7 +105,7 @@ class Coordinator:
         self._decode([])  # load the tokenizer now, not on the first request
         profiles = None
         if options.name in ("knapspec", "clasp"):
-            choice = await asyncio.to_thread(self._find, options, infos, measure)
+            choice = await self._find(options, infos, measure)
             self.profile_description = choice.describe()
             if choice.profile.tp != self.tp:
                 log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
@@ -101,25 +120,44 @@ class Coordinator:
         log.info("replica %d: up to %d rows decode at once", self.replica, self.max_num_seqs)
         return self.info()
 
-    def _find(self, options: StrategyOptions, infos: list[dict], measure: dict) -> ProfileChoice:
-        """profiles/store.py's resolve for this replica's devices (run in a thread: a
-        measurement waits for the shards)."""
+    async def _find(self, options: StrategyOptions, infos: list[dict],
+                    measure: dict) -> ProfileChoice:
+        """profiles/store.py's lookup for this replica's devices (files only, in a thread);
+        where a strategy refits its prices online, a starting point rather than a
+        measurement; else the shards measure one, awaited, never blocking this loop."""
         config = load_config(self.path)
-        repeats = int(measure.get("repeats", 3))
-        return resolve(options.profile, [i["device"] for i in infos], config.shape(), self.dtype,
-                       measure=lambda contexts, mode: self._measure(contexts, mode, repeats),
-                       tp=self.tp, need=measure.get("need"),
-                       window=config.max_position_embeddings, contexts=measure.get("contexts"))
+        devices = [i["device"] for i in infos]
+        need = measure.get("need")
+        choice = await asyncio.to_thread(lookup, options.profile, devices, config.shape(),
+                                         self.dtype, tp=self.tp, need=need,
+                                         borrow=calibrates(options))
+        if choice is not None:
+            return choice
+        contexts = list(measure.get("contexts")
+                        or contexts_for(need, config.max_position_embeddings))
+        profile = await self._measure(contexts, decode_mode(devices[0]),
+                                      int(measure.get("repeats", 3)))
+        return await asyncio.to_thread(adopt, profile)
 
-    def _measure(self, contexts: list[int], mode: str, repeats: int) -> LatencyProfile:
+    async def _measure(self, contexts: list[int], mode: str, repeats: int) -> LatencyProfile:
         """A profile measured by every shard (samples MAX-reduced over the ranks)."""
         start = time.perf_counter()
-        outs = ray.get([s.measure_profile.remote(list(contexts), repeats, mode=mode)
-                        for s in self.shards])
+        self.measuring = {"contexts": list(contexts), "repeats": repeats, "since": time.time()}
+        try:
+            outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats,
+                                                                   mode=mode)
+                                          for s in self.shards])
+        finally:
+            self.measuring = None
         profile = LatencyProfile.from_json(outs[0])
         log.info("replica %d: measured profile %s (contexts %s) in %.0fs", self.replica,
                  profile.key(), list(contexts), time.perf_counter() - start)
         return profile
+
+    def measuring_since(self) -> dict | None:
+        """The measurement under way (contexts, repeats, its start in epoch seconds), or
+        None: what the engine's start-up wait does not count against its timeout."""
+        return self.measuring
 
     # ------------------------------------------------------------------ requests
 

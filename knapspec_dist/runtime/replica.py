@@ -4,7 +4,8 @@ Per replica: one placement group (STRICT_PACK: all ranks on one node; bundles {"
 "CPU": c} on CUDA, {"CPU": c} on CPU), one shard actor per rank (rank 0 picks the
 torch.distributed port) and one coordinator actor. Replicas start together, phase by phase
 (placement, actors, rendezvous, loading, profile), so their weights load in parallel; the
-first failure or a phase past the start-up timeout stops all of them, and stopping waits
+first failure or a phase past the start-up timeout stops all of them (time a coordinator
+spends measuring a latency profile is not counted: it is logged as it goes), and stopping waits
 until Ray reports every actor dead and the placement group removed, so nothing is left over.
 """
 
@@ -155,24 +156,63 @@ def _start_actors(spec: ReplicaSpec, reps: list[Replica]) -> None:
 def prepare_replicas(spec: ReplicaSpec, reps: list[Replica], options: StrategyOptions,
                      measure: dict, batching: dict, what: str) -> None:
     """Have each coordinator resolve its profile and configure its shards for ``options``;
-    its report goes into the replica's ``info``."""
+    its report goes into the replica's ``info``. Time a coordinator spends measuring a
+    latency profile is not counted against the start-up timeout (it is logged instead)."""
     refs = {rep.coordinator.prepare.remote(rep.shards, options, rep.info["ranks"], measure,
                                            batching): f"replica {rep.index}" for rep in reps}
-    for rep, info in zip(reps, wait(spec, refs, what)):
+    coordinators = {ref: rep.coordinator for ref, rep in zip(refs, reps)}
+    for rep, info in zip(reps, wait(spec, refs, what, measuring=coordinators)):
         rep.info.update(info)
 
 
-def wait(spec: ReplicaSpec, refs: dict, what: str, placement: bool = False) -> list:
+#: How often a start-up wait asks the coordinators whether they are measuring a profile,
+#: and how often it logs a measurement under way.
+POLL_S, MEASURING_LOG_S = 5.0, 30.0
+
+
+def _measuring(pending: list, coordinators: dict) -> dict | None:
+    """What a pending replica's coordinator is measuring (``Coordinator.measuring_since``),
+    or None; a coordinator that does not answer within a second counts as not measuring."""
+    refs = [coordinators[r].measuring_since.remote() for r in pending if r in coordinators]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0) if refs else ([], [])
+    for ref in ready:
+        try:
+            found = ray.get(ref)
+        except ray.exceptions.RayError:  # its prepare failed or it died: the wait reports it
+            continue
+        if found:
+            return found
+    return None
+
+
+def wait(spec: ReplicaSpec, refs: dict, what: str, placement: bool = False,
+         measuring: dict | None = None) -> list:
     """Results of ``refs`` (ref -> who), in order; the first failure, or the start-up
-    timeout, raises at once (``placement``: the refs are placement groups getting ready)."""
+    timeout, raises at once (``placement``: the refs are placement groups getting ready).
+    ``measuring`` (ref -> its coordinator): time while one of them measures a latency
+    profile does not count against the timeout."""
     timeout = spec.startup_timeout_s
     deadline = time.monotonic() + timeout
     order = {r: i for i, r in enumerate(refs)}
     out = [None] * len(refs)
     pending = list(refs)
+    logged = -MEASURING_LOG_S
     while pending:
+        now = time.monotonic()
+        left = max(0.0, deadline - now)
         ready, pending = ray.wait(pending, num_returns=1,
-                                  timeout=max(0.0, deadline - time.monotonic()))
+                                  timeout=min(left, POLL_S) if measuring else left)
+        if not ready and measuring and left > 0:
+            busy = _measuring(pending, measuring)
+            if busy is not None:
+                deadline += time.monotonic() - now  # this slice is not counted
+                since = time.time() - busy["since"]
+                if since - logged >= MEASURING_LOG_S:
+                    logged = since
+                    log.info("measuring a latency profile (contexts %s, %d repeats) for %.0fs; "
+                             "not counted against the %.0fs start-up timeout", busy["contexts"],
+                             busy["repeats"], since, timeout)
+            continue
         if not ready:
             who = ", ".join(refs[r] for r in pending)
             if placement:
