@@ -147,9 +147,9 @@ def chapters(path: str | os.PathLike[str]) -> list[Chapter]:
 def shared_corpus_dir() -> Path | None:
     """The shared corpus directory, or ``None`` where there is none.
 
-    ``$KNAPSPEC_CORPUS`` if set (it must then be an existing directory), else
-    ``<repo>/../shared/corpus`` (next to the checkout, as on the dev and CI machines)
-    if it exists, else ``None``.
+    ``$KNAPSPEC_CORPUS`` if set (it must then be an existing directory), else a
+    ``shared/corpus`` folder beside the checkout if there is one, else ``None`` (callers then
+    use the bundled sample; docs/corpus.md).
 
     Raises:
         FileNotFoundError: ``$KNAPSPEC_CORPUS`` names something that is not a directory.
