@@ -214,16 +214,16 @@ def _choose_among_candidates(z: torch.Tensor, cfg: SamplingConfig, seeds: torch.
     inside = v > b  # every token above b is here
     m = inside.sum(dim=-1, keepdim=True)  # how many candidates lie above b
     complete = torch.zeros_like(inside[..., 0])
+    decidable = torch.ones_like(complete)
     kth = None
     if cfg.top_k and cfg.top_k < z.shape[-1]:
         known = m >= cfg.top_k  # the k-th value is among the candidates, above b
         kth = v[..., min(cfg.top_k, width) - 1:][..., :1]
         complete = complete | known[..., 0]
         inside = inside & (~known | (v >= kth))
-        kth = torch.where(known, kth, torch.full_like(kth, float("-inf")))
+        if cfg.top_p < 1.0:
+            decidable = known[..., 0]  # top-p's normalizer needs the whole top-k support
     if cfg.top_p < 1.0:
-        if kth is not None and not bool(complete.all()):
-            raise _Unproven  # the normalizer needs the whole top-k support
         lse = torch.logsumexp(_kth_cut(z, kth), dim=-1, keepdim=True)
         p = torch.exp(v - lse).masked_fill(~inside, 0.0)
         above = _kept_mass(p)
@@ -232,12 +232,8 @@ def _choose_among_candidates(z: torch.Tensor, cfg: SamplingConfig, seeds: torch.
         complete = complete | reached
     scores = (v + _noise_at(seeds, steps, ids)).masked_fill(~inside, float("-inf"))
     best = scores.amax(dim=-1)
-    complete = complete | (b[..., 0] + G_MAX < best)
-    return _first_best(scores, ids), complete
-
-
-class _Unproven(Exception):
-    """The candidates cannot prove this batch's choice: take the whole vocabulary."""
+    proven = decidable & (complete | (b[..., 0] + G_MAX < best))
+    return _first_best(scores, ids), proven
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
@@ -266,11 +262,10 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
     for width in CANDIDATE_WIDTHS if cut else ():
         if width >= vocab or not len(todo):
             break
-        try:
-            tokens, proven = _choose_among_candidates(flat_z[todo], cfg, flat_seeds[todo],
-                                                      flat_steps[todo], width)
-        except _Unproven:
-            continue
+        every = len(todo) == b * t  # no copy of the logits while every row is left
+        tokens, proven = _choose_among_candidates(
+            flat_z if every else flat_z[todo], cfg, flat_seeds if every else flat_seeds[todo],
+            flat_steps if every else flat_steps[todo], width)
         proven = proven[:, 0]
         out[todo[proven]] = tokens[proven, 0]
         todo = todo[~proven]
