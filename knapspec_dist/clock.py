@@ -10,7 +10,7 @@ synchronized first. :class:`Clock` has both ways of timing:
   CPU), read after one ``sync()`` at the end; they time back-to-back work without
   serializing the launches they measure (the profiler's per-sublayer hooks).
 
-Used by the scheduler and the strategies' timers (engine/, spec/), the timed collectives
+Used by the scheduler and the strategies' timers (engine/, speculation/), the timed collectives
 (parallel/comm.py) and the latency profiler (profiles/profiler.py).
 """
 

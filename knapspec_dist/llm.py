@@ -12,8 +12,8 @@ from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.tokenizer import encode
-from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.tools.bench.report import machine
 from knapspec_dist.tools.corpus import document_of_tokens
 

@@ -33,8 +33,8 @@ from knapspec_dist.llm import load
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.transfer import upload
 from knapspec_dist.runtime.prompts import PromptBuilder
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.tools.corpus import bundled_sample_path
 from knapspec_dist.tools.repeats import repeated_sentences
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knapspec_dist.spec import tpt
-from knapspec_dist.spec.acceptance import AcceptanceBook, Estimate, similarity
-from knapspec_dist.spec.knapspec import KnapSpecSelector
+from knapspec_dist.speculation import tpt
+from knapspec_dist.speculation.acceptance import AcceptanceBook, Estimate, similarity
+from knapspec_dist.speculation.knapspec import KnapSpecSelector
 from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 

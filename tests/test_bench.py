@@ -9,8 +9,8 @@ import torch
 
 from knapspec_dist.cli.main import main
 from knapspec_dist.errors import UserError
-from knapspec_dist.spec.selfspec import SelfSpeculative
-from knapspec_dist.spec.ties import classify
+from knapspec_dist.speculation.selfspec import SelfSpeculative
+from knapspec_dist.tools.ties import classify
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
 from knapspec_dist.tools.bench.report import summarize, write_markdown

@@ -15,7 +15,7 @@ from knapspec_dist.engine.scheduler import Scheduler, generate
 from knapspec_dist.model import attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 
 NAME = "llama-gqa"
 

@@ -9,8 +9,8 @@ import torch
 from conftest import random_prompt
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.engine import model_runner as runner
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
 

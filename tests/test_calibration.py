@@ -1,4 +1,4 @@
-"""Online self-calibration (spec/calibration.py), fed by a simulated clock: a drifted cost model
+"""Online self-calibration (speculation/calibration.py), fed by a simulated clock: a drifted cost model
 is detected and refitted and the selection follows the true costs; a clock that agrees with
 the profile refits nothing; the tokens stay ``ar``'s."""
 
@@ -18,11 +18,11 @@ from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.profiles import store
 from knapspec_dist.profiles.profile import LatencyProfile, fit_profile, integer_weights
-from knapspec_dist.spec import calibration, tpt
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.calibration import Calibration, RoundTiming
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.spec.selfspec import SelfSpeculative
+from knapspec_dist.speculation import calibration, tpt
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.calibration import Calibration, RoundTiming
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.speculation.selfspec import SelfSpeculative
 
 LAYERS = 4
 MLP = 7e-4
@@ -293,8 +293,8 @@ def test_every_tp_rank_is_fed_rank0s_seconds():
     plan's broadcast, one round later), so every rank prices the next DP alike."""
     from types import SimpleNamespace
 
-    from knapspec_dist.spec.selfspec import Plan
-    from knapspec_dist.spec.spmd import SyncedSelector
+    from knapspec_dist.speculation.selfspec import Plan
+    from knapspec_dist.speculation.spmd import SyncedSelector
 
     class Inner:
         def __init__(self):
@@ -328,8 +328,8 @@ def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
     line logged per report: rank 0's (a fake comm, no Ray or gloo)."""
     from types import SimpleNamespace
 
-    from knapspec_dist.spec.selfspec import Plan
-    from knapspec_dist.spec.spmd import SyncedSelector
+    from knapspec_dist.speculation.selfspec import Plan
+    from knapspec_dist.speculation.spmd import SyncedSelector
 
     stored = cost_model()
 
@@ -367,8 +367,8 @@ def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
 
 def test_on_for_knapspec_off_for_the_authors_and_named_by_flags(engine_model):
     from knapspec_dist.errors import UserError
-    from knapspec_dist.spec.factory import build_selector
-    from knapspec_dist.spec.options import parse_strategy
+    from knapspec_dist.speculation.factory import build_selector
+    from knapspec_dist.speculation.options import parse_strategy
 
     model = engine_model("llama-gqa")
     profile = cost_model(layers=model.cfg.num_layers, shape=model.cfg.shape())

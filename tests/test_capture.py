@@ -14,9 +14,9 @@ from knapspec_dist.engine.capture import CaptureError, EmulatedGraph
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions
 
 NAME = "llama-gqa"
 CONFIG = GenerationConfig(max_new_tokens=20, stop_at_eos=False)

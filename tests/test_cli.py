@@ -20,7 +20,7 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.jobs.termination import JobTerminated
 from knapspec_dist.model.tokenizer import encode
-from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.tools.corpus import document_of_tokens
 from models import make_checkpoint
 

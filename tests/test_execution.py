@@ -19,8 +19,8 @@ from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.step import block_mask_ops, length_block_mask
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 
 NAME = "llama-gqa"
 GREEDY = GenerationConfig(max_new_tokens=24, stop_at_eos=False)

@@ -23,8 +23,8 @@ from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.runtime.coordinator import calibrates
-from knapspec_dist.spec.factory import build_selector
-from knapspec_dist.spec.options import parse_strategy
+from knapspec_dist.speculation.factory import build_selector
+from knapspec_dist.speculation.options import parse_strategy
 
 from models import make_checkpoint
 
@@ -135,7 +135,7 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
     and generates ar's tokens. ``knapspec:fixed`` (no calibration) must measure: that takes
     longer than the timeout and still prepares, since it is not counted."""
     from knapspec_dist.runtime import Engine
-    from knapspec_dist.spec.options import StrategyOptions
+    from knapspec_dist.speculation.options import StrategyOptions
 
     shipped, cache = dirs
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=50 + n) for n in (7, 12)]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import CONFIG_NAMES, random_prompt
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.spec.options import format_skip
+from knapspec_dist.speculation.options import format_skip
 from knapspec_dist.engine.scheduler import generate
 
 NO_EOS = dict(stop_at_eos=False)

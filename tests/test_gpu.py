@@ -7,7 +7,7 @@ where SmolLM2 is not installed, saying so: scripts/gpu_pack.py brings it; run wi
 
 * fp32: every strategy emits exactly ``ar``'s greedy tokens;
 * bf16: a q-token verify and a 1-token decode may round differently, so a strategy may diverge
-  from ``ar``, but only at a proven near-tie (speculation/ties.py); a larger gap is a bug;
+  from ``ar``, but only at a proven near-tie (tools/ties.py); a larger gap is a bug;
 * sampling (temperature > 0, seeded) runs for every strategy and repeats with its seed.
 """
 
@@ -30,10 +30,10 @@ from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles.profiler import measure
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions
-from knapspec_dist.spec.ties import TIE, check_divergence
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions
+from knapspec_dist.tools.ties import TIE, check_divergence
 from knapspec_dist.tools.corpus import document_of_tokens
 from knapspec_dist.tools.gpucheck.correct import real_model
 

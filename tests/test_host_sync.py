@@ -16,8 +16,8 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 
 NAME = "llama-gqa"
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,

@@ -21,7 +21,7 @@ LAYERS = [
     ("knapspec_dist.parallel",),
     ("knapspec_dist.engine",),
     ("knapspec_dist.profiles",),
-    ("knapspec_dist.spec",),
+    ("knapspec_dist.speculation",),
     ("knapspec_dist.llm",),
     ("knapspec_dist.runtime",),
     ("knapspec_dist.jobs",),
@@ -139,11 +139,11 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 
 def test_layer_rule_sees_a_planted_upward_import():
-    assert layer_of("knapspec_dist.model.decoder") < layer_of("knapspec_dist.spec.knapspec")
+    assert layer_of("knapspec_dist.model.decoder") < layer_of("knapspec_dist.speculation.knapspec")
     assert layer_of("knapspec_dist.llm") < layer_of("knapspec_dist.runtime.engine")
-    tree = ast.parse("import os\nfrom knapspec_dist.spec import tpt\n\ndef f():\n    import re\n")
+    tree = ast.parse("import os\nfrom knapspec_dist.speculation import tpt\n\ndef f():\n    import re\n")
     assert [imported(n) for n in top_level_imports(tree)] == [
-        ["knapspec_dist.spec", "knapspec_dist.spec.tpt"], ["os"]]
+        ["knapspec_dist.speculation", "knapspec_dist.speculation.tpt"], ["os"]]
     assert [imported(n) for n in nested_imports(tree)] == [["re"]]
 
 

@@ -27,7 +27,7 @@ from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, resu
 from knapspec_dist.jobs.summary import summarize
 from knapspec_dist.runtime.dispatch import Dispatcher, Task
 from knapspec_dist.runtime.prompts import Prompt, PromptBuilder
-from knapspec_dist.spec.options import StrategyOptions, parse_strategy
+from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 # ----------------------------------------------------------------------------- fakes
 

@@ -269,7 +269,7 @@ FAULT_DRIVER = textwrap.dedent("""
     import json, logging, os, signal, sys
     from ray.util.state import list_actors
     from knapspec_dist.jobs import JobConfig, run_job
-    from knapspec_dist.spec.options import StrategyOptions
+    from knapspec_dist.speculation.options import StrategyOptions
 
     logging.basicConfig(level=logging.INFO)
     killed = []

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from knapspec_dist.spec.knapsack import Candidate, solve
+from knapspec_dist.speculation.knapsack import Candidate, solve
 
 BASE = 1.0
 

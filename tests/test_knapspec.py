@@ -13,14 +13,14 @@ from knapspec_dist.model.attention import prefix_attention, reference_prefix_att
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
 from knapspec_dist.profiles.profile import fit_profile
-from knapspec_dist.spec import knapspec
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.clasp import ClaspSelector
-from knapspec_dist.spec.guard import PlanRun
-from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
-from knapspec_dist.spec.schedule import SpareRule, smoothed_alpha
-from knapspec_dist.spec.selfspec import Plan, SelfSpeculative
+from knapspec_dist.speculation import knapspec
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.clasp import ClaspSelector
+from knapspec_dist.speculation.guard import PlanRun
+from knapspec_dist.speculation.hidden_states import HiddenStateEvaluator, Reference
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
+from knapspec_dist.speculation.schedule import SpareRule, smoothed_alpha
+from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 
 
 def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
@@ -137,8 +137,8 @@ def test_smoothed_alpha():
 def test_speculation_needs_its_estimate_less_its_noise_to_pay(engine_model):
     """The margin is the estimate's own spread: a candidate drafts only where its acceptance
     less ``noise_z`` standard deviations still beats plain decoding at the chosen gamma."""
-    from knapspec_dist.spec import tpt
-    from knapspec_dist.spec.knapsack import Candidate
+    from knapspec_dist.speculation import tpt
+    from knapspec_dist.speculation.knapsack import Candidate
 
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0)

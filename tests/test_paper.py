@@ -12,12 +12,12 @@ from knapspec_dist.cli.common import add_strategy_args, strategy_options
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.errors import UserError
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.knapspec import KnapSpecConfig
-from knapspec_dist.spec.options import StrategyOptions, check_options, parse_strategy
-from knapspec_dist.spec.paper import PaperCadence, PaperSelector, rank
-from knapspec_dist.spec.selfspec import SelfSpeculative
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.knapspec import KnapSpecConfig
+from knapspec_dist.speculation.options import StrategyOptions, check_options, parse_strategy
+from knapspec_dist.speculation.paper import PaperCadence, PaperSelector, rank
+from knapspec_dist.speculation.selfspec import SelfSpeculative
 from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 

@@ -127,8 +127,8 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
 def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs, tmp_path):
     """A stored batch-8 profile beside the batch-1 one: knapspec's selector gets both and
     prices a round of 4 rows between them."""
-    from knapspec_dist.spec.factory import build_selector
-    from knapspec_dist.spec.options import StrategyOptions
+    from knapspec_dist.speculation.factory import build_selector
+    from knapspec_dist.speculation.options import StrategyOptions
 
     repo, _ = dirs
     one = store.resolve_for_model(None, model, need=64).profile

@@ -19,7 +19,7 @@ import pytest
 from conftest import random_prompt
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 ray = pytest.importorskip("ray")
 
@@ -52,8 +52,8 @@ def leftovers() -> list[str]:
 
 def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
     from knapspec_dist.engine.generation import GenerationConfig
-    from knapspec_dist.spec.factory import build_strategy
-    from knapspec_dist.spec.options import StrategyOptions
+    from knapspec_dist.speculation.factory import build_strategy
+    from knapspec_dist.speculation.options import StrategyOptions
 
     s = build_strategy(StrategyOptions(name=strategy, **options), model)
     config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)

@@ -26,9 +26,9 @@ from knapspec_dist.model.weights import load_model
 from knapspec_dist.engine.sampling import (G_MAX, SamplingConfig, accept, choose, confidence,
                                            gumbel, gumbel_of_bits, probabilities, row_seed,
                                            sample, sample_everywhere)
-from knapspec_dist.spec import selfspec
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation import selfspec
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
 

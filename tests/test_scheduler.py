@@ -13,15 +13,15 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
-from knapspec_dist.spec.autoregressive import Autoregressive
+from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.spec import tpt
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
-from knapspec_dist.spec.schedule import Frontier
+from knapspec_dist.speculation import tpt
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
+from knapspec_dist.speculation.schedule import Frontier
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.spec.selfspec import Plan, SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
 from test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
@@ -145,7 +145,7 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
 def test_least_paying_weight_is_the_exact_threshold(engine_model):
     """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
     estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
-    from knapspec_dist.spec.schedule import smoothed_alpha
+    from knapspec_dist.speculation.schedule import smoothed_alpha
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers

@@ -1,4 +1,4 @@
-"""Near-tie classification of greedy divergences from `ar` (speculation/ties.py)."""
+"""Near-tie classification of greedy divergences from `ar` (tools/ties.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from conftest import random_prompt
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.weights import load_model
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions
-from knapspec_dist.spec.ties import (
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions
+from knapspec_dist.tools.ties import (
     BUG,
     FP32_CUDA_ULPS,
     TIE,

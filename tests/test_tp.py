@@ -52,11 +52,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _strategies(model):
     """name -> strategy; self-speculative ones made SPMD-safe (plans broadcast from rank 0)."""
-    from knapspec_dist.spec.spmd import spmd_strategy
-    from knapspec_dist.spec.autoregressive import Autoregressive
-    from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
-    from knapspec_dist.spec.factory import build_strategy
-    from knapspec_dist.spec.options import StrategyOptions
+    from knapspec_dist.speculation.spmd import spmd_strategy
+    from knapspec_dist.speculation.autoregressive import Autoregressive
+    from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+    from knapspec_dist.speculation.factory import build_strategy
+    from knapspec_dist.speculation.options import StrategyOptions
 
     knapspec = build_strategy(StrategyOptions(name="knapspec", interval=8, tau_conf=0.0),
                               model, [_profile()])
@@ -172,7 +172,7 @@ def test_tp2_tokens_equal_tp1(tp_runs, name):
     # The self-speculative paths really ran under TP: drafts were verified, selections made.
     assert sum(s["drafted"] for s in rank0["static_stats"]) > 0
     # selections ran (a later run may spare every due DP on an earlier run's frontier: the
-    # spare rule's hysteresis, spec/schedule.py)
+    # spare rule's hysteresis, speculation/schedule.py)
     assert sum(s["selections"] for s in rank0["knapspec_stats"]) >= 1
     assert sum(s["drafted"] for s in rank0["knapspec_stats"]) > 0
     assert rank0["comm_calls"] > 0
@@ -300,8 +300,8 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     rank would run a DP's collectives alone: rank 0's values are broadcast with its plan."""
     from types import SimpleNamespace
 
-    from knapspec_dist.spec.spmd import SyncedSelector
-    from knapspec_dist.spec.selfspec import Plan
+    from knapspec_dist.speculation.spmd import SyncedSelector
+    from knapspec_dist.speculation.selfspec import Plan
 
     class Inner:
         def __init__(self, plan, next_selection, last_select_s):

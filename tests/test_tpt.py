@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from knapspec_dist.spec.tpt import Choice, expected_tokens, search
+from knapspec_dist.speculation.tpt import Choice, expected_tokens, search
 
 
 def brute_force(alphas, draft_times, verify_time, max_gamma, allow_ar) -> float:

@@ -30,8 +30,8 @@ from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.store import resolve_profile
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.ties import Divergence
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.tools.ties import Divergence
 from knapspec_dist.tools.bench import findings
 from knapspec_dist.tools.bench.compare import bugs, compare_strategies
 from knapspec_dist.tools.bench.plots import plot_bench, plot_findings
@@ -42,7 +42,7 @@ from knapspec_dist.tools.bench.report import (
     summarize,
     write_markdown,
 )
-from knapspec_dist.tools.bench.specs import StrategySpec, parse_strategies
+from knapspec_dist.tools.bench.specs import NamedStrategy, parse_strategies
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Setup:
 
     path: Path
     model: Transformer
-    specs: list[StrategySpec]
+    specs: list[NamedStrategy]
     strategies: dict[str, Strategy]
     profile_name: str | None
     prompts: dict[int, list[Prompt]]
@@ -146,7 +146,7 @@ def write_findings(out: Path, header: dict, runs: list[dict], mismatches: list[s
     emit(f"wrote {out / 'findings.md'}, {out / 'findings.png'}")
 
 
-def prepare(args: argparse.Namespace, contexts: list[int], specs: list[StrategySpec]) -> Setup:
+def prepare(args: argparse.Namespace, contexts: list[int], specs: list[NamedStrategy]) -> Setup:
     """The model, its tokenizer's prompts, and the strategies of the specs with the one profile
     every selecting strategy shares (found, loaded or measured once, not per spec)."""
     path = existing_model_path(args.model)
@@ -156,7 +156,7 @@ def prepare(args: argparse.Namespace, contexts: list[int], specs: list[StrategyS
     if any(s.options.name in ("knapspec", "clasp") for s in specs):
         profiles = [resolve_profile(args.profile, model)]
         profile_name = args.profile or profiles[0].key()
-    specs = [StrategySpec(s.label, replace(s.options, profile=args.profile, interval=args.interval,
+    specs = [NamedStrategy(s.label, replace(s.options, profile=args.profile, interval=args.interval,
                                            tau_conf=args.tau_conf)) for s in specs]
     strategies = {s.label: build_strategy(s.options, model, profiles) for s in specs}
     prompts = build_prompts(tokenizer, contexts, args.prompts, model.cfg.max_position_embeddings,

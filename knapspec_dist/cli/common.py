@@ -20,7 +20,7 @@ from knapspec_dist.errors import Stopped, UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
-from knapspec_dist.spec.options import NAMES, StrategyOptions, parse_strategy
+from knapspec_dist.speculation.options import NAMES, StrategyOptions, parse_strategy
 
 log = logging.getLogger("knapspec_dist.cli")
 

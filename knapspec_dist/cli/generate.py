@@ -23,7 +23,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.llm import generate_texts, load
 from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.runtime.engine import Engine
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 
 def register(sub) -> None:

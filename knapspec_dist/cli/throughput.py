@@ -27,7 +27,7 @@ from knapspec_dist.cli.common import (
 )
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
-from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.tools.bench.plots import plot_throughput
 from knapspec_dist.tools.bench.prompts import resolve_tokenizer
 from knapspec_dist.tools.bench.report import command_line, machine

@@ -105,7 +105,7 @@ class ModelRunner:
             self._factory = lambda fn: CudaGraph(fn, self._pool)
         else:
             self._factory = EagerGraph
-        # Stop drafting once every row has an unsure draft (spec/selfspec.py): one read-back
+        # Stop drafting once every row has an unsure draft (speculation/selfspec.py): one read-back
         # per draft token, microseconds against a millisecond-scale step. False: all gamma are
         # drafted with no host wait (``knapspec gpu-check`` times both).
         self.early_exit = True

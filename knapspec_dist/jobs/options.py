@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
-from knapspec_dist.spec.options import StrategyOptions, parse_strategy
+from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 

@@ -29,7 +29,7 @@ from knapspec_dist.runtime.dispatch import Dispatcher, Outcome, Task
 from knapspec_dist.runtime.prompts import TokenizeStage, make_builder
 from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
 from knapspec_dist.runtime.stream import stream_batches
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger("knapspec_dist.jobs.runner")  # one name for all of a job's lines
 

@@ -51,7 +51,7 @@ from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.engine import Engine
 from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 __all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "load_text_tools",
            "run_job"]

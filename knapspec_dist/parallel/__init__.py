@@ -1,5 +1,5 @@
 """Tensor parallelism from outside the model: process group, collectives, sharded layers and
-sliced loading. It knows nothing of speculation (spec/spmd.py runs strategies SPMD)."""
+sliced loading. It knows nothing of speculation (speculation/spmd.py runs strategies SPMD)."""
 
 from knapspec_dist.parallel.comm import Comm
 from knapspec_dist.parallel.group import (

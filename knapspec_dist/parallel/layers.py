@@ -22,7 +22,7 @@ same on every rank as long as the backend's all-reduce hands every rank the same
 and NCCL do: the reduced chunks are broadcast around the ring; with 2 ranks a+b == b+a
 anyway). Logits come from an all-gather, hence identical on every rank by construction, so
 token choices, early exits and acceptance agree. Draft plans are additionally broadcast from
-rank 0 (``spec/spmd.py``), so a divergent selection can never desynchronize the collectives
+rank 0 (``speculation/spmd.py``), so a divergent selection can never desynchronize the collectives
 of the decode loop.
 """
 

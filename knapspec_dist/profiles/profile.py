@@ -73,7 +73,7 @@ class LatencyProfile:
     allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
     mode: str = "eager"  # execution mode of the measured forwards: "eager" or "graph"
     origin: str = "measured"  # "measured" (profiler.py), "online" (refitted from timed
-    # rounds, spec/calibration.py; its raw rounds in samples["online"]) or "borrowed" (another
+    # rounds, speculation/calibration.py; its raw rounds in samples["online"]) or "borrowed" (another
     # device's, the starting point of this one's calibration: profiles/store.py; its source in
     # samples["borrowed"])
 

@@ -9,7 +9,7 @@ its measured contexts reach the longest context the run needs (when that is know
 does, one is measured (never guessed) and kept in the cache, so the next job, and the other
 replicas of a cluster sharing the cache, load it instead of measuring again.
 
-A run whose prices online calibration refits (spec/calibration.py) need not wait for that
+A run whose prices online calibration refits (speculation/calibration.py) need not wait for that
 measurement: with ``borrow``, when nothing of this device matches, it starts from a
 ``starting_point`` instead (origin "borrowed"): this device's last online refit of the
 same model, else another device's profile of the same model (same kind of device, dtype,
@@ -237,7 +237,7 @@ def _save(profile: LatencyProfile, path: Path, what: str) -> str | None:
 
 
 def online_profiles_dir() -> Path:
-    """Where profiles refitted online (spec/calibration.py) are kept: the cache's ``online/``."""
+    """Where profiles refitted online (speculation/calibration.py) are kept: the cache's ``online/``."""
     return cache_profiles_dir() / "online"
 
 

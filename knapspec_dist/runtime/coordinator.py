@@ -44,7 +44,7 @@ from knapspec_dist.profiles.store import (
     decode_mode,
     lookup,
 )
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ async def _awaitable(ref):
 
 
 def calibrates(options: StrategyOptions) -> bool:
-    """Whether the strategy refits its prices from its timed rounds (spec/factory.py's rule:
+    """Whether the strategy refits its prices from its timed rounds (speculation/factory.py's rule:
     knapspec, unless ``fixed`` or ``paper``), so it may start from a borrowed profile."""
     if options.name != "knapspec":
         return False

@@ -50,7 +50,7 @@ from knapspec_dist.runtime.replica import (
 )
 from knapspec_dist.runtime.setup import check_batch_memory, check_setup
 from knapspec_dist.runtime.shard import Shard
-from knapspec_dist.spec.options import StrategyOptions, parse_strategy
+from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 __all__ = ["Engine", "StartupError"]
 

@@ -50,7 +50,7 @@ from knapspec_dist.runtime.stages import (
     batch_tasks,
     outcome_columns,
 )
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from knapspec_dist.errors import UserError
 from knapspec_dist.runtime.coordinator import Coordinator
 from knapspec_dist.runtime.shard import Shard
-from knapspec_dist.spec.options import StrategyOptions
+from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 

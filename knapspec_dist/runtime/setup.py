@@ -15,7 +15,7 @@ from knapspec_dist.model.config import ModelConfig, load_config
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import checkpoint_files, resolve_dtype
 from knapspec_dist.parallel import check_shardable
-from knapspec_dist.spec.options import StrategyOptions, check_options
+from knapspec_dist.speculation.options import StrategyOptions, check_options
 
 
 def check_setup(model: str, tp: int, options: StrategyOptions) -> tuple[Path, ModelConfig]:

@@ -36,9 +36,9 @@ from knapspec_dist.profiles import profiler
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.runtime.accounting import Meter, Split, split
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions
-from knapspec_dist.spec.spmd import spmd_strategy
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions
+from knapspec_dist.speculation.spmd import spmd_strategy
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ One process, one model; for each context length and each prompt every strategy r
 (the order rotates from prompt to prompt, so a drifting machine does not favour one strategy).
 Greedy decoding throughout: every strategy must emit exactly ``ar``'s tokens. Each mismatch is
 classified at its first differing token by the full model's logit gap
-(:mod:`knapspec_dist.spec.ties`): a near-tie (bf16 kernels flipping an argmax between two
+(:mod:`knapspec_dist.tools.ties`): a near-tie (bf16 kernels flipping an argmax between two
 nearly equal logits) is reported and recorded; anything else, and any mismatch in fp32, is a BUG
 (reported, recorded in the results, exit status 1). ``ar`` is always run, as the
 reference, even when not listed.
 
 Strategy specs (comma-separated in ``--strategies``):
 
-* a name from :data:`knapspec_dist.spec.options.NAMES` (``static`` needs a skip list);
+* a name from :data:`knapspec_dist.speculation.options.NAMES` (``static`` needs a skip list);
 * ``knapspec:FLAG[+FLAG...]`` (also ``clasp:``) with the ablation flags ``coupled``
   (attention and MLP of a layer skipped together), ``alpha`` (maximize acceptance instead of
   TPT) and ``once`` (select after prefill only);

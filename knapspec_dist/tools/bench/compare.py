@@ -11,7 +11,7 @@ from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.tools.ties import check_divergence
 from knapspec_dist.tools.bench.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def compare_strategies(model: Transformer, strategies: dict[str, Strategy],
 
     The order of the strategies rotates from prompt to prompt and from repeat to repeat, so a
     drifting machine favours none (a prompt's repeats run back to back, interleaved). Each run that differs from ``ar`` gets its first difference classified (one
-    full-model forward, :func:`knapspec_dist.spec.ties.check_divergence`): ``divergence`` in
+    full-model forward, :func:`knapspec_dist.tools.ties.check_divergence`): ``divergence`` in
     the run's record, and a message saying near-tie or BUG. ``save`` gets the runs so far
     after each context.
     """

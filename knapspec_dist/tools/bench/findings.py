@@ -23,7 +23,7 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.spec.factory import build_strategy
+from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.tools.bench.compare import compare_strategies
 from knapspec_dist.tools.bench.prompts import Prompt
 from knapspec_dist.tools.bench.report import summarize

@@ -124,7 +124,7 @@ def divergence_table(runs: list[dict]) -> list[str]:
              "prefix gives the logits of ar's token and the strategy's; gap = top logit - the "
              "lower of the two. A near-tie (gap <= tolerance: 4 steps of the model's dtype at the "
              "top logit, e.g. 0.5 in bf16 for logits in [16, 32); 0 in fp32) is kernel "
-             "rounding; anything else is a BUG (knapspec_dist/speculation/ties.py).", "",
+             "rounding; anything else is a BUG (knapspec_dist/tools/ties.py).", "",
              "| context | prompt | strategy | new token | ar token (logit) | its token (logit) "
              "| top logit | gap | tolerance | verdict |",
              "|---:|---|---|---:|---|---|---:|---:|---:|:---:|"]

@@ -7,14 +7,14 @@ import logging
 import re
 
 from knapspec_dist.errors import UserError
-from knapspec_dist.spec.options import StrategySpec, parse_strategy
+from knapspec_dist.speculation.options import NamedStrategy, parse_strategy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StrategySpec", "parse_strategies", "parse_strategy"]
+__all__ = ["NamedStrategy", "parse_strategies", "parse_strategy"]
 
 
-def parse_strategies(text: str) -> list[StrategySpec]:
+def parse_strategies(text: str) -> list[NamedStrategy]:
     """Comma-separated specs; the commas inside a static skip list belong to it."""
     merged: list[str] = []
     for tok in (t.strip() for t in text.split(",")):

@@ -10,7 +10,7 @@ a running batch) go through the scheduler at each ``--batch`` (max_num_seqs) wit
 strategy. Reported per (strategy, batch, context): tokens/s over the whole run (prefill
 included) and over the decoding rounds only, the mean batch, and each row's tokens against the
 same row decoded alone by ``ar`` at batch 1 (exact in fp32; every difference classified by the
-near-tie rule, speculation/ties.py, otherwise). Outputs: ``throughput.json``,
+near-tie rule, tools/ties.py, otherwise). Outputs: ``throughput.json``,
 ``throughput.md`` and ``throughput.png`` (tokens/s against batch, one line per strategy and
 context). Exit status 1 when a row differs from ``ar`` beyond a near-tie.
 
@@ -30,8 +30,8 @@ from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.tools.ties import check_divergence
 from knapspec_dist.tools.bench.prompts import build_prompts
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.profiles.profiler import measure
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.spec.selfspec import SelfSpeculative
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.speculation.selfspec import SelfSpeculative
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.correct import (
     RealModel,

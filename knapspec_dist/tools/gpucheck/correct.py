@@ -2,7 +2,7 @@
 sampling run per strategy, and SmolLM2 on long documents (tokens/s, speedup vs ``ar``).
 
 Every strategy's greedy tokens are compared with ``ar``'s; a difference is classified by
-speculation/ties.py at its first token (one full forward: near-tie within the dtype's
+tools/ties.py at its first token (one full forward: near-tie within the dtype's
 tolerance, else a bug; fp32 tolerates none). SmolLM2 (when installed, and not ``--quick``) is
 the model of the correctness checks, else a small random one with large weights (well
 separated logits); the long-document bench runs on SmolLM2 only (on the random one under
@@ -26,9 +26,9 @@ from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles.profiler import measure
-from knapspec_dist.spec.factory import build_strategy
-from knapspec_dist.spec.options import StrategyOptions, format_skip
-from knapspec_dist.spec.ties import check_divergence
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.options import StrategyOptions, format_skip
+from knapspec_dist.tools.ties import check_divergence
 from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section

@@ -28,8 +28,8 @@ class StrategyOptions:
     coupled: bool = False
     objective: str = "tpt"
     select_once: bool = False
-    paper: bool = False  # knapspec: the authors' selection (spec/paper.py)
-    # knapspec: refit prices from the run's timed rounds (spec/calibration.py); None: on for
+    paper: bool = False  # knapspec: the authors' selection (speculation/paper.py)
+    # knapspec: refit prices from the run's timed rounds (speculation/calibration.py); None: on for
     # the default, off for :paper (flags ``calibrate`` / ``fixed``)
     calibrate: bool | None = None
 
@@ -77,14 +77,14 @@ def check_options(options: StrategyOptions, cfg) -> None:
 
 
 @dataclass(frozen=True)
-class StrategySpec:
+class NamedStrategy:
     label: str  # as shown in tables and plots, canonical form of the spec
     options: StrategyOptions
 
 
-def parse_strategy(text: str, skip: str = "") -> StrategySpec:
+def parse_strategy(text: str, skip: str = "") -> NamedStrategy:
     """One strategy as the user names it (``knapspec:paper+coupled``, ``static:a3,m5@4``,
-    ``clasp@4``) -> StrategySpec: the one parser of strategy names (generate, job, bench).
+    ``clasp@4``) -> NamedStrategy: the one parser of strategy names (generate, job, bench).
     ``skip``: a static skip list given apart from the name (``--strategy static --skip a3``)."""
     spec = text.strip()
     gamma = None
@@ -119,4 +119,4 @@ def parse_strategy(text: str, skip: str = "") -> StrategySpec:
     label = name + (":" + "+".join(parts) if parts else "") + (f"@{gamma}" if gamma else "")
     if name == "static":
         label = f"static:{','.join(parts)}" + (f"@{gamma}" if gamma else "")
-    return StrategySpec(label, options)
+    return NamedStrategy(label, options)

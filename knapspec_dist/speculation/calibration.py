@@ -6,7 +6,7 @@ rounds the engine times anyway are measurements of the same costs.
 
 Each decoding round is one raw sample (``RoundTiming``): batch size, mean context, the skip set,
 its draft forwards and their seconds, and the verify forward's seconds, timed by the round's own
-clock marks (spec/selfspec.py: CUDA events read after the round's one read-back on a GPU,
+clock marks (speculation/selfspec.py: CUDA events read after the round's one read-back on a GPU,
 ``perf_counter`` on a CPU; no host sync is added). The model refitted is the profile's own,
 scaled:
 
@@ -34,9 +34,9 @@ stored profile) by more than the band, and ``REPORT_EVERY`` rounds have passed s
 report, or it departs by more than ``LARGE`` bands. Under TP only rank 0 reports
 (``leader``). When the clock agrees with the profile nothing is refitted.
 
-Acceptance per subnet is refitted from the same rounds by spec/acceptance.py's
+Acceptance per subnet is refitted from the same rounds by speculation/acceptance.py's
 ``AcceptanceBook``; this module prices time only. Everything here is a function of the samples,
-so under TP (spec/spmd.py) every rank, fed rank 0's seconds, prices alike.
+so under TP (speculation/spmd.py) every rank, fed rank 0's seconds, prices alike.
 """
 
 from __future__ import annotations

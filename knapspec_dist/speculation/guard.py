@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.spec.selfspec import Plan
+from knapspec_dist.speculation.selfspec import Plan
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.spec import knapsack, tpt
-from knapspec_dist.spec.knapspec import KnapsackSelector, KnapSpecConfig
+from knapspec_dist.speculation import knapsack, tpt
+from knapspec_dist.speculation.knapspec import KnapsackSelector, KnapSpecConfig
 
 
 class ClaspSelector(KnapsackSelector):

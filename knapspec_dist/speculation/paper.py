@@ -29,10 +29,10 @@ import torch
 from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.spec import knapsack, tpt
-from knapspec_dist.spec.hidden_states import Reference
-from knapspec_dist.spec.knapspec import KnapsackSelector, KnapSpecConfig
-from knapspec_dist.spec.selfspec import Plan
+from knapspec_dist.speculation import knapsack, tpt
+from knapspec_dist.speculation.hidden_states import Reference
+from knapspec_dist.speculation.knapspec import KnapsackSelector, KnapSpecConfig
+from knapspec_dist.speculation.selfspec import Plan
 
 
 def raw_alpha(agree: int, total: int) -> float:

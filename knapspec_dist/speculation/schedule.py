@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.spec import knapsack, tpt
+from knapspec_dist.speculation import knapsack, tpt
 
 
 def smoothed_alpha(agree: int, total: int) -> float:

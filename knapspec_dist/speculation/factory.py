@@ -6,16 +6,16 @@ from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.store import resolve_for_model
-from knapspec_dist.spec.autoregressive import Autoregressive
-from knapspec_dist.spec.clasp import ClaspSelector
-from knapspec_dist.spec.knapspec import (
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.clasp import ClaspSelector
+from knapspec_dist.speculation.knapspec import (
     KnapsackSelector,
     KnapSpecConfig,
     KnapSpecSelector,
 )
-from knapspec_dist.spec.options import StrategyOptions, check_options, parse_skip
-from knapspec_dist.spec.paper import PaperSelector
-from knapspec_dist.spec.selfspec import SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.options import StrategyOptions, check_options, parse_skip
+from knapspec_dist.speculation.paper import PaperSelector
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 
 CLASP_SKIP_LAYERS = 0.25  # the share of layers CLaSp's drafts skip
 

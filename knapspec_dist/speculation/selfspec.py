@@ -24,8 +24,8 @@ from knapspec_dist.engine.sampling import accept, choose, confidence
 from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
-from knapspec_dist.spec.calibration import RoundTiming
-from knapspec_dist.spec.options import format_skip
+from knapspec_dist.speculation.calibration import RoundTiming
+from knapspec_dist.speculation.options import format_skip
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Selector(ABC):
         ``verified[b]`` drafts judged and kept ``accepted[b]``."""
 
     def timed(self, timing: RoundTiming) -> None:
-        """The seconds the last round took (spec/calibration.py refits prices from them)."""
+        """The seconds the last round took (speculation/calibration.py refits prices from them)."""
 
     def predicted_rate(self, plan: Plan, context: int) -> float | None:
         """Tokens per second per row the selection predicted for ``plan`` (None: no price)."""

@@ -15,8 +15,8 @@ import torch
 
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.parallel.comm import Comm
-from knapspec_dist.spec.calibration import RoundTiming
-from knapspec_dist.spec.selfspec import Plan
+from knapspec_dist.speculation.calibration import RoundTiming
+from knapspec_dist.speculation.selfspec import Plan
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,10 @@ def spmd_strategy(strategy, model: Transformer):
 class SyncedSelector:
     """Wraps a Selector: every rank runs it (its DP issues the same collectives everywhere),
     then rank 0's plan -- and the per-rank wall-clock quantities of its schedule
-    (spec/schedule.py: ``next_selection``, set from the measured selection time, and
+    (speculation/schedule.py: ``next_selection``, set from the measured selection time, and
     ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
     ranks draft with the same subnet and gamma and run the DP at the same steps. The last
-    round's seconds ride on the same broadcast: every rank's calibration (spec/calibration.py)
+    round's seconds ride on the same broadcast: every rank's calibration (speculation/calibration.py)
     is fed rank 0's, one round later, so all price the next selection alike; only rank 0's
     reports its refits (logs and saves the online profile: one file, not one per rank)."""
 

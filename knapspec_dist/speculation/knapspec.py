@@ -40,19 +40,19 @@ from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
 from knapspec_dist.profiles.store import keep_online
-from knapspec_dist.spec import knapsack, tpt
-from knapspec_dist.spec.acceptance import AcceptanceBook
-from knapspec_dist.spec.calibration import Calibration, RoundTiming
-from knapspec_dist.spec.guard import PlanGuard, PlanRun
-from knapspec_dist.spec.hidden_states import HiddenStateEvaluator, Reference
-from knapspec_dist.spec.schedule import (
+from knapspec_dist.speculation import knapsack, tpt
+from knapspec_dist.speculation.acceptance import AcceptanceBook
+from knapspec_dist.speculation.calibration import Calibration, RoundTiming
+from knapspec_dist.speculation.guard import PlanGuard, PlanRun
+from knapspec_dist.speculation.hidden_states import HiddenStateEvaluator, Reference
+from knapspec_dist.speculation.schedule import (
     Frontier,
     Prices,
     SelectionSchedule,
     SpareRule,
     smoothed_alpha,
 )
-from knapspec_dist.spec.selfspec import Plan, Selector
+from knapspec_dist.speculation.selfspec import Plan, Selector
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class KnapSpecConfig:
     objective: str = "tpt"  # "tpt" | "alpha" (ablation)
     select_once: bool = False  # ablation: select after prefill only
     calibrate: bool = False  # refit the prices from the run's timed rounds (calibration.py;
-    # the strategy ``knapspec`` turns it on: spec/factory.py)
+    # the strategy ``knapspec`` turns it on: speculation/factory.py)
 
 
 @dataclass
@@ -351,7 +351,7 @@ class KnapSpecSelector(KnapsackSelector):
 
     def calibrate(self, candidates: list[knapsack.Candidate], agree: list[int],
                   positions: int, raw: list[float]) -> list[float]:
-        """Each candidate's posterior acceptance (spec/acceptance.py): the DP's agreements and
+        """Each candidate's posterior acceptance (speculation/acceptance.py): the DP's agreements and
         what this run's drafts with it and with the subnets near it realized. Keeps each
         estimate less ``noise_z`` of its spread for ``choose``'s margin."""
         estimates = [self.book.estimate(c.skipped, a, positions)
