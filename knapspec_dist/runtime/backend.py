@@ -62,7 +62,7 @@ class EngineBackend:
         """Restart ``replica``; ``smaller`` (after out of memory): at half its batch."""
         seqs = None
         if smaller:
-            current = self.engine.replica_info(replica).get("max_num_seqs")
+            current = self.engine.replica_info(replica).max_num_seqs
             if current and current > 1:
                 seqs = max(1, current // 2)
         self.engine.restart_replica(replica, max_num_seqs=seqs)
