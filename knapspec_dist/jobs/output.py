@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.jobs.inputs import filesystem_and_path
 from knapspec_dist.jobs.parts import iter_parts
 from knapspec_dist.runtime.stages import PLANS, result_columns
@@ -258,7 +258,7 @@ class OutputDir:
             return fn()
         except OSError as e:
             raise UserError(f"--output {self.uri!r}: cannot write there: "
-                            f"{e.strerror or str(e).strip().splitlines()[0]}") from None
+                            f"{e.strerror or first_line(e)}") from None
 
     def write_bytes(self, name: str, data: bytes) -> str:
         """Write ``DIR/name`` atomically (temporary file, then rename)."""

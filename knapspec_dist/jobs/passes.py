@@ -31,7 +31,7 @@ from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
 from knapspec_dist.runtime.stream import stream_batches
 from knapspec_dist.speculation.options import StrategyOptions
 
-log = logging.getLogger("knapspec_dist.jobs.runner")  # one name for all of a job's lines
+log = logging.getLogger(__name__)
 
 AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from knapspec_dist.engine.scheduler import Work
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.profiles.profile import LatencyProfile
@@ -299,7 +299,7 @@ class Coordinator:
                 self._tokenizer = load_tokenizer(self.path)
             except Exception as e:  # a checkpoint without tokenizer: results keep token ids
                 log.warning("replica %d: no tokenizer (%s); results carry token ids only",
-                            self.replica, str(e).strip().splitlines()[0])
+                            self.replica, first_line(e))
         if self._tokenizer is None:
             return ""
         return self._tokenizer.decode(ids, skip_special_tokens=True)

@@ -31,9 +31,10 @@ from dataclasses import replace
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.profiles.profile import LatencyProfile
@@ -102,7 +103,7 @@ class Engine:
             self.tokenizer = load_tokenizer(path)
         except UserError as e:
             log.warning("%s; text prompts are unavailable, pass token ids",
-                        str(e).strip().splitlines()[0])
+                        first_line(e))
             self.tokenizer = None
         self.last_job: dict | None = None
 
@@ -245,13 +246,8 @@ class Engine:
                                             for k, v in given.items()})
         ids = [self.encode(p, chat) for p in prompts]
         start = time.perf_counter()
-        seen: dict[tuple[int, ...], int] = {}
-        keys = []  # a prompt and its occurrence: the same text whatever else is asked
-        for p in ids:
-            seen[tuple(p)] = seen.get(tuple(p), -1) + 1
-            keys.append((tuple(p), seen[tuple(p)]))
         refs = [self.submit(i % self.num_replicas, p, config, key)
-                for i, (p, key) in enumerate(zip(ids, keys))]
+                for i, (p, key) in enumerate(zip(ids, prompt_keys(ids)))]
         results = ray.get(refs)
         self.last_job = job_summary(results, time.perf_counter() - start, self.num_replicas)
         return results

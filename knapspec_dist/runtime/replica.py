@@ -21,7 +21,7 @@ from ray._private import state
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.runtime.coordinator import Coordinator
 from knapspec_dist.runtime.messages import (
     MeasureOptions,
@@ -238,10 +238,10 @@ def wait(spec: ReplicaSpec, refs: dict, what: str, placement: bool = False,
             raise UserError(f"{who}: {cause}") from None
         except ray.exceptions.RayActorError as e:
             raise StartupError(f"{who} failed to {what}: its actor died "
-                               f"({_first_line(e)})") from None
+                               f"({first_line(e)})") from None
         except ray.exceptions.RayTaskError as e:
             raise StartupError(f"{who} failed to {what}: "
-                               f"{_first_line(getattr(e, 'cause', e))}") from e
+                               f"{first_line(getattr(e, 'cause', e))}") from e
     return out
 
 
@@ -262,11 +262,6 @@ def stop_replica(rep: Replica | None) -> None:
             log.debug("remove placement group: %s", e)
     _wait_gone([a._actor_id.hex() for a in actors], rep.pg.id.hex() if rep.pg else None)
     rep.shards, rep.coordinator, rep.pg = [], None, None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def _wait_gone(actor_ids: list[str], pg_id: str | None, timeout_s: float = 30.0) -> None:
