@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompt
-from test_knapspec import LINEAR_ATTENTION, synthetic_profile
+from fakes import LINEAR_ATTENTION, synthetic_profile
 
 from knapspec_dist.engine.capture import CaptureError, EmulatedGraph
 from knapspec_dist.engine.generation import GenerationConfig

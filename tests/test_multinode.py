@@ -14,7 +14,7 @@ import dataclasses
 import pyarrow.parquet as pq
 import pytest
 import ray
-import test_jobs as t
+import fakes as t
 from ray.cluster_utils import Cluster
 
 from knapspec_dist.jobs import JobConfig, run_job

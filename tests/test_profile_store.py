@@ -17,6 +17,7 @@ from knapspec_dist.profiles import store
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.runtime.messages import ReplicaInfo
 
+from fakes import FakeEngines, docs_of, job, run, write_input
 from models import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,8 +114,6 @@ def test_load_profile_refuses_another_shape_with_one_message(model, tmp_path):
 
 
 def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
-    from test_jobs import FakeEngines, docs_of, job, run, write_input
-
     class Engines(FakeEngines):
         def replica_info(self, replica):
             return ReplicaInfo(replica, profile={"key": "k", "path": "/p/k.json",

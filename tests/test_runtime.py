@@ -17,8 +17,10 @@ import os
 import pytest
 
 from conftest import random_prompt
+from fakes import drafting_profile
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.runtime import replica
 from knapspec_dist.runtime.messages import MeasureOptions
 from knapspec_dist.speculation.options import StrategyOptions
 
@@ -62,14 +64,13 @@ def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
 
 
 def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_path):
-    from test_tp import _profile
 
     from knapspec_dist.runtime import Engine
 
     model = engine_model("llama-gqa")
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=40 + n) for n in (5, 11)]
     profile = tmp_path / "profile.json"  # named by path: it prices tp=1 and tp=2 alike
-    _profile(model.cfg.shape()).save(profile)
+    drafting_profile(model.cfg.shape()).save(profile)
     runs = [("ar", {}), ("static", dict(skip="m1,a2", gamma=3, tau_conf=0.0)),
             ("knapspec", dict(profile=str(profile), interval=8, tau_conf=0.0))]
     with Engine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
@@ -148,7 +149,8 @@ def _dead_actor(exc: BaseException) -> bool:
 
 
 @pytest.mark.parametrize("case", ["indivisible", "missing", "rank-dies", "unplaceable"])
-def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case):
+def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case,
+                                               monkeypatch):
     from knapspec_dist.errors import UserError
     from knapspec_dist.runtime import Engine, StartupError
 
@@ -156,13 +158,15 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
     kwargs, error, match = {
         "indivisible": (dict(model=ckpt, tp=4), UserError, "KV heads 2 not divisible by 4"),
         "missing": (dict(model=str(tmp_path / "nope")), UserError, "does not exist"),
-        "rank-dies": (dict(model=ckpt, tp=2, shard_class=RankOneDiesAtSetup), StartupError,
+        "rank-dies": (dict(model=ckpt, tp=2), StartupError,
                       "replica 0 rank 1 failed to load its shard: its actor died"),
         # the cluster's resources are checked before any placement group is asked for
         "unplaceable": (dict(model=ckpt, tp=2, cpus_per_rank=3, startup_timeout_s=3),
                         StartupError, r"tp 2 x replicas 1 needs 6 CPU\(s\) \(3 per rank\); "
                                       r"the Ray cluster has 4"),
     }[case]
+    if case == "rank-dies":
+        monkeypatch.setattr(replica, "Shard", RankOneDiesAtSetup)
     with pytest.raises(error, match=match):
         Engine(strategy="ar", **kwargs)
     assert leftovers() == []

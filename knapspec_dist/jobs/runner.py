@@ -118,10 +118,10 @@ class JobRun(GenerationPasses):
         self.real_engine = engine_factory is None  # one Ray connection for all its engines
         self.engine_factory = engine_factory or default_engine_factory
         self.backend_factory = backend_factory or EngineBackend
-        # Given tools (tests' fake tokenizer) tokenize in this process; the model's own on
-        # the cluster, with Ray Data (runtime/stream.py), unless the input is small
-        # (check_output): then the tokenizer actors' start would cost more than they save.
-        self.ray_data = text_tools is None
+        # Prompts are tokenized on the cluster with Ray Data (runtime/stream.py) unless the
+        # input is small (check_output): then the tokenizer actors' start would cost more
+        # than they save. Whoever the tokenizer is, the rule is the same.
+        self.ray_data = False
         self.text_tools = text_tools or load_text_tools
         self.on_row = on_row
         self.started = dt.datetime.now(dt.timezone.utc)
@@ -177,7 +177,7 @@ class JobRun(GenerationPasses):
         self.legacy = functools.cache(lambda: legacy_digest(self.scan))  # old outputs
         self.resuming = self.out.check(self.fingerprint, self.legacy)
         self.schema = output_schema(c.id_column, self.scan.id_type)
-        self.ray_data = self.ray_data and len(self.scan) > LOCAL_ROWS
+        self.ray_data = len(self.scan) > LOCAL_ROWS
 
     def open_output(self) -> None:
         """Under the lease: the ids an earlier run of this job wrote already (one row per

@@ -52,7 +52,6 @@ from knapspec_dist.runtime.replica import (
     stop_replica,
 )
 from knapspec_dist.runtime.setup import check_batch_memory, check_setup
-from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 __all__ = ["Engine", "StartupError"]
@@ -68,7 +67,7 @@ class Engine:
                  device: str = "cpu", address: str | None = None, *, cpus_per_rank: int = 1,
                  startup_timeout_s: float = 300.0, profile_contexts: list[int] | None = None,
                  profile_repeats: int = 3, profile_need: int | None = None,
-                 max_num_seqs: int | None = None, shard_class: type = Shard):
+                 max_num_seqs: int | None = None):
         """``strategy``: its options, or a strategy's name with default options.
         ``cpus_per_rank`` CPUs are reserved per rank, and each rank runs that many torch
         threads (OMP_NUM_THREADS). ``profile_contexts`` / ``profile_repeats``: the
@@ -76,8 +75,7 @@ class Engine:
         context the work will run, which a stored profile must cover and a measured one does
         (profiles/store.py); it also sizes each row's KV cache (default: the model's window).
         ``max_num_seqs``: rows each replica decodes at once (continuous batching; default:
-        what the memory left after the weights holds, engine/memory.py). ``shard_class``:
-        the rank's actor class, a :class:`Shard` (tests give one that fails)."""
+        what the memory left after the weights holds, engine/memory.py)."""
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         for name, value in (("tp", tp), ("replicas", replicas), ("cpus_per_rank", cpus_per_rank)):
@@ -98,7 +96,7 @@ class Engine:
                                     max_num_seqs)
         self.spec = ReplicaSpec(f"knapspec-{uuid.uuid4().hex[:8]}", self.path,
                                 self.config.vocab_size, tp, dtype, device, cpus_per_rank,
-                                startup_timeout_s, shard_class)
+                                startup_timeout_s)
         try:
             self.tokenizer = load_tokenizer(path)
         except UserError as e:

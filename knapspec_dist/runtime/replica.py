@@ -52,7 +52,6 @@ class ReplicaSpec:
     device: str
     cpus_per_rank: int
     startup_timeout_s: float
-    shard_class: type = Shard  # the rank's actor class (tests pass one that fails)
 
     def name(self, index: int) -> str:
         return f"{self.tag}-r{index}"
@@ -145,7 +144,7 @@ def _start_actors(spec: ReplicaSpec, reps: list[Replica]) -> None:
     """One shard actor per bundle of the replica's placement group, the coordinator beside
     rank 0 (no resources of its own)."""
     env = {"env_vars": {"OMP_NUM_THREADS": str(spec.cpus_per_rank)}}
-    shard_cls, coordinator_cls = ray.remote(spec.shard_class), ray.remote(Coordinator)
+    shard_cls, coordinator_cls = ray.remote(Shard), ray.remote(Coordinator)
     for rep in reps:
         for rank in range(spec.tp):
             rep.shards.append(shard_cls.options(
