@@ -80,13 +80,13 @@ $(GPU_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The converted SmolLM2 comes from the main venv (which has gguf) into the shared cache; the
-# GPU image's venv only reads it, as the image reads a converted folder brought to it.
+# GPU image's venv only reads it. scripts/gpu_procedure.sh is docs/gpu-check.md's GPU
+# procedure as a user runs it (pack, stash, gpu_run.sh, then `pytest -m gpu`), on a CPU.
 gpu-image-test: gpu-image-venv venv
 	$(PY) -c 'from knapspec_dist.model.embedded import ensure_smollm2; ensure_smollm2()'
 	$(GPU_PY) -c 'import importlib.util as u, torch, triton, transformers; \
 	  assert not u.find_spec("ray") and not u.find_spec("gguf"); \
 	  print("gpu image lane:", torch.__version__, triton.__version__, transformers.__version__)'
-	OMP_NUM_THREADS=2 $(GPU_PY) -m knapspec_dist.cli.gpu_check --device cpu --quick \
-	  --out $$(mktemp -d)/gpu-check
+	OMP_NUM_THREADS=2 PYTHON=$(GPU_PY) scripts/gpu_procedure.sh --device cpu --quick
 	OMP_NUM_THREADS=2 $(GPU_PY) -m pytest -q -p no:cacheprovider --durations=10 \
 	  -k '$(GPU_SKIP)' $(GPU_TESTS)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import subprocess_env, without_ray
 
 from knapspec_dist.cli import gpu_check
-from knapspec_dist.cli.main import main
+from knapspec_dist.cli.standalone import main
 from knapspec_dist.model.embedded import SmolLM2NotInstalledError
 from knapspec_dist.profiles.replay import ReplayTimer
 from knapspec_dist.tools.gpucheck import correct
@@ -186,8 +186,9 @@ def _check_doc(doc: dict) -> None:
 
 
 def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
-    """The script the GPU machine runs, on a CPU: no SmolLM2 pack, gpu-check --quick."""
-    env = subprocess_env()
+    """The script the GPU machine runs, on a CPU without Ray or gguf, as on the GPU image: no
+    SmolLM2 pack, gpu-check --quick."""
+    env = without_ray(subprocess_env())
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                KNAPSPEC_PACK=str(tmp_path / "no-pack"), KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
     # A budget no busy machine exhausts: the test checks the program, not the time it takes

@@ -194,9 +194,10 @@ def reached(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 
 def test_the_gpu_image_entry_points_reach_no_ray():
-    """The GPU image has torch and transformers but no Ray: gpu-check (``python -m
-    knapspec_dist.cli.gpu_check``) and generate must import there (the CI lane runs them in a
-    venv without Ray); ``knapspec`` itself reaches Ray through the job commands."""
+    """The GPU image has torch and transformers but no Ray: its commands (``python -m
+    knapspec_dist.cli.standalone``: gpu-check, bench, throughput) and generate must import there
+    (the CI lane runs them in a venv without Ray); ``knapspec`` itself reaches Ray through the
+    job commands. tests/test_without_ray.py imports them with Ray hidden."""
     graph, trees = import_graph(), parsed()
 
     def ray_users(module: str) -> list[str]:
@@ -204,6 +205,6 @@ def test_the_gpu_image_entry_points_reach_no_ray():
                        if any(t == "ray" or t.startswith("ray.") for t in imported(n))})
 
     assert ray_users("knapspec_dist.cli.main"), "the walk must see Ray behind `knapspec`"
-    for module in ("knapspec_dist.cli.gpu_check", "knapspec_dist.engine.scheduler",
+    for module in ("knapspec_dist.cli.standalone", "knapspec_dist.engine.scheduler",
                    "knapspec_dist.llm"):
         assert not ray_users(module), f"{module} reaches ray via {ray_users(module)}"

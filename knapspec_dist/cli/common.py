@@ -33,6 +33,16 @@ def emit(text: str, *, error: bool = False) -> None:
     stream.flush()
 
 
+def command_parser(prog: str, description: str, commands) -> argparse.ArgumentParser:
+    """A parser with one subcommand per module in ``commands``, in that order: each module's
+    ``register(subparsers)`` owns its options, so every entry point offers the same ones."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in commands:
+        command.register(sub)
+    return p
+
+
 def run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse and run a command: user errors (bad path, config, prompt, option) print one
     ``error: ...`` line and exit 2, with no traceback; SIGTERM / SIGINT one warning line and

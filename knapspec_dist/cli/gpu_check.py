@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from knapspec_dist.cli.common import emit, run
+from knapspec_dist.cli.common import emit
 from knapspec_dist.errors import UserError
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.tools.gpucheck import (
@@ -167,15 +166,3 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="treat the device as having at most this much free memory")
     p.set_defaults(func=cmd_gpu_check)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m knapspec_dist.cli.gpu_check``: gpu-check without the other commands, whose
-    imports need Ray (the GPU image has none; the CI lane with its versions runs it so)."""
-    p = argparse.ArgumentParser(prog="python -m knapspec_dist.cli.gpu_check",
-                                description=(__doc__ or "").split("\n\n")[0])
-    add_args(p)
-    return run(p, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
