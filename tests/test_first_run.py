@@ -145,8 +145,8 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
                 shard_class=slow_measure(STARTUP_S + 5), profile_need=200,
                 profile_contexts=[16, 32], profile_repeats=1) as engine:
         info = engine.replica_info(0)
-        assert info["profile"]["origin"] == "borrowed", info
-        assert info["profile"]["path"].startswith(str(shipped)), info
+        assert info.profile["origin"] == "borrowed", info
+        assert info.profile["path"].startswith(str(shipped)), info
         assert not list(cache.glob("*.json"))  # nothing was measured
         results = engine.generate(prompts, **greedy)
         engine.reconfigure("ar")
@@ -156,5 +156,5 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
         engine.reconfigure(StrategyOptions(name="knapspec", calibrate=False, interval=4,
                                            tau_conf=0.0))
         info = engine.replica_info(0)
-        assert info["profile"]["origin"] == "measured", info
+        assert info.profile["origin"] == "measured", info
         assert [r.token_ids for r in engine.generate(prompts, **greedy)] == expected

@@ -15,6 +15,7 @@ from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import LatencyProfile
 from knapspec_dist.profiles import store
 from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.runtime.messages import ReplicaInfo
 
 from models import make_checkpoint
 
@@ -116,7 +117,8 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
 
     class Engines(FakeEngines):
         def replica_info(self, replica):
-            return {"profile": {"key": "k", "path": "/p/k.json", "origin": "measured"}}
+            return ReplicaInfo(replica, profile={"key": "k", "path": "/p/k.json",
+                                                 "origin": "measured"})
 
     write_input(tmp_path / "in.parquet", ["a", "b"], docs_of([3, 4]))
     result, _ = run(job(tmp_path), Engines())

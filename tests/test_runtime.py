@@ -19,6 +19,7 @@ import pytest
 from conftest import random_prompt
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.runtime.messages import MeasureOptions
 from knapspec_dist.speculation.options import StrategyOptions
 
 ray = pytest.importorskip("ray")
@@ -95,11 +96,11 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
         job = engine.last_job
         assert 0 <= job["control_plane_share"] <= 1 and job["comm_share"] > 0
         # No stored profile matches: the shards measure one (with the all-reduce, at tp=2).
-        engine.measure = {"contexts": [16, 64], "repeats": 1}
+        engine.measure = MeasureOptions((16, 64), repeats=1)
         engine.reconfigure(StrategyOptions(name="knapspec", interval=8))
         info = engine.replica_info(0)
-        assert info["profile"]["origin"] == "measured", info
-        assert info["profile_key"].endswith("tp2__eager"), info
+        assert info.profile["origin"] == "measured", info
+        assert info.profile_key.endswith("tp2__eager"), info
         results = engine.generate(prompts, **NO_EOS)
         assert [r.token_ids for r in results] == local_tokens(model, "ar", prompts)
     assert leftovers() == []

@@ -22,7 +22,7 @@ from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
 from knapspec_dist.speculation.options import NAMES, StrategyOptions, parse_strategy
 
-log = logging.getLogger("knapspec_dist.cli")
+log = logging.getLogger(__name__)
 
 
 def emit(text: str, *, error: bool = False) -> None:

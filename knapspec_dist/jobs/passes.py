@@ -31,7 +31,7 @@ from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
 from knapspec_dist.runtime.stream import stream_batches
 from knapspec_dist.speculation.options import StrategyOptions
 
-log = logging.getLogger("knapspec_dist.jobs.runner")  # one name for all of a job's lines
+log = logging.getLogger(__name__)
 
 AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
 
@@ -268,7 +268,7 @@ def _max_num_seqs(engine, config: JobConfig) -> int:
     """Rows one replica decodes at once: what the replicas reported (the asked number, or
     less where memory capped it), else as asked."""
     info = getattr(engine, "replica_info", None)
-    seqs = info(0).get("max_num_seqs") if info is not None else None
+    seqs = info(0).max_num_seqs if info is not None else None
     return seqs or config.max_num_seqs or 1
 
 
@@ -278,7 +278,7 @@ def _profile_report(engine, replicas: int) -> dict | None:
     info = getattr(engine, "replica_info", None)
     if info is None:
         return None
-    reports = [info(i).get("profile") for i in range(replicas)]
+    reports = [info(i).profile for i in range(replicas)]
     reports = [r for r in reports if r]
     if not reports:
         return None

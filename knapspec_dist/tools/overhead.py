@@ -118,7 +118,7 @@ def _strategy_split(engine: Engine, strategy: str, texts: list[str],
             "mean_batch": sum(r.stats.mean_batch for r in results) / len(results),
             "selections": sum(r.stats.selections for r in results),
             "acceptance": [r.stats.acceptance_rate for r in results],
-            "profile": engine.replica_info(0).get("profile_key")}
+            "profile": engine.replica_info(0).profile_key}
 
 
 def _line(r: dict) -> str:

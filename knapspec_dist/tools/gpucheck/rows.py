@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo import utils as dynamo_utils
 
+from knapspec_dist.errors import first_line
 from knapspec_dist.tools.gpucheck.budget import Budget, Section, Spent
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ def poisons(e: BaseException) -> bool:
 
 def error_line(e: BaseException) -> str:
     """The exception's type and first non-empty line: what a table cell can hold."""
-    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    return f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''}"[:300]
 
 
 def where_from(e: BaseException, frames: int = 6) -> list[str]:
