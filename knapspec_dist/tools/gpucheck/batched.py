@@ -23,6 +23,7 @@ import torch
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
 from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.engine.strategy import Strategy
@@ -89,8 +90,8 @@ def _schedule(subj: Subject, strategy: Strategy, runner: ModelRunner, docs: list
     config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
     sched = Scheduler(strategy, subj.model, config, len(docs), capacity,
                       prefill_chunk=sum(map(len, docs)), runner=runner)
-    for rid, doc in enumerate(docs):
-        sched.add(rid, doc)
+    for rid, (doc, key) in enumerate(zip(docs, prompt_keys(docs))):  # as Scheduler.run keys them
+        sched.add(rid, doc, key)
     done: dict[int, GenerationResult] = {}
     while sched.busy:
         done.update((row.rid, result(row)) for row in sched.step())
