@@ -393,7 +393,8 @@ def test_each_shape_says_whether_flex_decoding_serves_it(tmp_path, monkeypatch):
     assert [kernels[n]["decode_kernel"] for n in ("8b", "70b", "smollm2")] == [
         "flex-decoding", "flex-decoding", "flex main kernel"]
     assert kernels["smollm2"]["group"] == 3 and "no split-K" in kernels["smollm2"]["line"]
-    assert S.decode_kernel("x", S.tiny(2), "sdpa")["decode_kernel"] == "sdpa"
+    on_cpu = S.decode_kernel("x", S.tiny(2), "sdpa")
+    assert on_cpu["decode_kernel"] == "sdpa" and on_cpu["flex_kernel"] == "flex-decoding"
 
     def plan_only(steps, budget, rows, record):
         return None

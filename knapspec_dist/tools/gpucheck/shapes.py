@@ -58,19 +58,20 @@ def decode_kernel(name: str, cfg: ModelConfig, backend: str) -> dict:
     group = cfg.num_heads // cfg.num_kv_heads
     power_of_two = group > 0 and group & (group - 1) == 0
     ratio = f"{cfg.num_heads} query heads / {cfg.num_kv_heads} KV heads = {group}"
-    if backend != "flex":
-        kernel, line = backend, f"{name}: {ratio}; attention runs {backend}, not flex, here"
-    elif power_of_two:
-        kernel = "flex-decoding"
+    if power_of_two:
+        flex = "flex-decoding"
         line = f"{name}: {ratio}, a power of two: flex-decoding (split-K over the keys)"
     else:
-        kernel = "flex main kernel"
+        flex = "flex main kernel"
         line = (f"{name}: {ratio}, not a power of two: the main flex kernel, no split-K; its "
                 "long-context figures are not those of a power-of-two model (Llama-3.1-70B: "
                 "64 / 8 = 8)")
+    kernel = flex if backend == "flex" else backend
+    if backend != "flex":
+        line = f"{line}; attention runs {backend} here, so this holds on CUDA only"
     return {"model": name, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
             "group": group, "power_of_two": power_of_two, "backend": backend,
-            "decode_kernel": kernel, "line": line}
+            "decode_kernel": kernel, "flex_kernel": flex, "line": line}
 
 
 def attention_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
