@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,14 +15,18 @@ from knapspec_dist.model.weights import load_model
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
+from knapspec_dist.tools import ties
 from knapspec_dist.tools.ties import (
     BUG,
     FP32_CUDA_ULPS,
     TIE,
     check_divergence,
+    check_run,
     classify,
     first_difference,
+    inside_bound,
     one_shot_logits,
+    reference_logits,
     rule_ulps,
     spacing,
     tolerance,
@@ -231,3 +236,110 @@ def test_fp32_static_equals_ar(engine_model):
                             .token_ids) is None
     flipped = ref[:3] + [(ref[3] + 1) % model.cfg.vocab_size] + ref[4:]
     assert check_divergence(model, prompt, ref, flipped).verdict == BUG
+
+
+def tie_logits(rows: int, ties: dict[int, tuple[int, int]], vocab: int = 16) -> torch.Tensor:
+    """[rows, vocab] logits: token 2 on top at 19.75 everywhere, except that at row ``i`` of
+    ``ties`` the pair (a, b) ties exactly at 19.75."""
+    z = torch.full((rows, vocab), -3.0)
+    z[:, 2] = 19.75
+    for i, (a, b) in ties.items():
+        z[i, 2] = -3.0
+        z[i, a] = z[i, b] = 19.75
+    return z
+
+
+BF16_CPU = SimpleNamespace(dtype=BF16, device=torch.device("cpu"))
+
+
+def test_check_run_goes_on_past_each_near_tie_teacher_forced():
+    """Ties at tokens 2 and 5: after each, the candidate is generated again from the
+    reference's token, and the comparison goes on to the end (2 ties, 2 reruns)."""
+    reference = [2, 2, 3, 2, 2, 7, 2, 2]
+    logits = tie_logits(8, {2: (3, 4), 5: (7, 9)})
+    calls = []
+
+    def rerun(ids: list[int], n: int) -> list[int]:
+        calls.append((len(ids), n))
+        start = len(ids) - 10
+        return reference[3:5] + [9] + reference[6:] if start == 3 else reference[start:]
+
+    candidate = [2, 2, 4, 2, 2, 2, 2, 2]  # ties at 2, then whatever its own prefix gave
+    check = check_run(BF16_CPU, list(range(10)), reference, candidate, rerun, logits)
+    assert [(d.position, d.reference_token, d.candidate_token) for d in check.divergences] == [
+        (2, 3, 4), (5, 7, 9)]
+    assert calls == [(13, 5), (16, 2)] and check.reruns == 2
+    assert check.correct and check.ties == 2 and check.ties_per_1k == 250.0
+    assert check.inside_bound == 2 and check.false_acceptance == 0.25  # the two exact ties
+
+
+def test_check_run_finds_a_bug_after_a_near_tie():
+    reference = [2, 2, 3, 2, 2, 2]
+    logits = tie_logits(6, {2: (3, 4)})
+    check = check_run(BF16_CPU, [0], reference, [2, 2, 4, 2, 2, 2],
+                      lambda ids, n: [2, 5, 2][:n], logits)
+    assert [d.verdict for d in check.divergences] == [TIE, BUG]
+    assert check.divergences[1].position == 4 and not check.correct
+    assert check.to_dict()["correct"] is False and check.to_dict()["divergences"][1]["gap"] > 22
+
+
+def test_check_run_of_equal_tokens_has_no_divergence_and_no_rerun():
+    logits = tie_logits(4, {})
+    check = check_run(BF16_CPU, [0], [2] * 4, [2] * 4,
+                      lambda ids, n: pytest.fail("reran"), logits)
+    assert check.divergences == () and check.correct and check.ties_per_1k == 0.0
+
+
+def test_inside_bound_counts_runner_ups_within_the_tolerance():
+    """Gaps of 0, 1 and 4 bf16 steps at 19.75 are inside the 0.5 bound, 5 steps are not; in
+    fp32 on a CPU nothing is (identity)."""
+    z = torch.full((4, 8), -3.0)
+    z[:, 0] = 19.75
+    z[0, 1], z[1, 1], z[2, 1], z[3, 1] = 19.75, 19.625, 19.25, 19.125
+    assert inside_bound(z, BF16) == 3
+    assert inside_bound(z, FP32) == 0
+    assert inside_bound(z, FP32, "cuda") == 1  # 0 ulps, the others are thousands of fp32 ulps
+
+
+def test_reference_logits_are_the_one_shot_logits_at_every_position(engine_model, monkeypatch):
+    """In fp32 the blocked forward of ar's tokens (blocks of 3 here) predicts ar's next token
+    at every position, and agrees with a one-shot prefill of each prefix."""
+    monkeypatch.setattr(ties, "BLOCK", 3)
+    model = engine_model("llama-gqa")
+    prompt = random_prompt(20, model.cfg.vocab_size, seed=3)
+    ar = generate(Autoregressive(), model, [prompt], GenerationConfig(
+        max_new_tokens=8, stop_at_eos=False))[0].token_ids
+    logits = reference_logits(model, prompt, ar)
+    assert logits.shape == (8, model.cfg.vocab_size) and logits.dtype == torch.float32
+    assert logits.argmax(dim=-1).tolist() == ar
+    for i in (0, 4, 7):
+        torch.testing.assert_close(logits[i], one_shot_logits(model, prompt + ar[:i]),
+                                   rtol=1e-4, atol=1e-4)  # fp32 rounding
+
+
+def test_check_run_on_a_tie_built_into_the_head(checkpoints):
+    """bf16, two equal head rows: the candidate emits the twin of ar's first token (an exact
+    tie), then ar's own continuation from ar's token (whatever it is: prefill and decode may
+    round differently, each divergence must be a near-tie); corrupted at token 5 afterwards,
+    the check goes past the tie and finds the BUG."""
+    prompt = random_prompt(30, 256, seed=2)
+    model, a, b = twin_head(checkpoints, BF16, prompt)
+    config = GenerationConfig(max_new_tokens=10, stop_at_eos=False)
+    ref = generate(Autoregressive(), model, [prompt], config)[0].token_ids
+    twin = b if ref[0] == a else a
+
+    def ar_from(ids: list[int], n: int) -> list[int]:
+        return generate(Autoregressive(), model, [ids], GenerationConfig(
+            max_new_tokens=n, stop_at_eos=False))[0].token_ids
+
+    check = check_run(model, prompt, ref, [twin] + ref[1:], ar_from)
+    assert check.divergences[0].position == 0 and check.divergences[0].gap == 0.0
+    assert check.correct, [d.describe() for d in check.divergences]
+    assert check.reruns >= 1 and check.inside_bound >= 1  # position 0 at least
+
+    logits = reference_logits(model, prompt, ref)
+    worst = int(logits[5].argmin())
+    corrupted = check_run(model, prompt, ref, [twin] + ref[1:],
+                          lambda ids, n: (ref[1:5] + [worst] + ref[6:])[-n:], logits)
+    assert [d.verdict for d in corrupted.divergences] == [TIE, BUG]
+    assert corrupted.divergences[1].position == 5 and not corrupted.correct

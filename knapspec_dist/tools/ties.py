@@ -53,19 +53,31 @@ been equal to ``ar``'s. The CPU logits of a verify and a decode are not bit-iden
 so an fp32 argmax could flip at a near-tie within about 15 ulps (~3e-5): rare enough not to
 have happened in the tests and benchmarks, and a divergence there is a failure to look at.
 
+**A check that keeps comparing.** A first divergence says nothing about the tokens after
+it, which follow a different prefix. :func:`check_run` therefore goes on: after a near-tie at
+``i`` it generates the candidate again from ``prompt + reference[:i + 1]`` (teacher-forced on
+the reference's token), compares that with ``reference[i + 1:]``, and so on to the end, every
+divergence classified (:class:`RunCheck`). A run is correct when every divergence is a
+near-tie. Its figures: near-ties per 1,000 tokens, and the bound's false-acceptance rate, the
+share of positions where the one-shot runner-up lies within the tolerance of the top: the
+chance that a bug emitting the runner-up there would be called a tie.
+
 :func:`classify` is the pure core (logits in, :class:`Divergence` out);
-:func:`check_divergence` finds the first difference and runs the one-shot forward.
+:func:`check_divergence` finds the first difference and runs the one-shot forward;
+:func:`check_run` compares a whole run.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.model.cache import KVCache, kv_heads
+from knapspec_dist.model.transfer import upload
 from knapspec_dist.model.weights import dtype_name
 
 TIE, BUG = "tie", "BUG"
@@ -182,3 +194,92 @@ def check_divergence(model, prompt: list[int], reference: list[int],
         return classify(torch.empty(0), i, r, c, model.dtype, model.device)
     return classify(one_shot_logits(model, list(prompt) + list(reference[:i])), i, r, c,
                     model.dtype, model.device)
+
+
+BLOCK = 256  # reference tokens per forward of reference_logits (bounds its activations)
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """A candidate's run compared with the reference's at every position (:func:`check_run`)."""
+
+    tokens: int  # reference tokens compared
+    divergences: tuple[Divergence, ...]  # in order; the last one ends the check if a BUG
+    inside_bound: int  # positions whose one-shot runner-up is within the tolerance of the top
+    reruns: int  # candidate generations restarted on the reference's token
+
+    @property
+    def correct(self) -> bool:
+        return all(d.is_tie for d in self.divergences)
+
+    @property
+    def ties(self) -> int:
+        return sum(d.is_tie for d in self.divergences)
+
+    @property
+    def ties_per_1k(self) -> float:
+        return 1000.0 * self.ties / self.tokens if self.tokens else 0.0
+
+    @property
+    def false_acceptance(self) -> float:
+        """The share of positions where a bug emitting the runner-up would pass as a tie."""
+        return self.inside_bound / self.tokens if self.tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "divergences": [d.to_dict() for d in self.divergences],
+                "inside_bound": self.inside_bound, "reruns": self.reruns,
+                "correct": self.correct, "ties": self.ties, "ties_per_1k": self.ties_per_1k,
+                "false_acceptance": self.false_acceptance}
+
+
+@torch.inference_mode()
+def reference_logits(model, prompt: list[int], reference: list[int]) -> torch.Tensor:
+    """The full model's logits [len(reference), V] (fp32, on the CPU) before each reference
+    token: a prefill of the prompt, then the reference in blocks of ``BLOCK`` tokens (one
+    computation, independent of both decode paths)."""
+    cache = KVCache(model.cfg, 1, len(prompt) + len(reference), dtype=model.dtype,
+                    device=model.device, kv_heads=kv_heads(model))
+    out = [prefill(model, cache, 0, list(prompt))[None].cpu()]
+    rest, start = list(reference[:-1]), len(prompt)
+    for i in range(0, len(rest), BLOCK):
+        block = rest[i:i + BLOCK]
+        out.append(model(upload([block], model.device), [start + i], cache, slice(0, 1))[0].cpu())
+        cache.commit(0, start + i + len(block))
+    return torch.cat(out)[:len(reference)]
+
+
+def inside_bound(logits: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> int:
+    """How many rows of ``logits`` [N, V] have their runner-up within the near-tie tolerance
+    of their top logit (0 where the rule is identity)."""
+    if not rule_ulps(dtype, device) or logits.shape[-1] < 2:
+        return 0
+    top2 = logits.topk(2, dim=-1).values
+    return sum(1 for a, b in top2.tolist()
+               if a - b <= tolerance(max(abs(a), abs(b)), dtype, device))
+
+
+def check_run(model, prompt: list[int], reference: list[int], candidate: list[int],
+              rerun: Callable[[list[int], int], list[int]],
+              logits: torch.Tensor | None = None) -> RunCheck:
+    """Compare ``candidate`` with ``reference`` (both generated after ``prompt``) at every
+    position. After a near-tie at ``i``, ``rerun(prompt + reference[:i + 1], n)`` must return
+    the candidate's next ``n`` tokens from there (``n = len(reference) - i - 1``); the check
+    stops at the first BUG. ``logits``: :func:`reference_logits` of this prompt and reference
+    when already computed (shared by the candidates of one reference)."""
+    if logits is None:
+        logits = reference_logits(model, prompt, reference) if reference else torch.empty(0, 0)
+    divergences, start, tail, reruns = [], 0, list(candidate), 0
+    while (j := first_difference(reference[start:], tail)) is not None:
+        i = start + j
+        r = reference[i] if i < len(reference) else None
+        c = tail[j] if j < len(tail) else None
+        z = logits[i] if r is not None and c is not None else torch.empty(0)
+        divergences.append(classify(z, i, r, c, model.dtype, model.device))
+        if not divergences[-1].is_tie or i + 1 >= len(reference):
+            break
+        start = i + 1
+        tail = list(rerun(list(prompt) + list(reference[:start]), len(reference) - start))
+        reruns += 1
+    return RunCheck(len(reference), tuple(divergences),
+                    inside_bound(logits, model.dtype, model.device), reruns)
