@@ -11,6 +11,7 @@ from conftest import random_prompt
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.precision import FP32_CUDA_ULPS, TOKEN_IDENTICAL, guarantee, rule_ulps
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.factory import build_strategy
@@ -18,7 +19,6 @@ from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.tools import ties
 from knapspec_dist.tools.ties import (
     BUG,
-    FP32_CUDA_ULPS,
     TIE,
     check_divergence,
     check_run,
@@ -27,7 +27,6 @@ from knapspec_dist.tools.ties import (
     inside_bound,
     one_shot_logits,
     reference_logits,
-    rule_ulps,
     spacing,
     tolerance,
 )
@@ -343,3 +342,12 @@ def test_check_run_on_a_tie_built_into_the_head(checkpoints):
                           lambda ids, n: (ref[1:5] + [worst] + ref[6:])[-n:], logits)
     assert [d.verdict for d in corrupted.divergences] == [TIE, BUG]
     assert corrupted.divergences[1].position == 5 and not corrupted.correct
+
+
+def test_guarantee_names_what_the_rule_allows():
+    """Identity where the rule tolerates nothing; near-ties, with dtype and device, elsewhere."""
+    assert guarantee("fp32", "cpu") == guarantee(FP32) == TOKEN_IDENTICAL == "token-identical"
+    assert guarantee(BF16, "cpu") == "identical up to near-ties (bf16 on cpu)"
+    assert guarantee("bf16", torch.device("cuda", 0)) == "identical up to near-ties (bf16 on cuda)"
+    assert guarantee("fp16", "cuda") == "identical up to near-ties (fp16 on cuda)"
+    assert guarantee("fp32", "cuda") == "identical up to near-ties (fp32 on cuda)"

@@ -77,12 +77,11 @@ import torch
 
 from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.model.cache import KVCache, kv_heads
+from knapspec_dist.model.precision import rule_ulps
 from knapspec_dist.model.transfer import upload
 from knapspec_dist.model.weights import dtype_name
 
 TIE, BUG = "tie", "BUG"
-ULPS = 4  # bf16 / fp16 tolerance in units of the dtype's spacing at the top logit (module doc)
-FP32_CUDA_ULPS = 64  # fp32 on CUDA: its decode and verify run different cuBLAS kernels
 
 
 @dataclass(frozen=True)
@@ -126,16 +125,6 @@ def spacing(x: float, dtype: torch.dtype) -> float:
     x = abs(float(x))
     tiny = torch.finfo(dtype).tiny
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(x, tiny)))
-
-
-def rule_ulps(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
-    """The near-tie tolerance in ulps of the top logit for a model of ``dtype`` on ``device``
-    (0: exact identity)."""
-    if dtype == torch.float32 and torch.device(device).type == "cuda":
-        return FP32_CUDA_ULPS
-    if dtype in (torch.float32, torch.float64):
-        return 0
-    return ULPS
 
 
 def tolerance(magnitude: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

@@ -23,6 +23,7 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm2
+from knapspec_dist.model.precision import guarantee
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles.profiler import measure
@@ -159,7 +160,8 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
                     return {"new_tokens": len(r.token_ids),
                             "acceptance": r.stats.acceptance_rate,
                             **compare(subj, prompt, reference, r.token_ids)}
-                base = {"dtype": dtype, "strategy": name, "prompt": i}
+                base = {"dtype": dtype, "strategy": name, "prompt": i,
+                        "guarantee": guarantee(dtype, device)}
                 if name != "ar" and not reference:
                     rows.skip(out["greedy"], base, "skipped: no ar reference (its row failed)")
                     continue

@@ -68,7 +68,8 @@ RUN = [("section", "section"), ("status", "status"), ("wall_s", "wall s"),
        ("budget_s", "budget s"), ("compiles", "compiles"), ("compile_s", "compile s"),
        ("rows_ok", "rows ok"), ("rows_failed", "failed"), ("rows_skipped", "skipped")]
 
-GREEDY = [("dtype", "dtype"), ("strategy", "strategy"), ("prompt", "prompt"),
+GREEDY = [("dtype", "dtype"), ("guarantee", "what holds"), ("strategy", "strategy"),
+          ("prompt", "prompt"),
           ("new_tokens", "tokens"), ("acceptance", "acceptance"), ("verdict", "vs ar"),
           ("detail", "first divergence"), ("status", "status")]
 SAMPLING = [("strategy", "strategy"), ("dtype", "dtype"), ("new_tokens", "tokens"),
