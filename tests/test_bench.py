@@ -174,11 +174,12 @@ def test_bench_report_lists_every_divergence_with_its_margin(tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "ERROR: 1 run(s) differ from `ar` beyond a near-tie" in md
     assert "| near-tie in 1/2 |" in md and "| **NO: 1 BUG** |" in md
-    assert ("| 64 | a | static:a1@2 | 1 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 0.5 | "
-            "0.375 | tie |") in md
-    assert ("| 64 | a | static:a1@2 | 1 | 14 | 5 (19.62) | 3 (19.75) | 19.75 | 0.125 | 0.5 | "
-            "0.375 | tie |") in md
-    assert "| 64 | b | clasp | 1 | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.5 | -21.25 | **BUG** |" in md
+    assert ("| 64 | a | static:a1@2 | 1 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 1.75 | "
+            "1.625 | tie |") in md
+    assert ("| 64 | a | static:a1@2 | 1 | 14 | 5 (19.62) | 3 (19.75) | 19.75 | 0.125 | 1.75 | "
+            "1.625 | tie |") in md
+    assert ("| 64 | b | clasp | 1 | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 1.75 | -20 | "
+            "**BUG** |") in md
     # 2 near-ties in 32 tokens: 62.5 per 1k; 4 of 32 positions inside the bound: 12.5 %
     assert "| 64 | static:a1@2 | 32 | 2 | 62.50 | 12.50 % |" in md
     assert "| 64 | ar | 32 | 0 | 0.00 | 12.50 % |" in md

@@ -154,9 +154,10 @@ def divergence_table(runs: list[dict]) -> list[str]:
     lines = ["## divergences from ar", "",
              "At each differing new token, the full model's logits of ar's tokens (one "
              "forward) give the logits of ar's token and the strategy's; gap = top logit - the "
-             "lower of the two, margin = tolerance - gap. A near-tie (gap <= tolerance: 4 steps "
-             "of the model's dtype at the top logit, e.g. 0.5 in bf16 for logits in [16, 32); 0 "
-             "in fp32) is kernel rounding; anything else is a BUG "
+             "lower of the two, margin = tolerance - gap. A near-tie (gap <= tolerance: steps "
+             "of the model's dtype at the top logit, per dtype and device in "
+             "knapspec_dist/model/precision.py, e.g. 14 in bf16 on a CPU, 1.75 for logits in "
+             "[16, 32); 0 in fp32 on a CPU) is kernel rounding; anything else is a BUG "
              "(knapspec_dist/tools/ties.py).", "",
              "| context | prompt | strategy | repeat | new token | ar token (logit) "
              "| its token (logit) | top logit | gap | tolerance | margin | verdict |",
