@@ -10,11 +10,11 @@ import torch
 from knapspec_dist.cli.main import main
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.selfspec import SelfSpeculative
-from knapspec_dist.tools.ties import Divergence, RunCheck, classify
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
 from knapspec_dist.tools.bench.report import summarize, write_markdown
 from knapspec_dist.tools.bench.specs import parse_strategies
+from knapspec_dist.tools.ties import Divergence, RunCheck, classify
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -198,12 +198,15 @@ def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_pat
     base = {"new_tokens": 16, "wall_s": 1.0, "prefill_s": 0.1, "drafted": 8, "accepted": 4,
             "prompt_tokens": 64, "attention_skipped": 1.0, "mlp_skipped": 1.0, "select_s": 0.0,
             "selections": 1, "draft_s": 0.2, "verify_s": 0.5}
-    runs = [{"strategy": "ar", "context": 64, "prompt": p, "matches_ar": True, "check": check_of(), "stats":
-             {**base, "plans": {"ar": {**tally(15, 15, 0.5, 0.0), "priced_s": 0.0}}}}
+    runs = [{"strategy": "ar", "context": 64, "prompt": p, "matches_ar": True,
+             "check": check_of(),
+             "stats": {**base, "plans": {"ar": {**tally(15, 15, 0.5, 0.0), "priced_s": 0.0}}}}
             for p in "ab"]
-    runs += [{"strategy": "knapspec", "context": 64, "prompt": p, "matches_ar": True, "check": check_of(), "stats":
-              {**base, "plans": {label: tally(2 + k, 3 + k, 0.1 * (k + 1) + 0.01 * j, 30 + k)
-                                 for k, label in enumerate(labels)}}}
+    runs += [{"strategy": "knapspec", "context": 64, "prompt": p, "matches_ar": True,
+              "check": check_of(),
+              "stats": {**base, "plans": {label: tally(2 + k, 3 + k, 0.1 * (k + 1) + 0.01 * j,
+                                                       30 + k)
+                                          for k, label in enumerate(labels)}}}
              for j, p in enumerate("ab")]
     header = {"machine": {"cpu": "x", "torch_threads": 1, "cpu_count": 2}, "command": "c",
               "date": "d", "torch": "t", "model": "m", "dtype": "bf16", "device": "cpu",

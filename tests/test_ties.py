@@ -380,3 +380,15 @@ def test_logit_spread_is_the_uneven_error_over_the_top_tokens_in_ulps(monkeypatc
     assert spreads["decode"].max == 3.0 and spreads["decode"].positions == 4
     assert spreads["decode"].median == 0.0
     assert spreads["verify q=2"].max == 0.0
+
+
+def test_fp32_cpu_check_of_equal_tokens_runs_no_forward(monkeypatch):
+    """Identity is the rule there: equal tokens need no one-shot logits (nor a false-acceptance
+    count); a difference does."""
+    monkeypatch.setattr(ties, "reference_logits", lambda *a: pytest.fail("forward"))
+    cpu32 = SimpleNamespace(dtype=FP32, device=torch.device("cpu"))
+    check = check_run(cpu32, [0], [2] * 4, [2] * 4, lambda ids, n: pytest.fail("reran"))
+    assert check.correct and check.inside_bound == 0 and check.tokens == 4
+    monkeypatch.setattr(ties, "reference_logits", lambda *a: tie_logits(4, {1: (2, 3)}))
+    check = check_run(cpu32, [0], [2] * 4, [2, 3, 2, 2], lambda ids, n: pytest.fail("reran"))
+    assert [d.verdict for d in check.divergences] == [BUG]  # an exact tie, but fp32 on a CPU

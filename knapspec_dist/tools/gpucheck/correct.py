@@ -29,13 +29,13 @@ from knapspec_dist.model.weights import dtype_name, load_model
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions, format_skip
-from knapspec_dist.tools.ties import check_divergence, logit_spread
 from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
 from knapspec_dist.tools.gpucheck.rows import Rows, error_line
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
+from knapspec_dist.tools.ties import check_divergence, logit_spread
 
 log = logging.getLogger(__name__)
 
