@@ -220,6 +220,14 @@ def _check_doc(doc: dict) -> None:
     greedy = doc["correctness"]["greedy"]
     assert {r["strategy"] for r in greedy} == {"ar", "static", "knapspec", "clasp"}
     assert all(r["verdict"] != "BUG" for r in greedy)
+    kind = doc["meta"]["device"]["kind"]
+    assert {(r["dtype"], r["guarantee"]) for r in greedy} == {
+        ("fp32", "token-identical" if kind == "cpu" else "identical up to near-ties (fp32 on cuda)"),
+        ("bf16", f"identical up to near-ties (bf16 on {kind})")}
+    spread = doc["correctness"]["spread"]  # bf16 decode / verify against one forward
+    assert spread and all(r["status"] == "ok" and r["positions"] > 0 and
+                          0 <= r["median"] <= r["p90"] <= r["max"] and r["bound_ulps"] == 14
+                          for r in spread)
     assert doc["correctness"]["sampling"]
     assert all(r["in_vocab"] and r["new_tokens"] > 0 for r in doc["correctness"]["sampling"])
     assert doc["bench"]["summary"]
