@@ -158,8 +158,9 @@ def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_
     lines = [json.loads(line) for line in out.strip().splitlines()]
     assert len(lines) == 3
     for text, line in zip(texts, lines):
-        want = generate(Autoregressive(), smollm2.model, [encode(smollm2.tokenizer, text, chat=True)],
-                                         GenerationConfig(max_new_tokens=8))[0]
+        prompt = encode(smollm2.tokenizer, text, chat=True)
+        want = generate(Autoregressive(), smollm2.model, [prompt],
+                        GenerationConfig(max_new_tokens=8))[0]
         assert line["token_ids"] == want.token_ids
     assert max(line["stats"]["mean_batch"] for line in lines) > 1
 

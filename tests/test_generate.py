@@ -112,8 +112,8 @@ def skip_sets(num_layers: int) -> list[set[int]]:
     sets = [
         {0},  # attention of the first layer
         {2 * last + 1},  # MLP of the last layer
-        {2 * l for l in range(num_layers)},  # every attention (50%)
-        {2 * l + 1 for l in range(num_layers)},  # every MLP (50%)
+        {2 * layer for layer in range(num_layers)},  # every attention (50%)
+        {2 * layer + 1 for layer in range(num_layers)},  # every MLP (50%)
         {2, 2 * last + 1},  # mixed
         {0, 1, 2 * last, 2 * last + 1},  # first and last layer
         set(range(1, n)),  # all but one (> 50%)
@@ -198,8 +198,8 @@ def smol_plans() -> list[tuple[set[int], int, float]]:
     Its drafts are rarely confident (top-1 probability > 0.7), so the tau_conf=0.7 plans use
     mild skip sets (sublayers whose removal keeps ~90% top-1 agreement); the heavy ones run at
     tau_conf=0 with short drafts, since nearly every draft they make is rejected."""
-    a = lambda *ls: {2 * l for l in ls}  # noqa: E731
-    m = lambda *ls: {2 * l + 1 for l in ls}  # noqa: E731
+    a = lambda *layers: {2 * layer for layer in layers}  # noqa: E731
+    m = lambda *layers: {2 * layer + 1 for layer in layers}  # noqa: E731
     mild = sorted(a(4, 5, 6, 7, 9, 17, 22, 23, 25, 26, 28, 29) | m(12, 13, 23, 25))
     return [
         (a(4, 5, 6, 7, 22, 23, 25), 4, 0.7),  # attention only

@@ -247,7 +247,8 @@ def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
     SmolLM2 pack, gpu-check --quick."""
     env = without_ray(subprocess_env())
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable,
-               KNAPSPEC_PACK=str(tmp_path / "no-pack"), KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
+               KNAPSPEC_PACK=str(tmp_path / "no-pack"),
+               KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
     # A budget no busy machine exhausts: the test checks the program, not the time it takes
     # (about 12 s on an idle 2-core CPU, measured by the command itself in meta.wall_s).
     p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_run.sh"), "--device", "cpu",

@@ -286,8 +286,9 @@ FAULT_DRIVER = textwrap.dedent("""
     inp, out, address = sys.argv[1:4]
     result = run_job(JobConfig(
         input=inp, output=out, address=address, model="smollm2",
-        strategy=StrategyOptions(name="static", skip="a10,a12,m14,a16"), max_new_tokens=8, baseline_fraction=0,
-        checkpoint_rows=1, max_num_seqs=8, progress_seconds=5), on_row=kill_a_shard)
+        strategy=StrategyOptions(name="static", skip="a10,a12,m14,a16"), max_new_tokens=8,
+        baseline_fraction=0, checkpoint_rows=1, max_num_seqs=8, progress_seconds=5),
+        on_row=kill_a_shard)
     alive = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "Shard")])
     print(json.dumps({"killed": killed, "summary": result.summary,
                       "alive_after": [a.pid for a in alive]}))

@@ -90,8 +90,9 @@ def markdown(doc: dict) -> str:
              f"`{meta['command']}` on {meta['date']}, torch {meta['torch']}, "
              f"{'quick (tiny shapes)' if meta['quick'] else 'full'}; {meta['wall_s']:.0f} s of a "
              f"{meta['budget_s']:.0f} s budget ({meta.get('setup_s', 0.0):.0f} s of imports and "
-             f"model conversion before the first section). Bound = (weight bytes + KV bytes read) / "
-             f"{meta['bandwidth_tb_s']} TB/s; shapes in {meta['dtype']} with random weights.", ""]
+             f"model conversion before the first section). "
+             f"Bound = (weight bytes + KV bytes read) / {meta['bandwidth_tb_s']} TB/s; "
+             f"shapes in {meta['dtype']} with random weights.", ""]
     if meta.get("stopped"):
         lines += [f"**Stopped early: {meta['stopped']}.**", ""]
     kernels = doc.get("kernels", [])
