@@ -17,7 +17,7 @@ import os
 import pytest
 
 from conftest import random_prompt
-from fakes import drafting_profile
+from synthetic import drafting_profile
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.runtime import replica
