@@ -96,6 +96,7 @@ def test_batched_ar_equals_unbatched(name, engine_model):
     assert len(batched[0].token_ids) < 40
 
 
+@pytest.mark.e2e
 def test_batched_ar_equals_unbatched_smollm2(smollm2, corpus_prompt):
     model = smollm2.model
     prompts = [corpus_prompt[:40], corpus_prompt[100:227], corpus_prompt[300:307]]
@@ -227,6 +228,7 @@ def smol_prompts(smollm2, corpus_prompt):
             corpus_prompt[:150]]
 
 
+@pytest.mark.e2e
 def test_static_equals_ar_smollm2(smollm2, smol_prompts):
     model = smollm2.model
     reference = [ar(model, [p], SMOL_NEW, **NO_EOS)[0].token_ids for p in smol_prompts]

@@ -242,6 +242,7 @@ def _check_doc(doc: dict) -> None:
     assert all(f["attention_share"] >= 0 for r in found for f in r["findings"])
 
 
+@pytest.mark.e2e
 def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
     """The script the GPU machine runs, on a CPU without Ray or gguf, as on the GPU image: no
     SmolLM2 pack, gpu-check --quick."""
