@@ -1,10 +1,10 @@
 """What the run's drafts realized, per subnet: the default KnapSpec's acceptance estimate and
 the draft length the confidence exit leaves.
 
-A candidate's acceptance is a Beta posterior: a uniform (Laplace) prior (``prior``, the one
-owner of it: ``smoothed_alpha`` is its mean after the DP's agreements alone), the DP's top-1 agreements over
-its r reference positions, and the rounds drafted so far with the subnet in use and the
-subnets near it (weighted by the overlap of their skip sets, so evidence about a subnet
+A candidate's acceptance is a Beta posterior: a uniform (Laplace) prior (``prior``, its one
+owner; ``smoothed_alpha`` is its mean after the DP's agreements alone), the DP's top-1
+agreements over its r reference positions, and the rounds drafted so far with the subnet in
+use and the subnets near it (weighted by the overlap of their skip sets, so evidence about a subnet
 carries to the ones that differ from it by a sublayer or two). A round with row acceptance k
 of c judged drafts is k successes and, when k < c, one failure (what follows a rejection is
 never judged). The margin is this posterior's own spread (``Estimate.lower``), not a

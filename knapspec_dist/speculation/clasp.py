@@ -17,16 +17,9 @@ from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.speculation import knapsack, tpt
 from knapspec_dist.speculation.acceptance import smoothed_alpha
+from knapspec_dist.speculation.dp import mean_context, plan_of, run_dp
 from knapspec_dist.speculation.hidden_states import Reference
-from knapspec_dist.speculation.knapspec import (
-    Decision,
-    KnapsackSelector,
-    KnapSpecConfig,
-    Selection,
-    mean_context,
-    plan_of,
-    run_dp,
-)
+from knapspec_dist.speculation.knapspec import Decision, KnapsackSelector, KnapSpecConfig, Selection
 
 
 def closest_to(candidates: list[knapsack.Candidate], alphas: list[float], target: int,

@@ -9,7 +9,7 @@ every sublayer) at the last ``m`` committed positions, captured for free during 
 2. spare: can the due DP be spared, because it cannot pay for itself (``SpareRule``)?
 3. DP: weigh each sublayer (its measured latency at the batch's mean context n, integer
    weights, attention growing with n, MLP constant, all-reduce included under TP) and run the
-   pure knapsack solver (knapsack.py); every stage evaluates all surviving budgets in one
+   pure knapsack solver (dp.py, knapsack.py); every stage evaluates all surviving budgets in one
    batched forward of that sublayer over the reference positions, attending to the real KV
    cache prefix, and scores them by mean cosine to the full model's state (hidden_states.py);
    states that cannot reach the least skipped weight that could pay are dropped
@@ -48,7 +48,8 @@ from knapspec_dist.speculation import knapsack, tpt
 from knapspec_dist.speculation.acceptance import AcceptanceBook, fit_acceptance, smoothed_alpha
 from knapspec_dist.speculation.calibration import Calibration, RoundTiming
 from knapspec_dist.speculation.guard import PlanGuard, PlanRun
-from knapspec_dist.speculation.hidden_states import HiddenStateEvaluator, Reference
+from knapspec_dist.speculation.dp import mean_context, plan_of, reference_positions, run_dp
+from knapspec_dist.speculation.hidden_states import Reference
 from knapspec_dist.speculation.schedule import (
     Frontier,
     Prices,
@@ -108,51 +109,6 @@ class Decision:
     clock: ScheduleClock | None = None
 
 
-@dataclass(frozen=True)
-class DP:
-    """What one knapsack DP found: its candidates and, per candidate, the reference positions
-    (of ``positions``) where its top-1 token is the full model's."""
-
-    candidates: list[knapsack.Candidate]
-    agree: list[int]
-    positions: int
-
-
-def mean_context(batch: Batch) -> int:
-    """The context a selection prices a batch at: its rows' mean length."""
-    return round(statistics.fmean(batch.lengths))
-
-
-def run_dp(model: Transformer, batch: Batch, references: list[Reference], weights: list[int],
-           config: KnapSpecConfig, useful_from: int = 1) -> DP:
-    """The knapsack DP over ``references`` (knapsack.py, hidden_states.py), and each
-    candidate's top-1 agreements with the full model there."""
-    num_layers = model.cfg.num_layers
-    keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1} if config.keep_first_last else set()
-    evaluator = HiddenStateEvaluator(model, batch.cache, references)
-    candidates = knapsack.solve(weights, evaluator, tau=config.tau,
-                                max_skip_fraction=config.max_skip_fraction,
-                                always_execute=keep, coupled=config.coupled,
-                                useful_from=useful_from)
-    return DP(candidates, agreements(model, evaluator, candidates),
-              evaluator.reference.shape[1])
-
-
-def agreements(model: Transformer, evaluator: HiddenStateEvaluator,
-               candidates: list[knapsack.Candidate]) -> list[int]:
-    """Per candidate, the reference positions where its top-1 token is the full model's."""
-    if not candidates:
-        return []
-    reference = model.logits(evaluator.reference[-1]).argmax(dim=-1)  # [M]
-    finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
-    return (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
-
-
-def reference_positions(references: list[Reference]) -> int:
-    """r: the positions a DP over ``references`` judges on."""
-    return sum(r.states.shape[1] for r in references)
-
-
 def choose_by_tpt(profile: LatencyProfile, candidates: list[knapsack.Candidate],
                   alphas: list[float], lower: list[float] | None, n: int, num_layers: int,
                   config: KnapSpecConfig, exit_rate: float) -> tpt.Choice:
@@ -162,11 +118,6 @@ def choose_by_tpt(profile: LatencyProfile, candidates: list[knapsack.Candidate],
     return tpt.search(alphas, draft_times, lambda q: profile.verify_time(q, n),
                       max_gamma=config.max_gamma, objective=config.objective,
                       exit_rate=exit_rate, lower=lower)
-
-
-def plan_of(candidates: list[knapsack.Candidate], choice: tpt.Choice) -> Plan:
-    skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
-    return Plan(skip, choice.gamma)
 
 
 class KnapsackSelector(Selector):

@@ -30,16 +30,9 @@ from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
 from knapspec_dist.speculation import tpt
+from knapspec_dist.speculation.dp import mean_context, plan_of, run_dp
 from knapspec_dist.speculation.hidden_states import Reference
-from knapspec_dist.speculation.knapspec import (
-    Decision,
-    KnapsackSelector,
-    KnapSpecConfig,
-    Selection,
-    mean_context,
-    plan_of,
-    run_dp,
-)
+from knapspec_dist.speculation.knapspec import Decision, KnapsackSelector, KnapSpecConfig, Selection
 
 
 def raw_alpha(agree: int, total: int) -> float:

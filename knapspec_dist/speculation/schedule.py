@@ -173,8 +173,8 @@ class SpareRule:
                   ) -> Callable[[int], float]:
         """j -> the most tokens/s a subnet skipping weight j (of ``weights``) could decode at
         at context n: drafting at the highest acceptance the DP can estimate from
-        ``positions`` reference positions (all agree, then scaled by the acceptance ratio), and saving j times the
-        most time one unit of weight stands for. Increasing in j."""
+        ``positions`` reference positions (all agree, then scaled by the acceptance ratio),
+        and saving j times the most time one unit of weight stands for. Increasing in j."""
         p = prices.profile
         alpha = min(1.0, prices.acceptance_ratio * smoothed_alpha(positions, positions))
         times = (p.attention_time(n), p.mlp_time())
