@@ -324,3 +324,17 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
                                                broadcast=lambda t, src: sent.append(t))).plan(
         model, None)
     assert before_any.schedule.last_select_s is None and before_any.schedule.next_selection == 5
+
+
+def test_a_decision_without_a_schedule_crosses_the_broadcast_as_it_is():
+    """The authors' selector has no wall-clock schedule: its decision is its plan alone, and
+    a round with no seconds timed feeds nothing."""
+    from knapspec_dist.speculation.knapspec import Decision
+    from knapspec_dist.speculation.schedule import ScheduleClock
+    from knapspec_dist.speculation.selfspec import Plan
+    from knapspec_dist.speculation.spmd import decode, encode
+
+    plan = Plan(frozenset({1, 6}), 10)
+    assert decode(encode(Decision(plan), None, 8), None) == (Decision(plan), None)
+    clocked = Decision(plan, ScheduleClock(37, None))
+    assert decode(encode(clocked, None, 8), None) == (clocked, None)

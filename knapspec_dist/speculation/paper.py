@@ -100,7 +100,7 @@ class PaperSelector(KnapsackSelector):
         self.profile = self.price(batch.size)
         self.round += 1
         if self.cadence.due(self.round):
-            references = self.references(batch)
+            references = self.window(batch)
             if references:
                 self.plan_now = self.select(model, batch, references).plan
             self.states = {}
@@ -125,9 +125,9 @@ class PaperSelector(KnapsackSelector):
         return self.made(Selection(n, weights, dp.candidates, alphas, choice,
                                    plan_of(dp.candidates, choice), dp.positions))
 
-    def references(self, batch: Batch) -> list[Reference]:
-        """Every position the window kept, of up to ``reference_rows`` rows, longest context
-        first (the authors decode one row: all of its positions)."""
+    def window(self, batch: Batch) -> list[Reference]:
+        """The references: every position the window kept, of up to ``reference_rows``
+        rows, longest context first (the authors decode one row: all of its positions)."""
         found = []
         for slot, row in enumerate(batch.rows):
             states = self.states.get(row.rid)
