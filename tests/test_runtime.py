@@ -17,7 +17,7 @@ import os
 import pytest
 
 from conftest import random_prompt
-from fakes import drafting_profile
+from synthetic import drafting_profile
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.runtime import replica
@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
 
 
 def leftovers() -> list[str]:
-    """Engine actors not DEAD and engine placement groups not REMOVED, by name."""
+    """RayEngine actors not DEAD and engine placement groups not REMOVED, by name."""
     from ray._private import state
 
     left = [f"actor {a.get('Name')} {a.get('State')}" for a in state.actors().values()
@@ -65,7 +65,7 @@ def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
 
 def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_path):
 
-    from knapspec_dist.runtime import Engine
+    from knapspec_dist.runtime import RayEngine
 
     model = engine_model("llama-gqa")
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=40 + n) for n in (5, 11)]
@@ -73,7 +73,7 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
     drafting_profile(model.cfg.shape()).save(profile)
     runs = [("ar", {}), ("static", dict(skip="m1,a2", gamma=3, tau_conf=0.0)),
             ("knapspec", dict(profile=str(profile), interval=8, tau_conf=0.0))]
-    with Engine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
+    with RayEngine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
         for i, (name, options) in enumerate(runs):
             if i:
                 engine.reconfigure(StrategyOptions(name=name, **options))
@@ -110,14 +110,14 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
     from knapspec_dist.errors import UserError
     from knapspec_dist.model.tokenizer import encode
-    from knapspec_dist.runtime import Engine
+    from knapspec_dist.runtime import RayEngine
     from knapspec_dist.engine.generation import GenerationConfig
 
     texts = ["The capital of France is", "One, two, three,", "Water boils at",
              "The quick brown fox", "In the beginning"]
     ids = [encode(smollm2.tokenizer, t) for t in texts]
     expected = local_tokens(smollm2.model, "ar", ids)
-    with Engine("smollm2", tp=1, replicas=2, strategy="ar") as engine:
+    with RayEngine("smollm2", tp=1, replicas=2, strategy="ar") as engine:
         results = engine.generate(texts, **NO_EOS)
         assert [r.replica for r in results] == [0, 1, 0, 1, 0]
         assert [r.token_ids for r in results] == expected
@@ -152,7 +152,7 @@ def _dead_actor(exc: BaseException) -> bool:
 def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case,
                                                monkeypatch):
     from knapspec_dist.errors import UserError
-    from knapspec_dist.runtime import Engine, StartupError
+    from knapspec_dist.runtime import RayEngine, StartupError
 
     ckpt = str(checkpoints["llama-gqa"])  # 4 heads, 2 KV heads
     kwargs, error, match = {
@@ -168,7 +168,7 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
     if case == "rank-dies":
         monkeypatch.setattr(replica, "Shard", RankOneDiesAtSetup)
     with pytest.raises(error, match=match):
-        Engine(strategy="ar", **kwargs)
+        RayEngine(strategy="ar", **kwargs)
     assert leftovers() == []
 
 
@@ -182,6 +182,7 @@ def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
     assert leftovers() == []
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_profile_tp2_measures_the_allreduce(cluster, checkpoints, tmp_path, capsys):
     from knapspec_dist.cli.main import main

@@ -23,7 +23,7 @@ from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
 from knapspec_dist.profiles.store import unsteady
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -58,7 +58,8 @@ def output_path(out: str, profile: LatencyProfile) -> Path:
 
 def register(sub) -> None:
     """Add ``knapspec profile`` to the CLI's subparsers."""
-    p = sub.add_parser("profile", help="measure a latency profile (sublayers, head, verify) to JSON",
+    p = sub.add_parser("profile",
+                       help="measure a latency profile (sublayers, head, verify) to JSON",
                        description="Measure per-sublayer decode latency against context length, "
                                    "the head, and the verify cost of q tokens; fit and write JSON.")
     add_model_args(p)
@@ -69,8 +70,10 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timings per point; the median is kept")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of every shape first")
     p.add_argument("--fill", default="random", choices=["random", "prefill"],
-                   help="KV cache contents: random K/V (default) or a real prefill of random tokens")
-    p.add_argument("--out", required=True, help="output JSON file, or a directory (file named by key)")
+                   help="KV cache contents: random K/V (default) "
+                        "or a real prefill of random tokens")
+    p.add_argument("--out", required=True,
+                   help="output JSON file, or a directory (file named by key)")
     add_engine_args(p)  # --tp / --address: measure on the Ray engine
     p.set_defaults(func=cmd_profile)
 
@@ -97,7 +100,7 @@ def profile_on_engine(args: argparse.Namespace) -> int:
     """One replica of ``--tp`` shard actors measures the sharded model."""
     contexts = checked_contexts(args)
     started = time.perf_counter()
-    with Engine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
+    with RayEngine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
                 address=args.address, cpus_per_rank=args.cpus_per_rank) as engine:
         check_window(contexts, engine.config.max_position_embeddings)
         profile = engine.measure_profile(contexts, batch=args.batch, max_q=args.max_q,

@@ -5,7 +5,7 @@ input files, the output directory) is checked first, so a malformed job fails in
 with one clear line; the tokenizer and config (small files) come next, to turn rows into
 prompts and fail bad rows; then the job takes the output directory's lease (jobs/lease.py:
 one job per output; a second one is refused before it writes anything) and reads the rows
-written already; only then does the Engine start its actors and load weights, and only
+written already; only then does the RayEngine start its actors and load weights, and only
 when there is a row left to generate.
 
 The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` calls them.
@@ -47,9 +47,10 @@ from knapspec_dist.jobs.termination import (
     install_sigterm,
     restore_sigterm,
 )
+from knapspec_dist.model.precision import guarantee
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
 from knapspec_dist.speculation.options import StrategyOptions
 
@@ -82,10 +83,10 @@ class JobResult:
 
 
 def default_engine_factory(config: JobConfig, strategy: StrategyOptions, replicas: int,
-                           longest: int | None = None) -> Engine:
+                           longest: int | None = None) -> RayEngine:
     """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
     context of the job (prompt + new tokens), which its latency profile must cover."""
-    return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
+    return RayEngine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
                   cpus_per_rank=config.cpus_per_rank, profile_need=longest,
                   max_num_seqs=config.max_num_seqs)
@@ -97,7 +98,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     """Run one job; returns where its results are and its summary.
 
     ``engine_factory(config, strategy, replicas)`` returns a context-managed engine for
-    ``strategy`` (StrategyOptions; default: :class:`knapspec_dist.runtime.engine.Engine`);
+    ``strategy`` (StrategyOptions; default: :class:`knapspec_dist.runtime.ray_engine.RayEngine`);
     ``backend_factory(engine)`` adapts it to the dispatcher (default
     :class:`knapspec_dist.runtime.backend.EngineBackend`); ``text_tools(config)`` gives the
     tokenizer and context window (default :func:`load_text_tools`).  ``on_row(row)`` sees
@@ -252,6 +253,7 @@ class JobRun(GenerationPasses):
                                    or (self.previous.get("run") or {}).get("max_num_seqs"))
         job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
+               "guarantee": guarantee(c.dtype, c.device),
                "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
                "input": c.input, "output": result.output, "input_files": len(self.scan.files),
                "max_model_len": self.max_len, "truncate": c.truncate,

@@ -16,7 +16,7 @@ from ray import exceptions as rx
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.errors import first_line
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 
 #: Errors that say the replica (an actor, a worker, a node) died, not the row.
 REPLICA_FAILURES = tuple(getattr(rx, n) for n in (
@@ -34,9 +34,9 @@ OUT_OF_MEMORY = tuple(t for t in (getattr(rx, "OutOfMemoryError", None),
 
 
 class EngineBackend:
-    """runtime.dispatch.Backend over :class:`~knapspec_dist.runtime.engine.Engine`."""
+    """runtime.dispatch.Backend over :class:`~knapspec_dist.runtime.ray_engine.RayEngine`."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: RayEngine):
         self.engine = engine
         self.num_replicas = engine.num_replicas
 

@@ -12,7 +12,7 @@ A pipeline is ``preprocess -> tokenize -> engine -> postprocess``, as in ``ray.d
 Why the job does not run the engine stage as a Ray Data actor: it adds what Ray Data LLM
 lacks around the same stages -- exactly-once part files, resume by an anti-join, retries
 across replicas, the baseline passes and the summary -- and those need one owner of every
-row's fate across all replicas (the driver's Dispatcher over the job's Engine). The
+row's fate across all replicas (the driver's Dispatcher over the job's RayEngine). The
 processor's engine stage (runtime/processor.py) is one replica per Ray Data actor, driving
 the same Dispatcher over it, so both paths restart a dead replica and retry its rows alike.
 """

@@ -35,7 +35,7 @@ from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import random_llama_weights
 from knapspec_dist.profiles.profiler import decode_allreduce_sizes
 from knapspec_dist.runtime.cluster import connect
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.tools.corpus import document_of_tokens
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
     for tp in tps:
         threads = max(1, cores // tp)
         started = time.perf_counter()
-        with Engine(path, tp=tp, strategy="ar", cpus_per_rank=threads,
+        with RayEngine(path, tp=tp, strategy="ar", cpus_per_rank=threads,
                     profile_contexts=profile_contexts, profile_repeats=2,
                     max_num_seqs=max_num_seqs) as engine:
             startup = time.perf_counter() - started
@@ -103,7 +103,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
     return out
 
 
-def _strategy_split(engine: Engine, strategy: str, texts: list[str],
+def _strategy_split(engine: RayEngine, strategy: str, texts: list[str],
                     new_tokens: int) -> tuple[dict, dict]:
     """One strategy's generation on a warm engine: the job's time split, and its rates."""
     if strategy != engine.options.name:
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = run(args.model, [int(t) for t in args.tp.split(",")], args.strategies.split(","),
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
               [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs)

@@ -22,19 +22,21 @@ import torch
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.config import ModelConfig, load_config
 from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm2
+from knapspec_dist.model.precision import guarantee, rule_ulps
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
-from knapspec_dist.model.weights import load_model
+from knapspec_dist.model.weights import dtype_name, load_model
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions, format_skip
-from knapspec_dist.tools.ties import check_divergence
 from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
 from knapspec_dist.tools.gpucheck.rows import Rows, error_line
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
+from knapspec_dist.tools.ties import check_divergence, logit_spread
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +99,19 @@ def real_model(quick: bool) -> RealModel:
         return RealModel(None, f"SmolLM2 could not be converted: {error_line(e)}")
 
 
-def subject(dtype: str, device: torch.device, real: RealModel) -> Subject:
+def subject_config(real: RealModel) -> tuple[str, ModelConfig]:
+    """The name and shape of the real-model sections' model (``subject``'s)."""
     if real.path is not None:
-        return Subject("smollm2", load_model(real.path, dtype=DTYPES[dtype], device=device),
+        return "smollm2", load_config(real.path)
+    return "random-tiny", tiny(2, layers=6)
+
+
+def subject(dtype: str, device: torch.device, real: RealModel) -> Subject:
+    name, cfg = subject_config(real)
+    if real.path is not None:
+        return Subject(name, load_model(real.path, dtype=DTYPES[dtype], device=device),
                        load_tokenizer(real.path))
-    cfg = tiny(2, layers=6)
-    return Subject("random-tiny", build_random(cfg, device, DTYPES[dtype], std=0.25, seed=1))
+    return Subject(name, build_random(cfg, device, DTYPES[dtype], std=0.25, seed=1))
 
 
 def bf16_subject(device: torch.device, real: RealModel, notes: list[str]) -> Subject:
@@ -134,8 +143,11 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
                     rows: Rows, *, new_tokens: int, prompt_tokens: int, count: int,
                     profile_contexts) -> None:
     """Greedy rows of every strategy against ``ar`` (fp32, then bf16) and bf16 sampling rows,
-    into ``out`` (the document's "correctness")."""
-    for dtype in ("fp32", "bf16"):
+    into ``out`` (the document's "correctness"). Each dtype has half the section, so a slow
+    fp32 part leaves bf16, the production dtype, its own share."""
+    whole = section
+    for i, dtype in enumerate(("fp32", "bf16")):
+        section = whole.part(dtype, 1 / (2 - i))
         if (why := section.over()) is not None:
             out["notes"].append(f"{dtype}: {why}")
             continue
@@ -147,8 +159,10 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
         out["model"] = subj.name
         runner = ModelRunner(subj.model)  # one cache and set of graphs for every strategy
         config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
+        references: list[tuple[list[int], list[int]]] = []
         for i, prompt in enumerate(prompts(subj, count, prompt_tokens)):
             reference: list[int] = []
+            references.append((prompt, reference))
             for name in STRATEGIES:  # ar first: its first run is the reference
                 def greedy(name=name) -> dict:
                     if not reference:
@@ -159,7 +173,8 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
                     return {"new_tokens": len(r.token_ids),
                             "acceptance": r.stats.acceptance_rate,
                             **compare(subj, prompt, reference, r.token_ids)}
-                base = {"dtype": dtype, "strategy": name, "prompt": i}
+                base = {"dtype": dtype, "strategy": name, "prompt": i,
+                        "guarantee": guarantee(dtype, device)}
                 if name != "ar" and not reference:
                     rows.skip(out["greedy"], base, "skipped: no ar reference (its row failed)")
                     continue
@@ -167,8 +182,29 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
                 if row is not None and row["verdict"] != "identical":
                     log.warning("%s %s prompt %d: %s", dtype, name, i, row["detail"])
         if dtype == "bf16":
+            spread(subj, references, out.setdefault("spread", []), rows, section)
             sampling(subj, strategies, prompts(subj, 1, prompt_tokens)[0], new_tokens, runner,
                      out["sampling"], rows, section)
+
+
+def spread(subj: Subject, references: list[tuple[list[int], list[int]]], table: list,
+           rows: Rows, section: Section) -> None:
+    """Per prompt with an ar reference: how far 1-token decode steps and 2- and 5-token verify
+    blocks stray from a one-shot forward over ar's tokens, in ulps of the top logit
+    (tools/ties.py ``logit_spread``), next to the bound, which must be at least twice it
+    (model/precision.py ``BOUND_ULPS``: a table, set from these rows)."""
+    bound = rule_ulps(subj.model.dtype, subj.model.device)
+    for i, (prompt, reference) in enumerate(references):
+        if not reference:
+            continue
+
+        def run(prompt=prompt, reference=reference) -> dict:
+            got = logit_spread(subj.model, prompt, reference, qs=(2, 5))
+            worst = max(s.max for s in got)
+            return {"positions": len(reference), "median": max(s.median for s in got),
+                    "p90": max(s.p90 for s in got), "max": worst, "bound_ulps": bound,
+                    "fits": 2 * worst <= bound}
+        rows.add(table, {"dtype": dtype_name(subj.model.dtype), "prompt": i}, run, section)
 
 
 def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int,

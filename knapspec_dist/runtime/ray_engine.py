@@ -1,7 +1,7 @@
 """The Ray engine: replicas of tensor-parallel shard actors, each with a coordinator actor.
 
 ```
-with Engine("smollm2", tp=1, replicas=2, strategy="knapspec") as engine:
+with RayEngine("smollm2", tp=1, replicas=2, strategy="knapspec") as engine:
     results = engine.generate(["Summarize ..."], max_new_tokens=64)
 ```
 
@@ -54,12 +54,12 @@ from knapspec_dist.runtime.replica import (
 from knapspec_dist.runtime.setup import check_batch_memory, check_setup
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
-__all__ = ["Engine", "StartupError"]
+__all__ = ["RayEngine", "StartupError"]
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class RayEngine:
     """Replicas of TP shard actors behind one Python API (a context manager)."""
 
     def __init__(self, model: str, tp: int = 1, replicas: int = 1,
@@ -120,7 +120,7 @@ class Engine:
             self.shutdown()
             raise
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> RayEngine:
         return self
 
     def __exit__(self, *exc) -> None:
