@@ -26,7 +26,7 @@ from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.speculation.paper import PaperSelector
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 PINNED = Path(__file__).with_name("plan_sequences.json")
 EVERY = dict(interval=8, overhead_budget=1e9)

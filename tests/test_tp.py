@@ -316,7 +316,8 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
                                                    broadcast=lambda t, src: t.copy_(sent[0])))
     assert synced.plan(model, None) == Plan(frozenset({2, 5}), 3)
     assert other.p == Plan(frozenset({2, 5}), 3)  # the plan in force is rank 0's
-    assert other.schedule.next_selection == 140 and other.schedule.last_select_s == pytest.approx(0.4321)
+    assert other.schedule.next_selection == 140
+    assert other.schedule.last_select_s == pytest.approx(0.4321)
     assert synced.divergences == 1
     before_any = Inner(Plan(frozenset(), 0), 5, None)  # no DP yet: stays None
     sent.clear()

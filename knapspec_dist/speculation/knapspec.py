@@ -47,8 +47,8 @@ from knapspec_dist.profiles.store import keep_online
 from knapspec_dist.speculation import knapsack, tpt
 from knapspec_dist.speculation.acceptance import AcceptanceBook, fit_acceptance, smoothed_alpha
 from knapspec_dist.speculation.calibration import Calibration, RoundTiming
-from knapspec_dist.speculation.guard import PlanGuard, PlanRun
 from knapspec_dist.speculation.dp import mean_context, plan_of, reference_positions, run_dp
+from knapspec_dist.speculation.guard import PlanGuard, PlanRun
 from knapspec_dist.speculation.hidden_states import Reference
 from knapspec_dist.speculation.schedule import (
     Frontier,
