@@ -34,7 +34,7 @@ import statistics
 import time
 from abc import abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -189,8 +189,7 @@ class KnapsackSelector(Selector):
         self.states.pop(rid, None)
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
-        decision = self.decide(model, batch)
-        return decision.plan
+        return self.decide(model, batch).plan
 
     @abstractmethod
     def decide(self, model: Transformer, batch: Batch) -> Decision:
@@ -218,7 +217,8 @@ class KnapsackSelector(Selector):
         return (self.schedule.due(batch.progress)
                 and any(len(self.states.get(row.rid, ())) == m for row in batch.rows))
 
-    def clocked(self, select, model: Transformer, batch: Batch) -> Plan:
+    def clocked(self, select: Callable[[Transformer, Batch, list[Reference]], Selection],
+                model: Transformer, batch: Batch) -> Plan:
         """The plan ``select(model, batch, references)`` makes of this round's references;
         its seconds set when the next selection is due."""
         references = self.references(batch)
