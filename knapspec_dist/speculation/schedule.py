@@ -128,9 +128,10 @@ class Prices:
 @dataclass(frozen=True)
 class Frontier:
     """What a DP that chose plain decoding returned: its subnets and the acceptance the DP
-    alone estimated for each (``smoothed_alpha`` of its agreements), at context ``context``, weights ``weights``, subnets skipping less than ``useful_from``
-    not evaluated; ``lower``: the acceptance each had at least (its estimate less its noise),
-    as the DP's choice weighed it. Priced again at a later batch size or context, it can
+    alone estimated for each (``smoothed_alpha`` of its agreements), at context ``context``,
+    weights ``weights``, subnets skipping less than ``useful_from`` not evaluated; ``lower``:
+    the acceptance each had at least (its estimate less its noise), as the DP's choice weighed
+    it. Priced again at a later batch size or context, it can
     spare the next DP."""
 
     context: int
