@@ -21,7 +21,7 @@ from knapspec_dist.profiles.profile import LatencyProfile, fit_profile, integer_
 from knapspec_dist.speculation import calibration, tpt
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.calibration import Calibration, RoundTiming
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
+from knapspec_dist.speculation.knapspec import Decision, KnapSpecConfig, KnapSpecSelector
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 
 LAYERS = 4
@@ -300,10 +300,13 @@ def test_every_tp_rank_is_fed_rank0s_seconds():
         def __init__(self):
             self.fed = []
 
-        def plan(self, model, batch):
-            return Plan(frozenset({2}), 3)
+        def decide(self, model, batch):
+            return Decision(Plan(frozenset({2}), 3))
 
-        def timed(self, timing):
+        def adopt(self, decision):
+            pass
+
+        def timed(self, timing, report=True):
             self.fed.append(timing)
 
     model = SimpleNamespace(cfg=SimpleNamespace(num_items=8))
@@ -338,11 +341,14 @@ def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
             self.saved = []
             self.calibration = Calibration(lambda b: stored, LAYERS, self.saved.append)
 
-        def plan(self, model, batch):
-            return Plan(frozenset(), 0)
+        def decide(self, model, batch):
+            return Decision(Plan(frozenset(), 0))
 
-        def timed(self, timing):
-            self.calibration.observe(timing)
+        def adopt(self, decision):
+            pass
+
+        def timed(self, timing, report=True):
+            self.calibration.observe(timing, report)
 
     model = SimpleNamespace(cfg=SimpleNamespace(num_items=2 * LAYERS))
     sent, root, other = [], Inner(), Inner()

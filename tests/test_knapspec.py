@@ -13,12 +13,18 @@ from knapspec_dist.model.attention import prefix_attention, reference_prefix_att
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
 from knapspec_dist.speculation import knapspec
+from knapspec_dist.speculation.acceptance import fit_acceptance, smoothed_alpha
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.clasp import ClaspSelector
 from knapspec_dist.speculation.guard import PlanRun
 from knapspec_dist.speculation.hidden_states import HiddenStateEvaluator, Reference
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
-from knapspec_dist.speculation.schedule import SpareRule, smoothed_alpha
+from knapspec_dist.speculation.knapspec import (
+    KnapSpecConfig,
+    KnapSpecSelector,
+    Selection,
+    choose_by_tpt,
+)
+from knapspec_dist.speculation.schedule import SpareRule
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 
 from synthetic import LINEAR_ATTENTION, synthetic_profile
@@ -132,27 +138,29 @@ def test_speculation_needs_its_estimate_less_its_noise_to_pay(engine_model):
     verify = lambda q: profile.verify_time(q, n)  # noqa: E731
     outcomes = set()
     for agree, positions in ((5, 5), (30, 30), (50, 55), (2, 5), (400, 420)):
-        alphas = selector.calibrate(candidate, [agree], positions, [0.0])
+        alphas, lowers = fit_acceptance(selector.book, candidate, [agree], positions,
+                                        selector.config.noise_z)
         assert alphas == [pytest.approx((agree + 1) / (positions + 2))]  # no run seen yet
-        lower = selector.lower[0]
+        lower = lowers[0]
         assert lower < alphas[0]
         best = tpt.search(alphas, [draft], verify)
-        choice = selector.choose(candidate, alphas, n, layers)
+        choice = choose_by_tpt(profile, candidate, alphas, lowers, n, layers, selector.config,
+                               selector.book.exit_rate)
         pays = (best.candidate is not None
                 and tpt.tokens_per_time(lower, best.gamma, draft, verify) >= plain)
         assert choice == (best if pays else tpt.Choice(None, 0, plain))
         outcomes.add(pays)
         if not pays:  # the plain choice's frontier keeps the margin it was turned down by
-            selector.selected(Selection(n, selector.weights(n, layers), candidate, alphas,
+            selector.remember(Selection(n, selector.weights(n, layers), candidate, alphas,
                                         choice, Plan(frozenset(), 0), positions),
-                              alphas, 1)
+                              alphas, lowers, 1)
             assert selector.spare_rule.frontier.lower == [lower]
     assert outcomes == {True, False}  # both sides of the margin are exercised
 
 
-def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, monkeypatch):
+def test_guard_drops_a_plan_that_loses_and_lowers_the_realized_ratio(engine_model, monkeypatch):
     """A plan whose drafts are rejected falls back to plain decoding after GUARD_ROUNDS rounds,
-    and the realized/predicted acceptance (what the spare rule prices) falls with it."""
+    and the realized/predicted acceptance ratio (what the spare rule prices) falls with it."""
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
     selector = KnapSpecSelector(profile, KnapSpecConfig(interval=10_000))
@@ -166,7 +174,7 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
 
     def select(model, batch, references):  # what select() records for a plan, at alpha 0.9
         selector.guard.watch(PlanRun(n, 0.9, profile.draft_time(skip, n, model.cfg.num_layers)))
-        selected.append(selector.guard.calibration)
+        selected.append(selector.guard.realized_ratio)
         return type("S", (), {"plan": Plan(skip, 3)})()
 
     monkeypatch.setattr(selector, "select", select)
@@ -182,9 +190,9 @@ def test_guard_drops_a_plan_that_loses_and_calibrates_the_next(engine_model, mon
     batch.progress = 9
     assert selector.plan(model, batch) == Plan(frozenset(), 0)
     assert selector.fallbacks == 1
-    assert selector.guard.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
+    assert selector.guard.realized_ratio == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
     selector.record(3, [3], [0])  # no plan in force: nothing recorded
-    assert selector.guard.calibration == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
+    assert selector.guard.realized_ratio == pytest.approx(1 / (0.9 * 3 * PlanRun.GUARD_ROUNDS + 1))
 
 
 def test_guard_keeps_a_plan_that_pays(engine_model):
@@ -264,8 +272,8 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
             model(prompt[:, -m:], [n - m], cache, slice(row, row + 1), capture=full)
             references.append(Reference(row, n - m, torch.stack([h[0] for h in full])))
     batch = Batch(cache, rows=[Row(0, [], 10), Row(1, [], 10)])
-    monkeypatch.setattr(KnapSpecSelector, "calibrate", lambda self, candidates, *a: [
-        smoothed_alpha(m, m) * c.value ** 4 for c in candidates])
+    monkeypatch.setattr(knapspec, "fit_acceptance", lambda book, candidates, *a: (
+        [smoothed_alpha(m, m) * c.value ** 4 for c in candidates], None))
     pruned_any = speculated = plain = slack = 0
     steep = [(60, 1e-3), (100, 4e-2)]  # attention 40x dearer 40 tokens on
     for attention, scale in [(LINEAR_ATTENTION, s) for s in (1.0, 1.3, 1.6, 2.0, 3.0, 6.0)] + \

@@ -145,7 +145,7 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
 def test_least_paying_weight_is_the_exact_threshold(engine_model):
     """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
     estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
-    from knapspec_dist.speculation.schedule import smoothed_alpha
+    from knapspec_dist.speculation.acceptance import smoothed_alpha
 
     model = engine_model(NAME)
     layers = model.cfg.num_layers
@@ -285,16 +285,16 @@ def test_fruitless_dps_in_a_row_stop_new_prices_calling_a_dp_and_back_off_the_re
 
 
 def test_a_plain_choice_keeps_the_count_of_fruitless_dps_in_a_row(engine_model):
-    """``KnapSpecSelector.selected`` stores the streak in the frontier it keeps; a longer
+    """``KnapSpecSelector.remember`` stores the streak in the frontier it keeps; a longer
     context restarts it."""
     model = engine_model(NAME)
     selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION), KnapSpecConfig())
     weights = selector.weights(1000, model.cfg.num_layers)
     plain = Selection(1000, weights, [], [], tpt.Choice(None, 0, 1.0), Plan(frozenset(), 0))
     for expected in (1, 2, 3):
-        selector.selected(plain, [], 1)
+        selector.remember(plain, [], None, 1)
         assert isinstance(selector.spare_rule.frontier, Frontier)
         assert selector.spare_rule.frontier.fruitless == expected
-    selector.selected(Selection(1400, weights, [], [], tpt.Choice(None, 0, 1.0),
-                                Plan(frozenset(), 0)), [], 1)
+    selector.remember(Selection(1400, weights, [], [], tpt.Choice(None, 0, 1.0),
+                                Plan(frozenset(), 0)), [], None, 1)
     assert selector.spare_rule.frontier.fruitless == 1  # the context grew past 1.25x

@@ -286,17 +286,24 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     rank would run a DP's collectives alone: rank 0's values are broadcast with its plan."""
     from types import SimpleNamespace
 
-    from knapspec_dist.speculation.spmd import SyncedSelector
+    from knapspec_dist.speculation.knapspec import Decision
+    from knapspec_dist.speculation.schedule import SelectionSchedule
     from knapspec_dist.speculation.selfspec import Plan
+    from knapspec_dist.speculation.spmd import SyncedSelector
 
-    class Inner:
+    class Inner:  # as a DP selector: decides, then adopts rank 0's decision
         def __init__(self, plan, next_selection, last_select_s):
             self.p = plan
-            self.schedule = SimpleNamespace(next_selection=next_selection,
-                                            last_select_s=last_select_s)
+            self.schedule = SelectionSchedule(interval=64, overhead_budget=0.025, m=5)
+            self.schedule.next_selection = next_selection
+            self.schedule.last_select_s = last_select_s
 
-        def plan(self, model, batch):
-            return self.p
+        def decide(self, model, batch):
+            return Decision(self.p, self.schedule.clock())
+
+        def adopt(self, decision):
+            self.p = decision.plan
+            self.schedule.adopt(decision.clock)
 
     sent = []
     model = SimpleNamespace(cfg=SimpleNamespace(num_items=8))
@@ -308,7 +315,9 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     synced = SyncedSelector(other, SimpleNamespace(cuda=False, rank=1,
                                                    broadcast=lambda t, src: t.copy_(sent[0])))
     assert synced.plan(model, None) == Plan(frozenset({2, 5}), 3)
-    assert other.schedule.next_selection == 140 and other.schedule.last_select_s == pytest.approx(0.4321)
+    assert other.p == Plan(frozenset({2, 5}), 3)  # the plan in force is rank 0's
+    assert other.schedule.next_selection == 140
+    assert other.schedule.last_select_s == pytest.approx(0.4321)
     assert synced.divergences == 1
     before_any = Inner(Plan(frozenset(), 0), 5, None)  # no DP yet: stays None
     sent.clear()
@@ -316,3 +325,17 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
                                                broadcast=lambda t, src: sent.append(t))).plan(
         model, None)
     assert before_any.schedule.last_select_s is None and before_any.schedule.next_selection == 5
+
+
+def test_a_decision_without_a_schedule_crosses_the_broadcast_as_it_is():
+    """The authors' selector has no wall-clock schedule: its decision is its plan alone, and
+    a round with no seconds timed feeds nothing."""
+    from knapspec_dist.speculation.knapspec import Decision
+    from knapspec_dist.speculation.schedule import ScheduleClock
+    from knapspec_dist.speculation.selfspec import Plan
+    from knapspec_dist.speculation.spmd import decode, encode
+
+    plan = Plan(frozenset({1, 6}), 10)
+    assert decode(encode(Decision(plan), None, 8), None) == (Decision(plan), None)
+    clocked = Decision(plan, ScheduleClock(37, None))
+    assert decode(encode(clocked, None, 8), None) == (clocked, None)

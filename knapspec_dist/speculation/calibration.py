@@ -32,7 +32,7 @@ when it is news: it is a refresh (its regime has lasted ``REFRESH`` rounds, so a
 that ends sooner is never reported), it departs from the last refit reported (first: the
 stored profile) by more than the band, and ``REPORT_EVERY`` rounds have passed since the last
 report, or it departs by more than ``LARGE`` bands. Under TP only rank 0 reports
-(``leader``). When the clock agrees with the profile nothing is refitted.
+(``observe``'s ``report``). When the clock agrees with the profile nothing is refitted.
 
 Acceptance per subnet is refitted from the same rounds by speculation/acceptance.py's
 ``AcceptanceBook``; this module prices time only. Everything here is a function of the samples,
@@ -222,7 +222,6 @@ class Calibration:
         """``price(batch)``: the stored profile at that batch size; ``save``: where a refit
         that is news goes (profiles/store.py ``keep_online``; None: nowhere)."""
         self.price, self.num_layers, self.save = price, num_layers, save
-        self.leader = True  # whether this process reports its refits (TP: rank 0 only)
         self.refits = 0  # drift-started regimes and their refreshes, over all runs
         self.rounds = 0  # rounds observed, over all runs
         self.reported_at: int | None = None  # ``rounds`` at the last report
@@ -254,8 +253,9 @@ class Calibration:
         return (t.steps * p.draft_time(t.skip, t.context, self.num_layers)
                 + p.verify_time(t.steps + 1, t.context))
 
-    def observe(self, t: RoundTiming) -> bool:
-        """One timed round; whether the prices were refitted from it."""
+    def observe(self, t: RoundTiming, report: bool = True) -> bool:
+        """One timed round; whether the prices were refitted from it. ``report``: whether a
+        refit that is news is logged and saved here (TP: on rank 0 only)."""
         b, band = t.batch, self.band(t.batch)
         self.rounds += 1
         off = abs((t.draft_s + t.verify_s) / self.predicted(t) - 1.0) > band
@@ -268,11 +268,11 @@ class Calibration:
             self.regimes[b] = deque(run, maxlen=WINDOW)
             self.runs[b] = []
             self.refit(f"drift: {SUSTAIN} rounds of batch {b} in a row off the profile by "
-                       f"more than {100 * band:.0f} %", settled=False)
+                       f"more than {100 * band:.0f} %", settled=False, report=report)
             return True
         if self.fits and self.since_fit >= REFRESH:
             self.refit(f"refreshed from {sum(map(len, self.regimes.values()))} rounds",
-                       settled=True)
+                       settled=True, report=report)
             return True
         return False
 
@@ -280,7 +280,7 @@ class Calibration:
     def samples(self) -> list[RoundTiming]:
         return [t for regime in self.regimes.values() for t in regime]
 
-    def refit(self, why: str, settled: bool) -> None:
+    def refit(self, why: str, settled: bool, report: bool = True) -> None:
         """Refit the factors from the regimes' samples; report them if news (``settled``:
         REFRESH rounds or more since the last drift)."""
         samples = self.samples
@@ -304,7 +304,7 @@ class Calibration:
                       100 * band)
             return
         self.reported, self.reported_at = pooled, self.rounds
-        if not self.leader:
+        if not report:
             return
         log.info("online calibration (%s): %s against the stored profile", why,
                  pooled.describe())

@@ -1,5 +1,5 @@
 """The plan guard: between selections, drop a speculative plan that loses to plain decoding,
-and calibrate the next selection's acceptance estimates by what the drafts realized.
+and keep the ratio of the acceptance the drafts realized to the one predicted.
 
 A plan's drafts are priced by the profile at the acceptance actually seen; once they yield
 fewer tokens per second than plain decoding the plan gives way to plain decoding until the
@@ -26,7 +26,7 @@ class PlanRun:
     """What the speculative plan in force has yielded, priced by the profile."""
 
     context: int
-    alpha: float  # the acceptance the DP estimated for it (before calibration)
+    alpha: float  # the acceptance the DP alone estimated for it (before this run's drafts)
     draft_time: float
     rounds: int = 0
     tokens: float = 0.0  # per row: accepted drafts plus the verifier's token, over all rounds
@@ -55,7 +55,7 @@ class PlanGuard:
         self.accepted = self.expected = 0.0
 
     @property
-    def calibration(self) -> float:
+    def realized_ratio(self) -> float:
         """Realized over predicted acceptance of this run's drafts so far (1 before any;
         one pseudo-token on each side)."""
         return (self.accepted + 1.0) / (self.expected + 1.0)

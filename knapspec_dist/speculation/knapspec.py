@@ -1,25 +1,29 @@
 """KnapSpec selection: the knapsack DP over hidden states, then the Tokens-per-Time search.
 
-A ``KnapsackSelector`` keeps the full model's hidden states (input of every sublayer and output
-of every sublayer) at the last ``m`` committed positions, captured for free during
-verification. When its schedule says a selection is due (schedule.py), it:
+Every DP selector keeps the full model's hidden states (input of every sublayer and output of
+every sublayer) at the last ``m`` committed positions, captured for free during verification
+(``KnapsackSelector``: what they share, which never calls back into a subclass). Each one's
+``decide`` is its whole decision, read top to bottom; KnapSpec's (``KnapSpecSelector``):
 
-1. weighs each sublayer (KnapSpec: priced from the latency profile at the current context
-   length n, integer weights, attention growing with n, MLP constant, all-reduce included
-   under TP; CLaSp, clasp.py: every layer alike);
-2. runs the pure knapsack solver (knapsack.py); every stage evaluates all surviving budgets
-   in one batched forward of that sublayer over the reference positions, attending to the
-   real KV cache prefix, and scores them by mean cosine to the full model's state
-   (hidden_states.py); KnapSpec drops states that cannot reach the least skipped weight that
-   could pay (``SpareRule.least_paying_weight``), which leaves the choice unchanged;
-3. estimates each candidate's acceptance from top-1 agreement with the full model;
-4. chooses subnet and draft length (KnapSpec: by Tokens-per-Time, tpt.py, where gamma = 0
-   means plain autoregressive decoding until the next selection).
+1. cadence: is a selection due (schedule.py ``SelectionSchedule``)?
+2. spare: can the due DP be spared, because it cannot pay for itself (``SpareRule``)?
+3. DP: weigh each sublayer (its measured latency at the batch's mean context n, integer
+   weights, attention growing with n, MLP constant, all-reduce included under TP) and run the
+   pure knapsack solver (dp.py, knapsack.py); every stage evaluates all surviving budgets in one
+   batched forward of that sublayer over the reference positions, attending to the real KV
+   cache prefix, and scores them by mean cosine to the full model's state (hidden_states.py);
+   states that cannot reach the least skipped weight that could pay are dropped
+   (``SpareRule.least_paying_weight``), which leaves the choice unchanged;
+4. estimate: each candidate's acceptance, the posterior of its top-1 agreements with the full
+   model and this run's drafts (acceptance.py ``fit_acceptance``);
+5. choose: subnet and draft length by Tokens-per-Time (tpt.py; gamma = 0 is plain decoding
+   until the next selection);
+6. guard: between selections, drop a plan that loses to plain decoding (guard.py).
 
-KnapSpec also spares a due DP that cannot pay for itself (``SpareRule``) and guards the plan
-in force between selections (guard.py). Pricing has one owner: this selector, priced by its
-``BatchPricing``, where the hidden states are (inside each TP rank, SPMD); nothing here is per
-token.
+CLaSp (clasp.py) and the authors' selection (paper.py) write their own ``decide`` from the
+same steps. Under TP every rank decides and rank 0's ``Decision`` is adopted by all (spmd.py).
+Pricing has one owner: the selector, priced by its ``BatchPricing``, where the hidden states
+are (inside each TP rank, SPMD); nothing here is per token.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import statistics
 import time
 from abc import abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,16 +45,17 @@ from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
 from knapspec_dist.profiles.store import keep_online
 from knapspec_dist.speculation import knapsack, tpt
-from knapspec_dist.speculation.acceptance import AcceptanceBook
+from knapspec_dist.speculation.acceptance import AcceptanceBook, fit_acceptance, smoothed_alpha
 from knapspec_dist.speculation.calibration import Calibration, RoundTiming
+from knapspec_dist.speculation.dp import mean_context, plan_of, reference_positions, run_dp
 from knapspec_dist.speculation.guard import PlanGuard, PlanRun
-from knapspec_dist.speculation.hidden_states import HiddenStateEvaluator, Reference
+from knapspec_dist.speculation.hidden_states import Reference
 from knapspec_dist.speculation.schedule import (
     Frontier,
     Prices,
+    ScheduleClock,
     SelectionSchedule,
     SpareRule,
-    smoothed_alpha,
 )
 from knapspec_dist.speculation.selfspec import Plan, Selector
 
@@ -95,19 +100,41 @@ class Selection:
     positions: int = 0  # reference positions the DP and the alphas judged on
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What a round's planning decided: the plan, and the schedule's wall-clock state after it
+    (None: a selector with no such schedule). Under TP rank 0's is adopted by every rank."""
+
+    plan: Plan
+    clock: ScheduleClock | None = None
+
+
+def choose_by_tpt(profile: LatencyProfile, candidates: list[knapsack.Candidate],
+                  alphas: list[float], lower: list[float] | None, n: int, num_layers: int,
+                  config: KnapSpecConfig, exit_rate: float) -> tpt.Choice:
+    """The TPT search (tpt.py) over ``candidates`` at context n, priced by ``profile``; plain
+    decoding unless the best beats it at its ``lower`` acceptance too (the margin)."""
+    draft_times = [profile.draft_time(c.skipped, n, num_layers) for c in candidates]
+    return tpt.search(alphas, draft_times, lambda q: profile.verify_time(q, n),
+                      max_gamma=config.max_gamma, objective=config.objective,
+                      exit_rate=exit_rate, lower=lower)
+
+
 class KnapsackSelector(Selector):
-    """Re-selects the draft subnet by the knapsack DP over the full model's hidden states, at
-    the times its schedule sets; subclasses weigh the sublayers and choose among the
-    candidates (KnapSpec here, CLaSp in clasp.py)."""
+    """What every DP selector keeps: the prices, the hidden states of its rows' last rounds,
+    the plan in force and the selections made. Its subclasses' ``decide`` is the decision;
+    nothing here calls back into them."""
 
     def __init__(self, profiles: LatencyProfile | Sequence[LatencyProfile],
-                 config: KnapSpecConfig):
+                 config: KnapSpecConfig, kept_rounds: int | None = None):
         """``profiles``: one latency profile, or several measured at different batch sizes
-        (each round is priced at its batch size, profiles/batching.py)."""
+        (each round is priced at its batch size, profiles/batching.py); ``kept_rounds``: the
+        rounds a row's store keeps (None: every round until cleared)."""
         self.pricing, self.config = BatchPricing(profiles), config
         self.profile = self.pricing.base  # the profile of the current batch size
         self.schedule = SelectionSchedule(config.interval, config.overhead_budget, config.m,
                                           config.select_once)
+        self.kept_rounds = kept_rounds
         self.history: list[Selection] = []
         self.selections = 0
         self.calibration: Calibration | None = None  # made at the first start (its layers)
@@ -122,53 +149,15 @@ class KnapsackSelector(Selector):
             return self.pricing.at(batch)
         return self.calibration.profile(batch)
 
-    def timed(self, timing: RoundTiming) -> None:
+    def timed(self, timing: RoundTiming, report: bool = True) -> None:
+        """``report``: whether a refit this round is news to log and save (TP: rank 0's)."""
         if self.calibration is not None:
-            self.calibration.observe(timing)
+            self.calibration.observe(timing, report)
 
     def predicted_rate(self, plan: Plan, context: int) -> float | None:
         if not plan.gamma:
             return 1.0 / self.profile.verify_time(1, context)
         return self.predicted_tps
-
-    # ------------------------------------------------------------------ what subclasses say
-
-    def weights(self, n: int, num_layers: int) -> list[int]:
-        """The knapsack weight of every sublayer at context n: its measured latency, in
-        integer units (CLaSp weighs every layer alike)."""
-        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
-
-    @abstractmethod
-    def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
-               num_layers: int) -> tpt.Choice:
-        """The candidate and draft length to decode with (candidate None: plain decoding)."""
-
-    def nothing_pays(self, batch: Batch, n: int, num_layers: int, positions: int) -> bool:
-        """Whether a due selection can be spared (never, unless the subclass prices it)."""
-        return False
-
-    def useful_from(self, weights: list[int], n: int, num_layers: int, positions: int) -> int:
-        """The least skipped weight a candidate needs to be of use (knapsack.solve)."""
-        return 1
-
-    def calibrate(self, candidates: list[knapsack.Candidate], agree: list[int],
-                  positions: int, raw: list[float]) -> list[float]:
-        """The acceptance each candidate is chosen by (here: ``raw``, ``alpha_of`` the DP's
-        ``agree`` of ``positions``)."""
-        return list(raw)
-
-    alpha_of = staticmethod(smoothed_alpha)  # (agree, total) -> a candidate's acceptance
-
-    def selected(self, selection: Selection, raw: list[float], useful: int) -> None:
-        """A selection was made (``raw``: its alphas before calibration)."""
-
-    def spare(self) -> None:
-        """A due selection is not run: plain decoding until the next."""
-        self.plan_now = PLAIN
-
-    def between_selections(self) -> Plan:
-        """The plan of a round in which no selection runs."""
-        return self.plan_now
 
     # ------------------------------------------------------------------ Selector
 
@@ -176,7 +165,7 @@ class KnapsackSelector(Selector):
         if self.config.calibrate and self.calibration is None:  # kept across runs
             self.calibration = Calibration(self.pricing.at, model.cfg.num_layers, keep_online)
         # per row, per round observed: its committed positions' [2L+1, d] states
-        self.states: dict[int, Sequence[list[torch.Tensor]]] = {}
+        self.states: dict[int, deque[list[torch.Tensor]]] = {}
         self.plan_now = PLAIN
         self.schedule.start()
         self.history = []
@@ -186,14 +175,11 @@ class KnapsackSelector(Selector):
         m rounds per row), not in every round."""
         return self.schedule.wanting
 
-    def kept(self) -> deque[list[torch.Tensor]]:
-        """A row's store of observed rounds: its last m."""
-        return deque(maxlen=self.config.m)
-
     def observe(self, hidden: Capture, valid: list[int], rids: list[int]) -> None:
         for b, rid in enumerate(rids):
             stacked = torch.stack([h[b, :valid[b]] for h in hidden], dim=1)  # [valid, 2L+1, d]
-            self.states.setdefault(rid, self.kept()).append(list(stacked.unbind(0)))
+            self.states.setdefault(rid, deque(maxlen=self.kept_rounds)).append(
+                list(stacked.unbind(0)))
 
     def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
         """The rounds' yield sets how early the window of the next selection opens."""
@@ -203,28 +189,54 @@ class KnapsackSelector(Selector):
         self.states.pop(rid, None)
 
     def plan(self, model: Transformer, batch: Batch) -> Plan:
-        self.profile = self.price(batch.size)
-        if self.schedule.tick(batch.progress):
-            self.states.clear()  # only consecutive positions up to each row's end
-        if self.schedule.due(batch.progress):
-            context = round(statistics.fmean(batch.lengths))
-            m = self.config.m  # rounds a DP judges on (their positions: r in all)
-            ready = any(len(self.states.get(row.rid, ())) == m for row in batch.rows)
-            if ready and self.nothing_pays(batch, context, model.cfg.num_layers,
-                                           self.reference_positions(batch)):
-                self.spare()
-                self.schedule.skip(batch.progress)
-                return self.plan_now
-            references = self.references(batch) if ready else []
-            if references:
-                start = time.perf_counter()
-                self.plan_now = self.select(model, batch, references).plan
-                self.schedule.selected(batch.progress, time.perf_counter() - start,
-                                       self.profile.verify_time(1, context))
-                return self.plan_now
-        return self.between_selections()
+        return self.decide(model, batch).plan
 
-    # ------------------------------------------------------------------ the DP
+    @abstractmethod
+    def decide(self, model: Transformer, batch: Batch) -> Decision:
+        """The plan of the next round of ``batch``, and what the schedule made of it."""
+
+    def decision(self) -> Decision:
+        """The plan in force and the schedule's wall-clock state."""
+        return Decision(self.plan_now, self.schedule.clock())
+
+    def adopt(self, decision: Decision) -> None:
+        """Decide as ``decision`` says (TP: rank 0's, on every rank)."""
+        self.plan_now = decision.plan
+        if decision.clock is not None:
+            self.schedule.adopt(decision.clock)
+
+    # ------------------------------------------------------------------ steps they share
+
+    def due(self, batch: Batch) -> bool:
+        """Cadence: whether a selection is due now and a row has the m rounds it judges on.
+        A new window of rounds that feed it drops the states kept before (only consecutive
+        positions up to each row's end count)."""
+        if self.schedule.tick(batch.progress):
+            self.states.clear()
+        m = self.config.m
+        return (self.schedule.due(batch.progress)
+                and any(len(self.states.get(row.rid, ())) == m for row in batch.rows))
+
+    def clocked(self, select: Callable[[Transformer, Batch, list[Reference]], Selection],
+                model: Transformer, batch: Batch) -> Plan:
+        """The plan ``select(model, batch, references)`` makes of this round's references;
+        its seconds set when the next selection is due."""
+        references = self.references(batch)
+        start = time.perf_counter()
+        plan = select(model, batch, references).plan
+        self.schedule.selected(batch.progress, time.perf_counter() - start,
+                               self.profile.verify_time(1, mean_context(batch)))
+        return plan
+
+    def made(self, selection: Selection) -> Selection:
+        """Keep a selection made (stats, tests, the rate it predicted)."""
+        self.predicted_tps = selection.choice.tokens_per_time
+        self.history.append(selection)
+        self.selections += 1
+        log.debug("selection at n=%d: %d candidates, chose %s gamma=%d (tpt %.1f tok/s)",
+                  selection.context, len(selection.candidates), sorted(selection.plan.skip),
+                  selection.plan.gamma, selection.choice.tokens_per_time)
+        return selection
 
     def _ready_rows(self, batch: Batch) -> list[tuple[int, int, list[torch.Tensor]]]:
         """(cache length, slot, positions of its last m rounds) of up to ``reference_rows``
@@ -256,44 +268,6 @@ class KnapsackSelector(Selector):
             out.append(Reference(slot, end - k, torch.stack(states[-k:], dim=1)))
         return out
 
-    def select(self, model: Transformer, batch: Batch, references: list[Reference]) -> Selection:
-        cfg, num_layers = self.config, model.cfg.num_layers
-        n = round(statistics.fmean(batch.lengths))  # priced at the batch's mean context
-        weights = self.weights(n, num_layers)
-        keep = set()
-        if cfg.keep_first_last:
-            keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1}
-        evaluator = HiddenStateEvaluator(model, batch.cache, references)
-        positions = evaluator.reference.shape[1]
-        useful = self.useful_from(weights, n, num_layers, positions)
-        candidates = knapsack.solve(weights, evaluator, tau=cfg.tau,
-                                    max_skip_fraction=cfg.max_skip_fraction,
-                                    always_execute=keep, coupled=cfg.coupled, useful_from=useful)
-        agree = self._agreements(model, evaluator, candidates)
-        raw = [self.alpha_of(a, positions) for a in agree]
-        alphas = self.calibrate(candidates, agree, positions, raw)
-        choice = self.choose(candidates, alphas, n, num_layers)
-        skip = candidates[choice.candidate].skipped if choice.candidate is not None else frozenset()
-        selection = Selection(n, weights, candidates, alphas, choice, Plan(skip, choice.gamma),
-                              positions)
-        self.selected(selection, raw, useful)
-        self.predicted_tps = choice.tokens_per_time
-        self.history.append(selection)
-        self.selections += 1
-        log.debug("selection at n=%d: %d candidates, chose %s gamma=%d (tpt %.1f tok/s)", n,
-                  len(candidates), sorted(skip), choice.gamma, choice.tokens_per_time)
-        return selection
-
-    def _agreements(self, model: Transformer, evaluator: HiddenStateEvaluator,
-                    candidates: list[knapsack.Candidate]) -> list[int]:
-        """Per candidate, the reference positions where its top-1 token is the full model's."""
-        if not candidates:
-            return []
-        states = evaluator.reference
-        reference = model.logits(states[-1]).argmax(dim=-1)  # [M]
-        finals = torch.stack([evaluator.current[c.skipped_weight] for c in candidates])
-        return (model.logits(finals).argmax(dim=-1) == reference).sum(dim=-1).tolist()
-
 
 class KnapSpecSelector(KnapsackSelector):
     """KnapSpec: sublayers weighed by their measured latency, the subnet and draft length
@@ -301,16 +275,50 @@ class KnapSpecSelector(KnapsackSelector):
 
     def __init__(self, profiles: LatencyProfile | Sequence[LatencyProfile],
                  config: KnapSpecConfig = KnapSpecConfig()):
-        super().__init__(profiles, config)
+        super().__init__(profiles, config, kept_rounds=config.m)
         self.guard = PlanGuard()
         self.book = AcceptanceBook()
-        self.lower: list[float] = []  # the last estimates less their noise (calibrate)
         self.spare_rule = SpareRule(self.schedule, min_gain=config.min_gain,
                                     max_gamma=config.max_gamma,
                                     max_skip_fraction=config.max_skip_fraction)
 
+    def decide(self, model: Transformer, batch: Batch) -> Decision:
+        """Cadence, spare, DP (estimate, choose: ``select``), guard."""
+        self.profile = self.price(batch.size)
+        layers = model.cfg.num_layers
+        if self.due(batch):
+            if self.nothing_pays(batch, mean_context(batch), layers,
+                                 self.reference_positions(batch)):
+                self.plan_now = PLAIN  # plain decoding until the next selection
+                self.guard.watch(None)
+                self.schedule.skip(batch.progress)
+            else:
+                self.plan_now = self.clocked(self.select, model, batch)
+        elif self.guard.drops(self.plan_now, self.profile):
+            self.plan_now = PLAIN
+        return self.decision()
+
+    def select(self, model: Transformer, batch: Batch, references: list[Reference]
+               ) -> Selection:
+        """DP, estimate, choose; then keep what the spare rule and the guard need."""
+        cfg, n, layers = self.config, mean_context(batch), model.cfg.num_layers
+        weights = self.weights(n, layers)
+        positions = reference_positions(references)
+        useful = self.useful_from(weights, n, layers, positions)
+        dp = run_dp(model, batch, references, weights, cfg, useful)
+        # the DP's own estimates (its agreements under the prior), and with this run's drafts
+        dp_alphas = [smoothed_alpha(a, dp.positions) for a in dp.agree]
+        alphas, lower = fit_acceptance(self.book, dp.candidates, dp.agree, dp.positions,
+                                       cfg.noise_z)
+        choice = choose_by_tpt(self.profile, dp.candidates, alphas, lower, n, layers, cfg,
+                               self.book.exit_rate)
+        selection = Selection(n, weights, dp.candidates, alphas, choice,
+                              plan_of(dp.candidates, choice), dp.positions)
+        self.remember(selection, dp_alphas, lower, useful)
+        return self.made(selection)
+
     @property
-    def priced(self) -> bool:
+    def by_tokens_per_time(self) -> bool:
         """Whether rounds are priced against plain decoding (not under the alpha ablation)."""
         return self.config.objective == "tpt"
 
@@ -319,23 +327,18 @@ class KnapSpecSelector(KnapsackSelector):
         return self.guard.fallbacks
 
     def prices(self, num_layers: int) -> Prices:
-        return Prices(self.profile, num_layers, self.guard.calibration)
+        return Prices(self.profile, num_layers, self.guard.realized_ratio)
 
-    def start(self, model: Transformer) -> None:
-        super().start(model)
-        self.guard.start()
-        self.book.start()
-        self.lower = []
-
-    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
-        super().record(steps, verified, accepted)
-        self.guard.record(steps, verified, accepted, self.profile)
-        if steps and self.plan_now.gamma:
-            self.book.record(self.plan_now.skip, self.plan_now.gamma, verified, accepted)
+    def weights(self, n: int, num_layers: int) -> list[int]:
+        """The knapsack weight of every sublayer at context n: its measured latency, in
+        integer units."""
+        return integer_weights(self.profile, n, num_layers, self.config.weight_cap)
 
     def nothing_pays(self, batch: Batch, n: int, num_layers: int, positions: int) -> bool:
-        if not self.priced:
-            return False  # the alpha objective does not price rounds: always select
+        """Spare: whether a due DP cannot pay for itself (never under the alpha objective,
+        which does not price rounds)."""
+        if not self.by_tokens_per_time:
+            return False
         return self.spare_rule.nothing_pays(self.prices(num_layers), batch,
                                             self.weights(n, num_layers), n, positions)
 
@@ -343,50 +346,33 @@ class KnapSpecSelector(KnapsackSelector):
         """The least weight that could pay here or at a context up to RESELECT_GROWTH times
         longer (attention dearer, skipping it worth more): the subnets left out could then
         not pay anywhere this DP's frontier is reused (``SpareRule.frontier_rules_out``)."""
-        if not self.priced:
+        if not self.by_tokens_per_time:
             return 1
         prices = self.prices(num_layers)
         return min(self.spare_rule.least_paying_weight(prices, weights, c, positions)
                    for c in (n, math.ceil(n * SpareRule.RESELECT_GROWTH)))
 
-    def calibrate(self, candidates: list[knapsack.Candidate], agree: list[int],
-                  positions: int, raw: list[float]) -> list[float]:
-        """Each candidate's posterior acceptance (speculation/acceptance.py): the DP's agreements and
-        what this run's drafts with it and with the subnets near it realized. Keeps each
-        estimate less ``noise_z`` of its spread for ``choose``'s margin."""
-        estimates = [self.book.estimate(c.skipped, a, positions)
-                     for c, a in zip(candidates, agree)]
-        self.lower = [e.lower(self.config.noise_z) for e in estimates]
-        return [e.mean for e in estimates]
-
-    def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
-               num_layers: int) -> tpt.Choice:
-        """The TPT search, priced by this selector's profile at the round's batch size."""
-        cfg, p = self.config, self.profile
-        draft_times = [p.draft_time(c.skipped, n, num_layers) for c in candidates]
-        lower = self.lower if len(self.lower) == len(candidates) else None
-        return tpt.search(alphas, draft_times, lambda q: p.verify_time(q, n),
-                          max_gamma=cfg.max_gamma, objective=cfg.objective,
-                          exit_rate=self.book.exit_rate, lower=lower)
-
-    def selected(self, selection: Selection, raw: list[float], useful: int) -> None:
-        """Keep a fruitless DP's frontier; guard a speculative plan."""
+    def remember(self, selection: Selection, dp_alphas: list[float],
+                 lower: list[float] | None, useful: int) -> None:
+        """Keep a fruitless DP's frontier (``dp_alphas``: the DP's own estimates; ``lower``:
+        the margin the choice weighed) for the spare rule; guard a speculative plan."""
         choice, n = selection.choice, selection.context
         plain = choice.candidate is None or not choice.gamma
-        lower = self.lower if len(self.lower) == len(selection.candidates) else None
         self.spare_rule.frontier = Frontier(
-            n, selection.weights, useful, [c.skipped for c in selection.candidates], raw,
-            lower, self.spare_rule.fruitless(n)) if plain else None
+            n, selection.weights, useful, [c.skipped for c in selection.candidates],
+            dp_alphas, lower, self.spare_rule.fruitless(n)) if plain else None
         num_layers = len(selection.weights) // 2
         self.guard.watch(None if plain else PlanRun(
-            n, raw[choice.candidate],
+            n, dp_alphas[choice.candidate],
             self.profile.draft_time(selection.plan.skip, n, num_layers)))
 
-    def spare(self) -> None:
-        super().spare()
-        self.guard.watch(None)
+    def start(self, model: Transformer) -> None:
+        super().start(model)
+        self.guard.start()
+        self.book.start()
 
-    def between_selections(self) -> Plan:
-        if self.guard.drops(self.plan_now, self.profile):
-            self.plan_now = PLAIN
-        return self.plan_now
+    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
+        super().record(steps, verified, accepted)
+        self.guard.record(steps, verified, accepted, self.profile)
+        if steps and self.plan_now.gamma:
+            self.book.record(self.plan_now.skip, self.plan_now.gamma, verified, accepted)

@@ -7,7 +7,7 @@ What it keeps from the authors (``self_speculation_strategy/knapspec.py`` and
 - reference positions: every committed token of the last m = 5 rounds (``PaperCadence``:
   states gathered in rounds 2..6 of each window of ``interval`` rounds), r of them (5 to 55);
 - alpha: the raw top-1 agreement of a candidate with the full model over those r positions
-  (``raw_alpha``; often 1.0), no prior and no calibration;
+  (``raw_alpha``; often 1.0), no prior and nothing learned from the run's drafts;
 - draft length: always ``max_gamma`` = 10, ended by the confidence exit (tau_conf = 0.7,
   ``SelfSpeculative``); the Tokens-per-Time search only ranks the subnets (``rank``);
 - re-selection: every ``interval`` = 64 rounds, the DP at round 7 of each window (after the
@@ -28,11 +28,11 @@ import torch
 
 from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.speculation import knapsack, tpt
+from knapspec_dist.profiles.profile import LatencyProfile, integer_weights
+from knapspec_dist.speculation import tpt
+from knapspec_dist.speculation.dp import mean_context, plan_of, run_dp
 from knapspec_dist.speculation.hidden_states import Reference
-from knapspec_dist.speculation.knapspec import KnapsackSelector, KnapSpecConfig
-from knapspec_dist.speculation.selfspec import Plan
+from knapspec_dist.speculation.knapspec import Decision, KnapsackSelector, KnapSpecConfig, Selection
 
 
 def raw_alpha(agree: int, total: int) -> float:
@@ -83,10 +83,8 @@ class PaperSelector(KnapsackSelector):
 
     def __init__(self, profiles: LatencyProfile | Sequence[LatencyProfile],
                  config: KnapSpecConfig = KnapSpecConfig()):
-        super().__init__(profiles, config)
+        super().__init__(profiles, config, kept_rounds=None)  # every round of the window
         self.cadence = PaperCadence(config.interval, config.m, config.select_once)
-
-    alpha_of = staticmethod(raw_alpha)
 
     def start(self, model: Transformer) -> None:
         super().start(model)
@@ -96,15 +94,13 @@ class PaperSelector(KnapsackSelector):
     def wants_reference(self) -> bool:
         return self.gathering
 
-    def kept(self) -> list[list[torch.Tensor]]:
-        """A row's store: every round of the window."""
-        return []
-
-    def plan(self, model: Transformer, batch: Batch) -> Plan:
+    def decide(self, model: Transformer, batch: Batch) -> Decision:
+        """Cadence (the DP at round m + 2 of each window), DP, raw alphas, rank; the plan is
+        kept until the next DP."""
         self.profile = self.price(batch.size)
         self.round += 1
         if self.cadence.due(self.round):
-            references = self.references(batch)
+            references = self.window(batch)
             if references:
                 self.plan_now = self.select(model, batch, references).plan
             self.states = {}
@@ -112,11 +108,26 @@ class PaperSelector(KnapsackSelector):
         if gathering and not self.gathering:
             self.states = {}  # a new window: only consecutive positions up to each row's end
         self.gathering = gathering
-        return self.plan_now
+        return Decision(self.plan_now)
 
-    def references(self, batch: Batch) -> list[Reference]:
-        """Every position the window kept, of up to ``reference_rows`` rows, longest context
-        first (the authors decode one row: all of its positions)."""
+    def select(self, model: Transformer, batch: Batch, references: list[Reference]
+               ) -> Selection:
+        """DP (weights: the measured latencies), raw alphas, ``rank``."""
+        cfg, n, layers, p = self.config, mean_context(batch), model.cfg.num_layers, self.profile
+        weights = integer_weights(p, n, layers, cfg.weight_cap)
+        dp = run_dp(model, batch, references, weights, cfg)
+        alphas = [raw_alpha(a, dp.positions) for a in dp.agree]
+        if dp.candidates:
+            choice = rank(alphas, [p.draft_time(c.skipped, n, layers) for c in dp.candidates],
+                          lambda q: p.verify_time(q, n), cfg.max_gamma, cfg.objective)
+        else:
+            choice = tpt.Choice(None, 0, 1.0 / p.verify_time(1, n))
+        return self.made(Selection(n, weights, dp.candidates, alphas, choice,
+                                   plan_of(dp.candidates, choice), dp.positions))
+
+    def window(self, batch: Batch) -> list[Reference]:
+        """The references: every position the window kept, of up to ``reference_rows``
+        rows, longest context first (the authors decode one row: all of its positions)."""
         found = []
         for slot, row in enumerate(batch.rows):
             states = self.states.get(row.rid)
@@ -126,13 +137,3 @@ class PaperSelector(KnapsackSelector):
         flat = [(end, slot, [p for r in rounds for p in r]) for end, slot, rounds in found]
         return [Reference(slot, end - len(states), torch.stack(states, dim=1))
                 for end, slot, states in flat]
-
-    def choose(self, candidates: list[knapsack.Candidate], alphas: list[float], n: int,
-               num_layers: int) -> tpt.Choice:
-        if not candidates:
-            return tpt.Choice(None, 0, 1.0 / self.profile.verify_time(1, n))
-        p = self.profile
-        draft_times = [p.draft_time(c.skipped, n, num_layers) for c in candidates]
-        return rank(alphas, draft_times, lambda q: p.verify_time(q, n), self.config.max_gamma,
-                    self.config.objective)
-

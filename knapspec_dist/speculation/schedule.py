@@ -13,7 +13,8 @@ Sparing (``SpareRule``): a due selection is spared, and decoding stays plain, wh
 cannot pay for itself: no weight could pay at these prices, the batch has too few tokens left
 to repay the last DP's cost, or the last fruitless DP's subnets, priced again at today's batch
 size and context, still lose. Everything it prices comes from the profile (counts, not the
-wall clock), except the cost of the last DP, which ``spec.spmd.SyncedSelector`` broadcasts.
+wall clock), except the cost of the last DP and the time of the next (``ScheduleClock``), which
+under TP every rank takes from rank 0 (speculation/spmd.py).
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from dataclasses import dataclass
 from knapspec_dist.engine.sequence import Batch
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.speculation import knapsack, tpt
+from knapspec_dist.speculation.acceptance import smoothed_alpha
 
 
-def smoothed_alpha(agree: int, total: int) -> float:
-    """Acceptance estimate from ``agree`` of ``total`` top-1 matches, with a uniform prior.
+@dataclass(frozen=True)
+class ScheduleClock:
+    """What a schedule set from the wall clock: the progress at which the next selection is
+    due (from the last DP's seconds) and those seconds (None: no DP yet). A rank's own clock
+    differs from another's; under TP all take rank 0's."""
 
-    With m = 5 the raw ratio is 0 or 1 far too often; 5/5 becoming 6/7 keeps the TPT search
-    from betting on ten-token drafts from five observations.
-    """
-    return (agree + 1) / (total + 2)
+    next_selection: float
+    last_select_s: float | None
 
 
 class SelectionSchedule:
@@ -61,6 +64,13 @@ class SelectionSchedule:
         self.next_selection = self.m
         self.wanting = True  # whether the rounds now keep hidden states
         self.selected_in_run = False
+
+    def clock(self) -> ScheduleClock:
+        return ScheduleClock(self.next_selection, self.last_select_s)
+
+    def adopt(self, clock: ScheduleClock) -> None:
+        """Take ``clock``'s wall-clock state (TP: rank 0's) for this schedule's own."""
+        self.next_selection, self.last_select_s = clock.next_selection, clock.last_select_s
 
     @property
     def closed(self) -> bool:
@@ -103,11 +113,12 @@ class SelectionSchedule:
 @dataclass(frozen=True)
 class Prices:
     """What decoding costs now: the profile at the batch's size, for a model of
-    ``num_layers`` layers, and the realized/predicted acceptance the DP's alphas are scaled by."""
+    ``num_layers`` layers, and the realized/predicted acceptance ratio the DP's alphas are
+    scaled by (guard.py ``PlanGuard.realized_ratio``)."""
 
     profile: LatencyProfile
     num_layers: int
-    calibration: float = 1.0
+    acceptance_ratio: float = 1.0
 
     def step(self, n: int) -> float:
         """One plain decode step at context n."""
@@ -116,10 +127,11 @@ class Prices:
 
 @dataclass(frozen=True)
 class Frontier:
-    """What a DP that chose plain decoding returned: its subnets and their raw acceptance,
-    at context ``context``, weights ``weights``, subnets skipping less than ``useful_from``
-    not evaluated; ``lower``: the acceptance each had at least (its estimate less its noise),
-    as the DP's choice weighed it. Priced again at a later batch size or context, it can
+    """What a DP that chose plain decoding returned: its subnets and the acceptance the DP
+    alone estimated for each (``smoothed_alpha`` of its agreements), at context ``context``,
+    weights ``weights``, subnets skipping less than ``useful_from`` not evaluated; ``lower``:
+    the acceptance each had at least (its estimate less its noise), as the DP's choice weighed
+    it. Priced again at a later batch size or context, it can
     spare the next DP."""
 
     context: int
@@ -162,10 +174,10 @@ class SpareRule:
                   ) -> Callable[[int], float]:
         """j -> the most tokens/s a subnet skipping weight j (of ``weights``) could decode at
         at context n: drafting at the highest acceptance the DP can estimate from
-        ``positions`` reference positions (all agree, then calibrated), and saving j times the
-        most time one unit of weight stands for. Increasing in j."""
+        ``positions`` reference positions (all agree, then scaled by the acceptance ratio),
+        and saving j times the most time one unit of weight stands for. Increasing in j."""
         p = prices.profile
-        alpha = min(1.0, prices.calibration * smoothed_alpha(positions, positions))
+        alpha = min(1.0, prices.acceptance_ratio * smoothed_alpha(positions, positions))
         times = (p.attention_time(n), p.mlp_time())
         per_weight = max(times[i % 2] / w for i, w in enumerate(weights))
         full = p.draft_time(frozenset(), n, prices.num_layers)
@@ -220,7 +232,7 @@ class SpareRule:
 
     def frontier_rules_out(self, prices: Prices, n: int, positions: int) -> bool:
         """The last DP chose plain decoding at a context within ``RESELECT_GROWTH`` of n, and
-        at today's prices (batch size, context, calibration) neither the subnets it returned
+        at today's prices (batch size, context, acceptance ratio) neither the subnets it returned
         nor the ones it did not (which skipped less than its ``useful_from``) could pay. It is
         redone anyway once the decoding since, priced by the profile, reaches the DP's cost
         over ``RECHECK_SHARE`` (other rows, other text), an interval that doubles with every
@@ -242,8 +254,8 @@ class SpareRule:
         if f.skips:
             # priced as the DP chose, its noise margin included: without it a subnet the DP
             # turned down for its margin looks paying here, and every due DP is redone
-            alphas = [min(1.0, prices.calibration * a) for a in f.alphas]
-            lower = None if f.lower is None else [min(1.0, prices.calibration * a)
+            alphas = [min(1.0, prices.acceptance_ratio * a) for a in f.alphas]
+            lower = None if f.lower is None else [min(1.0, prices.acceptance_ratio * a)
                                                   for a in f.lower]
             times = [p.draft_time(skip, n, prices.num_layers) for skip in f.skips]
             choice = tpt.search(alphas, times, lambda q: p.verify_time(q, n),

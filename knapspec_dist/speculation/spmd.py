@@ -1,9 +1,10 @@
-"""SPMD strategies: every rank of a TP group runs the same strategy, with rank 0's plans.
+"""SPMD strategies: every rank of a TP group runs the same strategy, with rank 0's decisions.
 
 Hidden states and logits are identical on every rank (see parallel/layers.py), so token
-choices and acceptance agree by construction; the selector's plan, and the wall-clock
-quantities its schedule depends on, are broadcast from rank 0 so that a divergent selection
-can never desynchronize the collectives of the decode loop.
+choices and acceptance agree by construction; the selector's ``Decision`` (its plan, and the
+wall-clock quantities its schedule depends on) is broadcast from rank 0 and adopted by every
+rank, so that a divergent selection can never desynchronize the collectives of the decode
+loop.
 """
 
 from __future__ import annotations
@@ -16,36 +17,76 @@ import torch
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.parallel.comm import Comm
 from knapspec_dist.speculation.calibration import RoundTiming
+from knapspec_dist.speculation.knapspec import Decision, KnapsackSelector
+from knapspec_dist.speculation.schedule import ScheduleClock
 from knapspec_dist.speculation.selfspec import Plan
 
 log = logging.getLogger(__name__)
 
+NONE = -1  # a value the decision does not have (no schedule, no DP yet, no round timed)
+MICROS = 1_000_000  # the last DP's seconds, broadcast in microseconds
+NANOS = 1_000_000_000  # the round's seconds, broadcast in nanoseconds
+HEADER = 5  # gamma, next selection, last DP's seconds, the round's draft and verify seconds
+
 
 def spmd_strategy(strategy, model: Transformer):
-    """Make a strategy safe to run SPMD on every rank of a TP group: a self-speculative
-    strategy's selector gets its plans broadcast from rank 0 (one tiny broadcast per round)."""
+    """Make a strategy safe to run SPMD on every rank of a TP group: a DP selector gets its
+    decisions broadcast from rank 0 (one tiny broadcast per round). A static selector's plan
+    is the same on every rank already."""
     tp = getattr(model, "tp", None)
     selector = getattr(strategy, "selector", None)
-    if tp is None or tp.layout.world == 1 or selector is None or isinstance(selector, SyncedSelector):
+    if tp is None or tp.layout.world == 1 or not isinstance(selector, KnapsackSelector):
         return strategy
     strategy.selector = SyncedSelector(selector, tp.comm)
     return strategy
 
 
+def encode(decision: Decision, timing: RoundTiming | None, num_items: int) -> torch.Tensor:
+    """``decision`` and the last round's seconds as one int64 vector: ``HEADER`` values, then
+    one flag per sublayer skipped."""
+    code = torch.full((HEADER + num_items,), NONE, dtype=torch.int64)
+    code[HEADER:] = 0
+    code[0] = decision.plan.gamma
+    clock = decision.clock
+    if clock is not None:
+        code[1] = int(clock.next_selection)
+        if clock.last_select_s is not None:
+            code[2] = int(clock.last_select_s * MICROS)
+    if timing is not None:
+        code[3], code[4] = round(timing.draft_s * NANOS), round(timing.verify_s * NANOS)
+    if decision.plan.skip:
+        code[HEADER + torch.tensor(sorted(decision.plan.skip), dtype=torch.int64)] = 1
+    return code
+
+
+def decode(code: torch.Tensor, timing: RoundTiming | None
+           ) -> tuple[Decision, RoundTiming | None]:
+    """The decision ``encode`` wrote, and ``timing`` with the seconds it carried (None where
+    this rank has none or the sender had none)."""
+    plan = Plan(frozenset(torch.nonzero(code[HEADER:]).flatten().tolist()), int(code[0]))
+    clock = None
+    if int(code[1]) != NONE:
+        last = int(code[2])
+        clock = ScheduleClock(int(code[1]), None if last == NONE else last / MICROS)
+    if timing is not None and int(code[3]) >= 0:
+        timing = replace(timing, draft_s=int(code[3]) / NANOS, verify_s=int(code[4]) / NANOS)
+    else:
+        timing = None
+    return Decision(plan, clock), timing
+
+
 class SyncedSelector:
-    """Wraps a Selector: every rank runs it (its DP issues the same collectives everywhere),
-    then rank 0's plan -- and the per-rank wall-clock quantities of its schedule
-    (speculation/schedule.py: ``next_selection``, set from the measured selection time, and
-    ``last_select_s``, which decides whether a DP is worth running) -- is broadcast, so all
-    ranks draft with the same subnet and gamma and run the DP at the same steps. The last
-    round's seconds ride on the same broadcast: every rank's calibration (speculation/calibration.py)
-    is fed rank 0's, one round later, so all price the next selection alike; only rank 0's
-    reports its refits (logs and saves the online profile: one file, not one per rank)."""
+    """Wraps a DP selector: every rank decides (its DP issues the same collectives
+    everywhere), then rank 0's ``Decision`` -- its plan and the wall-clock state of its
+    schedule (speculation/schedule.py ``ScheduleClock``: the next selection, set from the
+    measured selection time, and the last DP's seconds, which decide whether a DP is worth
+    running) -- is broadcast and adopted by every rank, so all ranks draft with the same
+    subnet and gamma and run the DP at the same steps. The last round's seconds ride on the
+    same broadcast: every rank's calibration (speculation/calibration.py) is fed rank 0's, one
+    round later, so all price the next selection alike; only rank 0's reports its refits
+    (logs and saves the online profile: one file, not one per rank)."""
 
-    SCHEDULE = {"next_selection": 1, "last_select_s": 1_000_000}  # name: integer scale
-    NANOS = 1_000_000_000  # the round's seconds, broadcast in nanoseconds
-
-    def __init__(self, inner, comm: Comm):
+    def __init__(self, inner: KnapsackSelector, comm: Comm):
         self.inner, self.comm = inner, comm
         self.divergences = 0
         self.pending: RoundTiming | None = None  # this rank's last round, not yet fed
@@ -57,11 +98,7 @@ class SyncedSelector:
         return getattr(self.inner, name)
 
     def start(self, model):
-        out = self.inner.start(model)
-        calibration = getattr(self.inner, "calibration", None)  # made at the first start
-        if calibration is not None:
-            calibration.leader = self.comm.rank == 0
-        return out
+        return self.inner.start(model)
 
     def wants_reference(self):
         return self.inner.wants_reference()
@@ -76,40 +113,18 @@ class SyncedSelector:
         return self.inner.record(steps, verified, accepted)
 
     def plan(self, model, batch):
-        plan = self.inner.plan(model, batch)
-        schedule = getattr(self.inner, "schedule", None)  # a static selector has none
-        names = list(self.SCHEDULE)
-        code = torch.zeros(model.cfg.num_items + 3 + len(names), dtype=torch.int64)
-        code[0] = plan.gamma
-        for k, name in enumerate(names):  # -1: the selector has none (yet)
-            value = getattr(schedule, name, None)
-            code[1 + k] = -1 if value is None else int(value * self.SCHEDULE[name])
-        timing = 1 + len(names)  # the last round's draft and verify seconds (-1: none)
-        code[timing:timing + 2] = -1
-        if self.pending is not None:
-            code[timing] = round(self.pending.draft_s * self.NANOS)
-            code[timing + 1] = round(self.pending.verify_s * self.NANOS)
-        first = timing + 2
-        if plan.skip:
-            code[first + torch.tensor(sorted(plan.skip), dtype=torch.int64)] = 1
+        mine = self.inner.decide(model, batch)
+        code = encode(mine, self.pending, model.cfg.num_items)
         if self.comm.cuda:
             code = code.cuda()
         self.comm.broadcast(code, src=0)
-        code = code.cpu()
-        agreed = Plan(frozenset(torch.nonzero(code[first:]).flatten().tolist()), int(code[0]))
-        for k, name in enumerate(names):
-            if schedule is not None:
-                value, scale = int(code[1 + k]), self.SCHEDULE[name]
-                setattr(schedule, name, None if value == -1 else
-                        value if scale == 1 else value / scale)
-        if self.pending is not None and int(code[timing]) >= 0:
-            self.inner.timed(replace(self.pending, draft_s=int(code[timing]) / self.NANOS,
-                                     verify_s=int(code[timing + 1]) / self.NANOS))
+        agreed, timing = decode(code.cpu(), self.pending)
+        self.inner.adopt(agreed)  # every rank, rank 0 too: all hold the broadcast's values
+        if timing is not None:
+            self.inner.timed(timing, report=self.comm.rank == 0)
         self.pending = None
-        if agreed != plan:
+        if agreed.plan != mine.plan:
             self.divergences += 1
             log.warning("rank %d: selector plan %s differs from rank 0's %s; using rank 0's",
-                        self.comm.rank, plan, agreed)
-            if hasattr(self.inner, "plan_now"):
-                self.inner.plan_now = agreed
-        return agreed
+                        self.comm.rank, mine.plan, agreed.plan)
+        return agreed.plan
