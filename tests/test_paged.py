@@ -12,7 +12,8 @@ import torch
 from conftest import random_prompt
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
-from knapspec_dist.engine.pages import PagePool, Paging
+from knapspec_dist.engine.memory import parse_size
+from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
@@ -266,3 +267,30 @@ def test_random_workloads_keep_the_pool_consistent(engine_model, seed):
         check_pool(sched)
     assert added > 5 and sched.throughput.tokens == added * config.max_new_tokens
     assert_all_free(sched)
+
+
+@pytest.mark.parametrize("name", ["ar", "static"])
+def test_static_shape_forwards_over_pages_give_fixed_slots_tokens(engine_model, name):
+    """The graph path (device starts, every ``capacity`` key read, replayed through the
+    runner's graph stand-in) over pages, with admissions and retires between rounds: fixed
+    slots' tokens on the same path, and the graphs captured once per shape, not per row."""
+    model = engine_model(NAME)
+    ps = prompts(model.cfg.vocab_size)
+    cap = capacity(ps, GREEDY)
+    outs = []
+    for paging in (None, Paging(tokens=2 * cap, page=PAGE)):
+        runner = ModelRunner(model, graphs=True)
+        sched = Scheduler(strategy(name, model), model, GREEDY, 2 if paging is None else 4,
+                          cap, prefill_chunk=16, runner=runner, paging=paging)
+        outs.append([r.out for r in run(sched, ps, checked=paging is not None)])
+        assert runner.captures == len(runner._graphs) > 0  # each shape captured once
+    assert outs[0] == outs[1]
+    assert_all_free(sched)
+
+
+def test_sizes_read_with_their_units():
+    assert [parse_size(s) for s in ("2GiB", "1.5GB", "300000000", "512 MiB")] == [
+        2 * 2 ** 30, 1_500_000_000, 300_000_000, 512 * 2 ** 20]
+    for bad in ("", "2XB", "-1GB", "GiB"):
+        with pytest.raises(UserError, match="expected a size"):
+            parse_size(bad)
