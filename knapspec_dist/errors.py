@@ -3,6 +3,12 @@
 import signal
 
 
+def first_line(e: BaseException) -> str:
+    """An error's first non-empty line, or its type's name: what one log line or cell holds."""
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 class UserError(Exception):
     """Bad input from the user (path, config, prompt, option); never a bug in the engine."""
 

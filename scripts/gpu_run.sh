@@ -5,10 +5,11 @@
 # gpu-check, which writes $OUT/gpu-check/gpu-check.json after every row, so a run stopped by
 # the call's time limit still returns what it measured.
 #
-#   OUT=DIR scripts/gpu_run.sh [gpu-check options]    (default: --device cuda --budget 330)
+#   OUT=DIR scripts/gpu_run.sh [gpu-check options]    (default: --device cuda, gpu-check's 300 s budget)
 #
 # Also runs on a CPU (scripts/gpu_run.sh --device cpu --quick; tests/test_gpu_check.py).
-# The GPU image has no Ray and no network: python3 from the image, this checkout on PYTHONPATH.
+# The GPU image has no Ray and no network: python3 from the image, this checkout on PYTHONPATH,
+# and the entry point of the commands that need no Ray (knapspec_dist/cli/standalone.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,8 +33,8 @@ fi
 export PYTHONPATH="$PWD:$STASH/site${PYTHONPATH:+:$PYTHONPATH}"
 export KNAPSPEC_CACHE=${KNAPSPEC_CACHE:-$STASH/cache}  # the converted SmolLM2 folder
 
-[ $# -gt 0 ] || set -- --device cuda --budget 330
-"$PY" -m knapspec_dist.cli gpu-check "$@" --out "$OUT/gpu-check" 2>&1 | tee "$OUT/gpu-check.log"
+[ $# -gt 0 ] || set -- --device cuda
+"$PY" -m knapspec_dist.cli.standalone gpu-check "$@" --out "$OUT/gpu-check" 2>&1 | tee "$OUT/gpu-check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_run: gpu-check exited $rc; results in $OUT/gpu-check (gpu-check.json, gpu-check.md)"
 exit "$rc"

@@ -118,3 +118,10 @@ def subprocess_env() -> dict:
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=repo + os.pathsep + env.get("PYTHONPATH", ""))
     return env
+
+
+def without_ray(env: dict) -> dict:
+    """``env`` with Ray and gguf hidden from its Python, as on the GPU image, which has
+    neither (tests/without_ray/sitecustomize.py)."""
+    hide = str(Path(__file__).resolve().parent / "without_ray")
+    return {**env, "PYTHONPATH": hide + os.pathsep + env.get("PYTHONPATH", "")}

@@ -1,6 +1,7 @@
 """Faults injected from outside the engine: shard actor classes that fail on purpose.
 
-The engine takes its rank's actor class as ``shard_class``; these subclasses of the real
+A test puts one in place of runtime/replica.py's ``Shard`` (``monkeypatch.setattr``), whose
+actors the engine then starts; these subclasses of the real
 :class:`~knapspec_dist.runtime.shard.Shard` fail where a crashed process would. They are
 pickled by value, so Ray's workers need not import this test folder.
 """

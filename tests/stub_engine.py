@@ -13,6 +13,7 @@ import time
 
 from knapspec_dist.engine.generation import GenerationResult, GenerationStats
 from knapspec_dist.engine.scheduler import Work
+from knapspec_dist.runtime.messages import ReplicaInfo
 
 
 class StubEngines:
@@ -32,8 +33,8 @@ class StubEngines:
     def __exit__(self, *exc):
         return False
 
-    def replica_info(self, replica: int) -> dict:
-        return {"max_num_seqs": self.max_num_seqs}
+    def replica_info(self, replica: int) -> ReplicaInfo:
+        return ReplicaInfo(replica, max_num_seqs=self.max_num_seqs)
 
 
 class StubBackend:

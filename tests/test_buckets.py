@@ -123,3 +123,29 @@ def test_continuous_batching_compiles_one_flex_kernel_per_bucket(engine_model, m
     assert batches and None not in batches, batches
     assert set(batches) <= set(buckets(rows)) and len(set(batches)) > 1
     assert counter.frame_count <= 2 * len(buckets(rows)), counter.frame_count
+
+
+def test_flex_compiles_once_per_query_kind_whatever_the_capacity(engine_model, monkeypatch):
+    """T and the cache capacity are dynamic from the first compile: forwards of T = 1, 3 and
+    5 over caches of three capacities compile two graphs (T = 1, T > 1), not a static graph
+    per first value and a dynamic one after; each gives SDPA's logits."""
+    model = engine_model(NAME)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    real = attention.compiled_flex
+    monkeypatch.setattr(attention, "compiled_flex", lambda: real(counter))
+    try:
+        with torch.inference_mode():
+            for capacity in (256, 512, 1280):
+                cache = KVCache(model.cfg, 2, capacity, dtype=model.dtype, device="cpu")
+                for t in (1, 3, 5):
+                    tokens = torch.randint(model.cfg.vocab_size, (2, t))
+                    model.backend = "sdpa"
+                    want = model(tokens, [40, 57], cache, slice(0, 2))
+                    model.backend = "flex"
+                    got = model(tokens, [40, 57], cache, slice(0, 2))
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        model.backend = None
+        torch._dynamo.reset()
+    assert counter.frame_count == 2, counter.frame_count

@@ -8,12 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompt
-from test_knapspec import LINEAR_ATTENTION, synthetic_profile
+from fakes import LINEAR_ATTENTION, synthetic_profile
+from torch._dynamo.testing import CompileCounterWithBackend
 
+from knapspec_dist.engine import model_runner
 from knapspec_dist.engine.capture import CaptureError, EmulatedGraph
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.engine.scheduler import Scheduler, generate
+from knapspec_dist.engine.sequence import row_capacity
+from knapspec_dist.model import attention
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
@@ -79,3 +83,44 @@ def test_emulated_capture_gives_the_tokens_of_eager_ar(engine_model, name, draft
         assert sum(r.stats.drafted for r in got) > 0, "speculation never ran"
     if draft_graphs == "pieces":
         assert runner._piece_sets, "the per-sublayer draft graphs never ran"
+
+
+@pytest.mark.parametrize("name,draft_graphs", [("ar", "plan"), ("static", "pieces")])
+def test_emulated_capture_of_compiled_flex_with_batch_buckets(engine_model, monkeypatch, name,
+                                                              draft_graphs):
+    """The CUDA default path: flex attention compiled by dynamo (a counting backend on the
+    CPU), its graphs captured as CUDA captures them, batches padded to their buckets while
+    rows join 16 prompt tokens a step (batch 1, 2, 3 padded to 4, 4, and back): eager SDPA
+    ``ar``'s tokens."""
+    model = engine_model(NAME)
+    prompts = [random_prompt(n, model.cfg.vocab_size, seed=70 + n) for n in (9, 40, 75, 23)]
+    expected = generate(Autoregressive(), model, prompts, CONFIG,
+                        runner=ModelRunner(model, graphs=False))
+    padded = []
+    real_padded = model_runner.padded_forward
+
+    def counted(*args, **kwargs):
+        out = real_padded(*args, **kwargs)
+        padded.append(out is not None)
+        return out
+
+    monkeypatch.setattr(model_runner, "padded_forward", counted)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    real_flex = attention.compiled_flex
+    monkeypatch.setattr(attention, "compiled_flex", lambda: real_flex(counter))
+    model.backend = "flex"
+    try:
+        runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)
+        runner.draft_graphs = draft_graphs
+        capacity = row_capacity(max(map(len, prompts)), CONFIG.max_new_tokens)
+        got = Scheduler(_strategy(name, model), model, CONFIG, 4, capacity, prefill_chunk=16,
+                        runner=runner).run(prompts)
+    finally:
+        model.backend = None
+        torch._dynamo.reset()  # no counted graphs left for later tests
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert runner.captures > 0 and counter.frame_count > 0, "no compiled flex graph captured"
+    assert any(padded), "no forward ran padded to its bucket"
+    if name != "ar":
+        assert sum(r.stats.drafted for r in got) > 0, "speculation never ran"

@@ -3,6 +3,7 @@ exit and no traceback; `--json` prints token_ids / text / stats."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from knapspec_dist.cli import demo
+from knapspec_dist.cli import demo, standalone
 from knapspec_dist.cli.main import main
+from knapspec_dist.cli.main import parser as knapspec_parser
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.jobs.termination import JobTerminated
@@ -194,3 +196,19 @@ def test_every_command_stops_on_a_signal_with_one_line_and_the_shells_code(
     with caplog.at_level(logging.WARNING):
         assert main(["demo"]) == code
     assert "the finished rows are written and kept" in caplog.text
+
+
+def subcommand_options(p: argparse.ArgumentParser) -> dict[str, list[tuple]]:
+    """Each subcommand's options: flags, destination, default, choices, help."""
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: [(tuple(a.option_strings), a.dest, a.default, a.choices, a.help)
+                   for a in command._actions] for name, command in sub.choices.items()}
+
+
+def test_the_commands_without_ray_have_the_options_knapspec_gives_them():
+    """``python -m knapspec_dist.cli.standalone`` (the GPU image's entry) and ``knapspec``
+    register gpu-check, bench and throughput from the same modules: the same options."""
+    alone, full = subcommand_options(standalone.parser()), subcommand_options(knapspec_parser())
+    assert sorted(alone) == ["bench", "gpu-check", "throughput"]
+    assert {name: full[name] for name in alone} == alone
+    assert set(full) - set(alone) == {"generate", "demo", "profile", "job"}  # these need Ray

@@ -22,6 +22,7 @@ from knapspec_dist.profiles import store
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.runtime import replica
 from knapspec_dist.runtime.coordinator import calibrates
 from knapspec_dist.speculation.factory import build_selector
 from knapspec_dist.speculation.options import parse_strategy
@@ -129,24 +130,25 @@ def cluster():
 
 
 def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_out(
-        dirs, cluster, checkpoint, model):
+        dirs, cluster, checkpoint, model, monkeypatch):
     """The start must not measure (the shards' measurement outlasts the start-up timeout:
     today's engines failed here with "did not prepare within 20s"); it prepares at once
     and generates ar's tokens. ``knapspec:fixed`` (no calibration) must measure: that takes
     longer than the timeout and still prepares, since it is not counted."""
-    from knapspec_dist.runtime import Engine
+    from knapspec_dist.runtime import RayEngine
     from knapspec_dist.speculation.options import StrategyOptions
 
     shipped, cache = dirs
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=50 + n) for n in (7, 12)]
     greedy = dict(max_new_tokens=10, stop_at_eos=False)
     knapspec = StrategyOptions(name="knapspec", interval=4, tau_conf=0.0)
-    with Engine(str(checkpoint), strategy=knapspec, startup_timeout_s=STARTUP_S,
-                shard_class=slow_measure(STARTUP_S + 5), profile_need=200,
+    monkeypatch.setattr(replica, "Shard", slow_measure(STARTUP_S + 5))
+    with RayEngine(str(checkpoint), strategy=knapspec, startup_timeout_s=STARTUP_S,
+                profile_need=200,
                 profile_contexts=[16, 32], profile_repeats=1) as engine:
         info = engine.replica_info(0)
-        assert info["profile"]["origin"] == "borrowed", info
-        assert info["profile"]["path"].startswith(str(shipped)), info
+        assert info.profile["origin"] == "borrowed", info
+        assert info.profile["path"].startswith(str(shipped)), info
         assert not list(cache.glob("*.json"))  # nothing was measured
         results = engine.generate(prompts, **greedy)
         engine.reconfigure("ar")
@@ -156,5 +158,5 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
         engine.reconfigure(StrategyOptions(name="knapspec", calibrate=False, interval=4,
                                            tau_conf=0.0))
         info = engine.replica_info(0)
-        assert info["profile"]["origin"] == "measured", info
+        assert info.profile["origin"] == "measured", info
         assert [r.token_ids for r in engine.generate(prompts, **greedy)] == expected

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_prompt
-from test_knapspec import LINEAR_ATTENTION, synthetic_profile
+from fakes import LINEAR_ATTENTION, synthetic_profile
 
-from knapspec_dist.cli.main import main
+from knapspec_dist.cli.standalone import main
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate

@@ -8,19 +8,22 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from time import monotonic
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import subprocess_env, without_ray
 
 from knapspec_dist.cli import gpu_check
-from knapspec_dist.cli.main import main
+from knapspec_dist.cli.standalone import main
 from knapspec_dist.model.embedded import SmolLM2NotInstalledError
 from knapspec_dist.profiles.replay import ReplayTimer
-from knapspec_dist.tools.gpucheck import correct
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.tools.gpucheck import batched, correct
 from knapspec_dist.tools.gpucheck import measure as M
 from knapspec_dist.tools.gpucheck import shapes as S
-from knapspec_dist.tools.gpucheck.budget import SHARES, Budget
+from knapspec_dist.tools.gpucheck.budget import SHARES, Budget, process_start
 from knapspec_dist.tools.gpucheck.rows import (
     DevicePoisoned,
     Rows,
@@ -92,6 +95,52 @@ def test_budget_sections_share_what_is_left():
     assert "first call" in correctness.over(8.0)
     now[0] = 90.0
     assert "budget" in correctness.over()
+
+
+def test_a_spent_share_cuts_its_section_between_rows_and_mid_measurement():
+    """A fake clock: rows of 10 s in a 28 s share run until it is spent, the rest are skipped
+    and the section is recorded as cut; a stepped measurement that checks its section stops
+    at the first step past the share (cut, not failed), and the later sections still run.
+    The budget counts from the process start: time before the first section is spent."""
+    now = [0.0]
+    budget = Budget(100, clock=lambda: now[0], started=-10.0)
+    assert budget.elapsed() == 10.0
+    record, steps_run, table = {}, [], []
+    rows = Rows(save=lambda: None)
+
+    def tick(seconds: float) -> dict:
+        now[0] += seconds
+        return {"s": seconds}
+
+    def rows_of_ten(section) -> None:
+        for i in range(6):
+            rows.add(table, {"row": i}, lambda: tick(10.0), section)
+
+    def stepped(section) -> None:
+        def run() -> dict:
+            while True:  # a scheduler loop: only the budget ends it
+                tick(1.0)
+                steps_run.append(1)
+                section.part("inner", 1.0).check()
+        rows.add(table, {"row": "stepped"}, run, section)
+        rows.add(table, {"row": "after"}, lambda: tick(1.0), section)
+
+    names = list(SHARES)
+    steps = [(names[0], rows_of_ten), (names[1], stepped), (names[2], lambda s: tick(1.0))]
+    assert run_sections(steps, budget, rows, record) is None
+    shapes = record[names[0]]
+    assert shapes["budget_s"] == pytest.approx(90 * SHARES[names[0]])  # 10 s already gone
+    assert [r["status"] for r in table[:6]] == ["ok"] * 3 + [
+        f"skipped: {names[0]} time budget (25 s) spent"] * 3
+    assert shapes["status"] == "cut" and shapes["cut"] == table[3]["status"]
+    assert (shapes["rows_ok"], shapes["rows_skipped"], shapes["rows_failed"]) == (3, 3, 0)
+    cut = record[names[1]]
+    assert table[6]["status"].startswith(f"cut: {names[1]}/inner time budget")
+    assert table[7]["status"].startswith("skipped") and cut["status"] == "cut"
+    assert len(steps_run) == pytest.approx(cut["budget_s"], abs=1.5)  # 1 s steps, one past
+    assert cut["rows_failed"] == 0 and not rows.errors
+    assert record[names[2]]["status"] == "ok" and "cut" not in record[names[2]]
+    assert process_start() <= monotonic()
 
 
 def test_a_row_that_raises_is_its_status_and_the_rows_go_on():
@@ -186,8 +235,9 @@ def _check_doc(doc: dict) -> None:
 
 
 def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
-    """The script the GPU machine runs, on a CPU: no SmolLM2 pack, gpu-check --quick."""
-    env = subprocess_env()
+    """The script the GPU machine runs, on a CPU without Ray or gguf, as on the GPU image: no
+    SmolLM2 pack, gpu-check --quick."""
+    env = without_ray(subprocess_env())
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                KNAPSPEC_PACK=str(tmp_path / "no-pack"), KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
     # A budget no busy machine exhausts: the test checks the program, not the time it takes
@@ -317,3 +367,42 @@ def test_full_run_on_cuda(tmp_path):
     _check_doc(doc)
     assert doc["meta"]["wall_s"] < 360
     assert {r["model"] for r in doc["decode"]} == {"llama31-8b", "llama31-70b-tp8"}
+
+
+def test_batched_runs_both_strategies_on_one_warmed_runner_at_a_full_batch():
+    """The runner is warmed by both strategies before either is timed, so the timed runs
+    capture nothing (ar) and every prompt is prefilled before the first round: ar decodes at
+    the full batch throughout. knapspec's rows equal ar's (fp32 on a CPU)."""
+    real = correct.RealModel(None, "test", stand_in=True)
+    subj = correct.subject("fp32", torch.device("cpu"), real)
+    profiles = [measure(subj.model, (32, 64), batch=1, repeats=1, mode="eager")]
+    runner = ModelRunner(subj.model, graphs=True)  # EagerGraph: the GPU's graph path
+    with torch.inference_mode():
+        row = batched._run(subj, profiles, runner, 3, 200, 10, Budget(600).section("batched"))
+    assert runner.captures > 0 and row["ar"]["captures"] == 0
+    assert row["ar"]["mean_batch"] == 3 and row["knapspec"]["mean_batch"] > 1
+    assert row["verdict"] == "ok" and row["verdicts"] == {"identical": 3}
+
+
+def test_each_shape_says_whether_flex_decoding_serves_it(tmp_path, monkeypatch):
+    """torch takes flex-decoding (split-K) only for a power-of-two query heads / KV heads:
+    Llama-3.1-8B (32 / 8) and the 70B tp8 shard (8 / 1) get it, SmolLM2 (9 / 3) does not, and
+    the document says so per shape, in the JSON and the markdown."""
+    kernels = {name: S.decode_kernel(name, cfg, "flex") for name, cfg in
+               [("8b", S.llama31_8b()), ("70b", S.llama31_70b_shard(8)),
+                ("smollm2", S.llama(49152, 576, 1536, 30, 9, 3, 64))]}
+    assert [kernels[n]["decode_kernel"] for n in ("8b", "70b", "smollm2")] == [
+        "flex-decoding", "flex-decoding", "flex main kernel"]
+    assert kernels["smollm2"]["group"] == 3 and "no split-K" in kernels["smollm2"]["line"]
+    on_cpu = S.decode_kernel("x", S.tiny(2), "sdpa")
+    assert on_cpu["decode_kernel"] == "sdpa" and on_cpu["flex_kernel"] == "flex-decoding"
+
+    def plan_only(steps, budget, rows, record):
+        return None
+
+    monkeypatch.setattr(gpu_check, "run_sections", plan_only)
+    main(["gpu-check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [k["model"] for k in doc["kernels"]] == ["tiny-gqa", "tiny-kv1", "random-tiny"]
+    md = (tmp_path / "gpu-check.md").read_text()
+    assert all(k["line"] in md for k in doc["kernels"])

@@ -140,7 +140,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 def test_layer_rule_sees_a_planted_upward_import():
     assert layer_of("knapspec_dist.model.decoder") < layer_of("knapspec_dist.speculation.knapspec")
-    assert layer_of("knapspec_dist.llm") < layer_of("knapspec_dist.runtime.engine")
+    assert layer_of("knapspec_dist.llm") < layer_of("knapspec_dist.runtime.ray_engine")
     tree = ast.parse("import os\nfrom knapspec_dist.speculation import tpt\n\ndef f():\n    import re\n")
     assert [imported(n) for n in top_level_imports(tree)] == [
         ["knapspec_dist.speculation", "knapspec_dist.speculation.tpt"], ["os"]]
@@ -194,9 +194,10 @@ def reached(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 
 def test_the_gpu_image_entry_points_reach_no_ray():
-    """The GPU image has torch and transformers but no Ray: gpu-check (``python -m
-    knapspec_dist.cli.gpu_check``) and generate must import there (the CI lane runs them in a
-    venv without Ray); ``knapspec`` itself reaches Ray through the job commands."""
+    """The GPU image has torch and transformers but no Ray: its commands (``python -m
+    knapspec_dist.cli.standalone``: gpu-check, bench, throughput) and generate must import there
+    (the CI lane runs them in a venv without Ray); ``knapspec`` itself reaches Ray through the
+    job commands. tests/test_without_ray.py imports them with Ray hidden."""
     graph, trees = import_graph(), parsed()
 
     def ray_users(module: str) -> list[str]:
@@ -204,6 +205,6 @@ def test_the_gpu_image_entry_points_reach_no_ray():
                        if any(t == "ray" or t.startswith("ray.") for t in imported(n))})
 
     assert ray_users("knapspec_dist.cli.main"), "the walk must see Ray behind `knapspec`"
-    for module in ("knapspec_dist.cli.gpu_check", "knapspec_dist.engine.scheduler",
+    for module in ("knapspec_dist.cli.standalone", "knapspec_dist.engine.scheduler",
                    "knapspec_dist.llm"):
         assert not ray_users(module), f"{module} reaches ray via {ray_users(module)}"

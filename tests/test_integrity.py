@@ -25,18 +25,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import test_jobs as t  # noqa: E402
+import fakes as t
 from conftest import subprocess_env
 
-from knapspec_dist.cli.job import add_job_args, config_from_args  # noqa: E402
-from knapspec_dist.errors import UserError  # noqa: E402
-from knapspec_dist.jobs import report  # noqa: E402
-from knapspec_dist.jobs.lease import LEASE_FILE, Lease, LeaseHeld  # noqa: E402
-from knapspec_dist.jobs.output import OutputDir  # noqa: E402
-from knapspec_dist.runtime import backend as rb  # noqa: E402
-from knapspec_dist.runtime.dispatch import Dispatcher, Task  # noqa: E402
+from knapspec_dist.cli.job import add_job_args, config_from_args
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs import report
+from knapspec_dist.jobs.lease import LEASE_FILE, Lease, LeaseHeld
+from knapspec_dist.jobs import JobConfig, run_job
+from knapspec_dist.jobs.output import OutputDir, output_schema, result_row
+from knapspec_dist.runtime import backend as rb
+from knapspec_dist.runtime.dispatch import Dispatcher, Task
 
 REPO = Path(__file__).resolve().parent.parent
 J = ["--model", "smollm2", "--max-new-tokens", "4", "--baseline-fraction", "0", "--strategy",
@@ -139,21 +138,21 @@ def test_a_copied_part_file_is_read_once_with_a_warning(tmp_path, caplog):
 def test_a_success_wins_over_an_error_and_the_earliest_success_is_kept(tmp_path):
     out = OutputDir(str(tmp_path / "o"))
     out.prepare({"x": 1})
-    schema = t.output_schema("id", pa.string())
+    schema = output_schema("id", pa.string())
 
     def part(name, rows):
         table = pa.Table.from_pylist(rows, schema=schema)
         os.makedirs(tmp_path / "o" / "rows", exist_ok=True)
         pq.write_table(table, tmp_path / "o" / "rows" / name)
 
-    ok_early = t.result_row("id", "a", "ar")
+    ok_early = result_row("id", "a", "ar")
     ok_early["generated_text"] = "early"
     time.sleep(0.01)
-    ok_late = t.result_row("id", "a", "ar")
+    ok_late = result_row("id", "a", "ar")
     ok_late["generated_text"] = "late"
-    part("part-1.parquet", [t.result_row("id", "a", "ar", error="boom")])
+    part("part-1.parquet", [result_row("id", "a", "ar", error="boom")])
     part("part-2.parquet", [ok_late])
-    part("part-3.parquet", [ok_early, t.result_row("id", "b", "ar", error="x")])
+    part("part-3.parquet", [ok_early, result_row("id", "b", "ar", error="x")])
     rows = out.read_rows("rows", schema).to_pylist()
     assert [(r["id"], r["generated_text"], r["error"]) for r in rows] == [
         ("a", "early", None), ("b", None, "x")]
@@ -200,7 +199,7 @@ def test_out_of_memory_restarts_the_replica_smaller_and_retries_the_row():
     engines = t.FakeEngines()
     engines.strategy, engines.num_replicas = "ar", 1
     backend = OomBackend(engines)
-    sched = Dispatcher(backend, t.JobConfig(input="x", output="y").generation_config(),
+    sched = Dispatcher(backend, JobConfig(input="x", output="y").generation_config(),
                        max_inflight=2, restart_backoff=0)
     got = []
     sched.run([Task("a", [7]), Task("b", [8])], got.append)
@@ -281,12 +280,12 @@ def test_a_failed_start_leaves_no_folders(tmp_path):
         raise UserError("the cluster has 0 GPU(s)")
 
     with pytest.raises(UserError, match="0 GPU"):
-        t.run_job(t.job(tmp_path), engine_factory=no_engine, backend_factory=t.FakeBackend,
+        run_job(t.job(tmp_path), engine_factory=no_engine, backend_factory=t.FakeBackend,
                   text_tools=t.fake_tools())
     assert not (tmp_path / "out").exists()
     (tmp_path / "out").mkdir()  # an existing empty folder stays, empty
     with pytest.raises(UserError, match="0 GPU"):
-        t.run_job(t.job(tmp_path), engine_factory=no_engine, backend_factory=t.FakeBackend,
+        run_job(t.job(tmp_path), engine_factory=no_engine, backend_factory=t.FakeBackend,
                   text_tools=t.fake_tools())
     assert list((tmp_path / "out").iterdir()) == []
 

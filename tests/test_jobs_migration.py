@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fakes as t
 
-import test_jobs as t  # noqa: E402
-
-from knapspec_dist.errors import UserError  # noqa: E402
+from knapspec_dist.errors import UserError
 
 
 def old_digest(ids, docs) -> str:

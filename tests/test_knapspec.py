@@ -12,7 +12,6 @@ from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.attention import prefix_attention, reference_prefix_attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
-from knapspec_dist.profiles.profile import fit_profile
 from knapspec_dist.speculation import knapspec
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.clasp import ClaspSelector
@@ -22,26 +21,9 @@ from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector,
 from knapspec_dist.speculation.schedule import SpareRule, smoothed_alpha
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 
-
-def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
-                      verify_growth: float = 0.1, verify_scale: float = 1.0):
-    """A profile built from made-up samples (tests only; never written under profiles/)."""
-    layers = model.cfg.num_layers
-    ns = [n for n, _ in attention]
-
-    def step(n):  # one full-model decode step at context n, from the same fit
-        slope = (attention[-1][1] - attention[0][1]) / (ns[-1] - ns[0])
-        return layers * (attention[0][1] + slope * (n - ns[0]) + mlp) + 1e-3
-
-    samples = {"attention": [[n, t] for n, t in attention], "mlp": [mlp] * 3, "head": [1e-3] * 3,
-               "verify": [[q, n, verify_scale * step(n) * (1 + verify_growth * (q - 1))]
-                          for q in range(1, 12) for n in ns]}
-    return fit_profile(samples, device={"name": "synthetic", "threads": 1},
-                       model=model.cfg.shape(), dtype="fp32", batch=1, tp=1,
-                       torch_version=torch.__version__)
+from fakes import LINEAR_ATTENTION, synthetic_profile
 
 
-LINEAR_ATTENTION = [(64, 5e-4), (4096, 4e-3)]
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3-headdim", "llama-tied-llama3rope"])

@@ -14,11 +14,11 @@ import dataclasses
 import pyarrow.parquet as pq
 import pytest
 import ray
-import test_jobs as t
+import fakes as t
 from ray.cluster_utils import Cluster
 
 from knapspec_dist.jobs import JobConfig, run_job
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 
 ROWS = 24
 
@@ -37,10 +37,10 @@ def test_a_node_lost_mid_job_costs_its_replica_not_a_row(cluster, checkpoints, t
     c, nodes = cluster
     t.write_input(tmp_path / "in.parquet", [f"r{i:02d}" for i in range(ROWS)],
                   [" ".join(f"w{j}" for j in range(3 + i % 9)) for i in range(ROWS)])
-    engines: list[Engine] = []
+    engines: list[RayEngine] = []
 
     def engine_factory(config, strategy, replicas):
-        engine = Engine(str(checkpoints["llama-gqa"]), replicas=replicas, strategy=strategy,
+        engine = RayEngine(str(checkpoints["llama-gqa"]), replicas=replicas, strategy=strategy,
                         address=c.address, max_num_seqs=2)
         # A restart waits for room that will not come (the lost node's CPU): not for long.
         engine.spec = dataclasses.replace(engine.spec, startup_timeout_s=10)

@@ -10,7 +10,7 @@ import ray
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.processor import ProcessorConfig, build_processor
 
 DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich.",
@@ -39,7 +39,7 @@ def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tm
     got = {r["id"]: r for r in processor(before).take_all()}
     assert sorted(got) == [0, 1, 2, 3]
     assert got[3]["error"] and got[3]["summary"] is None
-    with Engine("smollm2", strategy="ar") as engine:  # each row as the engine decodes it
+    with RayEngine("smollm2", strategy="ar") as engine:  # each row as the engine decodes it
         for i, doc in enumerate(DOCS):
             want = engine.generate([doc.upper()], GenerationConfig.of(max_new_tokens=5),
                                    chat=True)[0]

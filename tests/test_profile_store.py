@@ -15,7 +15,9 @@ from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import LatencyProfile
 from knapspec_dist.profiles import store
 from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.runtime.messages import ReplicaInfo
 
+from fakes import FakeEngines, docs_of, job, run, write_input
 from models import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,11 +114,10 @@ def test_load_profile_refuses_another_shape_with_one_message(model, tmp_path):
 
 
 def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
-    from test_jobs import FakeEngines, docs_of, job, run, write_input
-
     class Engines(FakeEngines):
         def replica_info(self, replica):
-            return {"profile": {"key": "k", "path": "/p/k.json", "origin": "measured"}}
+            return ReplicaInfo(replica, profile={"key": "k", "path": "/p/k.json",
+                                                 "origin": "measured"})
 
     write_input(tmp_path / "in.parquet", ["a", "b"], docs_of([3, 4]))
     result, _ = run(job(tmp_path), Engines())

@@ -103,7 +103,7 @@ def test_tokens_count_before_any_row_finishes(caplog):
     assert progress.eta() is None  # nothing measured yet
     now[0], live[0] = 20.0, Work(emitted=300, prefilled=4000, prefill_s=4.0, decode_s=6.0,
                                  decoded=240, rounds=60, row_rounds=240)
-    with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs.runner"):
+    with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs"):
         progress.tick()
     assert "prefilled 4000/8000 prompt tokens (1000 tok/s), 300 tokens, 30.0 tok/s" in caplog.text
     assert progress.done == 0 and progress.tokens == 300

@@ -17,8 +17,11 @@ import os
 import pytest
 
 from conftest import random_prompt
+from fakes import drafting_profile
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.runtime import replica
+from knapspec_dist.runtime.messages import MeasureOptions
 from knapspec_dist.speculation.options import StrategyOptions
 
 ray = pytest.importorskip("ray")
@@ -39,7 +42,7 @@ def cluster(tmp_path_factory):
 
 
 def leftovers() -> list[str]:
-    """Engine actors not DEAD and engine placement groups not REMOVED, by name."""
+    """RayEngine actors not DEAD and engine placement groups not REMOVED, by name."""
     from ray._private import state
 
     left = [f"actor {a.get('Name')} {a.get('State')}" for a in state.actors().values()
@@ -61,17 +64,16 @@ def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
 
 
 def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_path):
-    from test_tp import _profile
 
-    from knapspec_dist.runtime import Engine
+    from knapspec_dist.runtime import RayEngine
 
     model = engine_model("llama-gqa")
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=40 + n) for n in (5, 11)]
     profile = tmp_path / "profile.json"  # named by path: it prices tp=1 and tp=2 alike
-    _profile(model.cfg.shape()).save(profile)
+    drafting_profile(model.cfg.shape()).save(profile)
     runs = [("ar", {}), ("static", dict(skip="m1,a2", gamma=3, tau_conf=0.0)),
             ("knapspec", dict(profile=str(profile), interval=8, tau_conf=0.0))]
-    with Engine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
+    with RayEngine(str(checkpoints["llama-gqa"]), tp=2, strategy="ar") as engine:
         for i, (name, options) in enumerate(runs):
             if i:
                 engine.reconfigure(StrategyOptions(name=name, **options))
@@ -95,11 +97,11 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
         job = engine.last_job
         assert 0 <= job["control_plane_share"] <= 1 and job["comm_share"] > 0
         # No stored profile matches: the shards measure one (with the all-reduce, at tp=2).
-        engine.measure = {"contexts": [16, 64], "repeats": 1}
+        engine.measure = MeasureOptions((16, 64), repeats=1)
         engine.reconfigure(StrategyOptions(name="knapspec", interval=8))
         info = engine.replica_info(0)
-        assert info["profile"]["origin"] == "measured", info
-        assert info["profile_key"].endswith("tp2__eager"), info
+        assert info.profile["origin"] == "measured", info
+        assert info.profile_key.endswith("tp2__eager"), info
         results = engine.generate(prompts, **NO_EOS)
         assert [r.token_ids for r in results] == local_tokens(model, "ar", prompts)
     assert leftovers() == []
@@ -108,14 +110,14 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
     from knapspec_dist.errors import UserError
     from knapspec_dist.model.tokenizer import encode
-    from knapspec_dist.runtime import Engine
+    from knapspec_dist.runtime import RayEngine
     from knapspec_dist.engine.generation import GenerationConfig
 
     texts = ["The capital of France is", "One, two, three,", "Water boils at",
              "The quick brown fox", "In the beginning"]
     ids = [encode(smollm2.tokenizer, t) for t in texts]
     expected = local_tokens(smollm2.model, "ar", ids)
-    with Engine("smollm2", tp=1, replicas=2, strategy="ar") as engine:
+    with RayEngine("smollm2", tp=1, replicas=2, strategy="ar") as engine:
         results = engine.generate(texts, **NO_EOS)
         assert [r.replica for r in results] == [0, 1, 0, 1, 0]
         assert [r.token_ids for r in results] == expected
@@ -147,23 +149,26 @@ def _dead_actor(exc: BaseException) -> bool:
 
 
 @pytest.mark.parametrize("case", ["indivisible", "missing", "rank-dies", "unplaceable"])
-def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case):
+def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case,
+                                               monkeypatch):
     from knapspec_dist.errors import UserError
-    from knapspec_dist.runtime import Engine, StartupError
+    from knapspec_dist.runtime import RayEngine, StartupError
 
     ckpt = str(checkpoints["llama-gqa"])  # 4 heads, 2 KV heads
     kwargs, error, match = {
         "indivisible": (dict(model=ckpt, tp=4), UserError, "KV heads 2 not divisible by 4"),
         "missing": (dict(model=str(tmp_path / "nope")), UserError, "does not exist"),
-        "rank-dies": (dict(model=ckpt, tp=2, shard_class=RankOneDiesAtSetup), StartupError,
+        "rank-dies": (dict(model=ckpt, tp=2), StartupError,
                       "replica 0 rank 1 failed to load its shard: its actor died"),
         # the cluster's resources are checked before any placement group is asked for
         "unplaceable": (dict(model=ckpt, tp=2, cpus_per_rank=3, startup_timeout_s=3),
                         StartupError, r"tp 2 x replicas 1 needs 6 CPU\(s\) \(3 per rank\); "
                                       r"the Ray cluster has 4"),
     }[case]
+    if case == "rank-dies":
+        monkeypatch.setattr(replica, "Shard", RankOneDiesAtSetup)
     with pytest.raises(error, match=match):
-        Engine(strategy="ar", **kwargs)
+        RayEngine(strategy="ar", **kwargs)
     assert leftovers() == []
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -15,12 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fakes as t
 
-import test_jobs as t  # noqa: E402
-
-from knapspec_dist.jobs.baseline import baseline_ids, choose_baseline  # noqa: E402
-from knapspec_dist.jobs.output import (  # noqa: E402
+from knapspec_dist.jobs.baseline import baseline_ids, choose_baseline
+from knapspec_dist.jobs.output import (
     BASELINE,
     BASELINE_STRATEGY,
     ROWS,
@@ -28,8 +25,8 @@ from knapspec_dist.jobs.output import (  # noqa: E402
     output_schema,
     result_row,
 )
-from knapspec_dist.jobs.resume import read_done  # noqa: E402
-from knapspec_dist.jobs.summary import COLUMNS, summarize  # noqa: E402
+from knapspec_dist.jobs.resume import read_done
+from knapspec_dist.jobs.summary import COLUMNS, summarize
 
 
 def _close(a, b, path="summary"):

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import random_prompt
+from fakes import drafting_profile
 from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.scheduler import generate
 from models import hf_model, make_checkpoint
@@ -30,21 +31,6 @@ PREFILL = [3, 17, 99, 5, 42, 7, 200, 11]
 DECODE = [64, 9, 130]  # fed one at a time through the KV cache after the prefill
 STATIC_SKIP = frozenset({3, 4})  # m1, a2
 ODD_VOCAB = 255  # vocab % tp != 0: the last rank's slice is padded
-
-
-def _profile(shape: dict | None = None):
-    """A fixed in-memory latency profile (test fixture; never written to profiles/): drafts
-    nearly free next to a slow verify, so the TPT search drafts even at the low acceptance of
-    a random model, and the draft/verify path runs with KnapSpec's plans under TP. ``shape``:
-    the model shape it records (for a file a model's options may name)."""
-    from knapspec_dist.profiles import fit_profile
-
-    samples = {"attention": [[n, 1e-9 * n + 1e-6] for n in (16, 64, 256)],
-               "mlp": [1e-6], "head": [1e-6],
-               "verify": [[q, n, 1.0 + 1e-3 * q] for q in (1, 4, 11) for n in (16, 64, 256)]}
-    return fit_profile(samples, device={"name": "test"}, model=shape or {}, dtype="fp32",
-                       batch=1, tp=1,
-                       torch_version=torch.__version__)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -60,7 +46,7 @@ def _strategies(model):
     from knapspec_dist.speculation.options import StrategyOptions
 
     knapspec = build_strategy(StrategyOptions(name="knapspec", interval=8, tau_conf=0.0),
-                              model, [_profile()])
+                              model, [drafting_profile()])
     return {"ar": Autoregressive(),
             "static": spmd_strategy(SelfSpeculative(StaticSelector(STATIC_SKIP, 3), tau_conf=0.0),
                                      model),

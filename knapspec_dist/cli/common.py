@@ -22,7 +22,7 @@ from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
 from knapspec_dist.speculation.options import NAMES, StrategyOptions, parse_strategy
 
-log = logging.getLogger("knapspec_dist.cli")
+log = logging.getLogger(__name__)
 
 
 def emit(text: str, *, error: bool = False) -> None:
@@ -31,6 +31,16 @@ def emit(text: str, *, error: bool = False) -> None:
     stream = sys.stderr if error else sys.stdout
     stream.write(f"{text}\n")
     stream.flush()
+
+
+def command_parser(prog: str, description: str, commands) -> argparse.ArgumentParser:
+    """A parser with one subcommand per module in ``commands``, in that order: each module's
+    ``register(subparsers)`` owns its options, so every entry point offers the same ones."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in commands:
+        command.register(sub)
+    return p
 
 
 def run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:

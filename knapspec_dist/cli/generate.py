@@ -22,7 +22,7 @@ from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
 from knapspec_dist.errors import UserError
 from knapspec_dist.llm import generate_texts, load
 from knapspec_dist.model.tokenizer import encode
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.speculation.options import StrategyOptions
 
 
@@ -82,7 +82,7 @@ def generate_on_engine(args: argparse.Namespace, texts: list[str], options: Stra
                        config: GenerationConfig) -> list[GenerationResult]:
     """The prompts through the Ray engine, continuously batched in its replicas; their results
     (text filled), in order."""
-    with Engine(args.model, tp=args.tp, replicas=args.replicas, strategy=options,
+    with RayEngine(args.model, tp=args.tp, replicas=args.replicas, strategy=options,
                 dtype=args.dtype, device=args.device, address=args.address,
                 cpus_per_rank=args.cpus_per_rank, max_num_seqs=args.max_num_seqs) as engine:
         return engine.generate(texts, config, chat=args.chat)

@@ -2,7 +2,8 @@
 
 User errors (bad path, config, prompt, option) print one ``error: ...`` line and exit 2, with
 no traceback; SIGTERM / SIGINT one warning line and exit 143 / 130; anything else is a bug and
-keeps its traceback.
+keeps its traceback. Its job commands need Ray; ``cli/standalone.py`` has the commands that
+run without it.
 """
 
 from __future__ import annotations
@@ -11,18 +12,14 @@ import argparse
 import sys
 
 from knapspec_dist.cli import bench, demo, generate, gpu_check, job, profile, throughput
-from knapspec_dist.cli.common import run
+from knapspec_dist.cli.common import command_parser, run
 
 # One module per subcommand, each with register(subparsers); the order of `knapspec --help`.
 COMMANDS = (generate, demo, profile, bench, throughput, job, gpu_check)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="knapspec", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.register(sub)
-    return p
+    return command_parser("knapspec", __doc__.splitlines()[0], COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:

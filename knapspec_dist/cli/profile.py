@@ -23,7 +23,7 @@ from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
 from knapspec_dist.profiles.store import unsteady
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -97,7 +97,7 @@ def profile_on_engine(args: argparse.Namespace) -> int:
     """One replica of ``--tp`` shard actors measures the sharded model."""
     contexts = checked_contexts(args)
     started = time.perf_counter()
-    with Engine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
+    with RayEngine(args.model, tp=args.tp, strategy="ar", dtype=args.dtype, device=args.device,
                 address=args.address, cpus_per_rank=args.cpus_per_rank) as engine:
         check_window(contexts, engine.config.max_position_embeddings)
         profile = engine.measure_profile(contexts, batch=args.batch, max_q=args.max_q,

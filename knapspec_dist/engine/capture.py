@@ -11,6 +11,14 @@ runs no mutation, and fills each fresh output with poison (NaN, the largest inte
 so that reading it before a replay gives NaN logits or an out-of-range index. A host read
 during capture (``.item()``, ``bool(t)``, ``.tolist()``) raises, as it does on CUDA.
 ``replay()`` runs the recorded ops in order into the captured outputs.
+
+The flex backend (the CUDA default) reaches the mode as torch's ``flex_attention``
+higher-order operator: it is recorded as one kernel, its outputs shaped by torch's own shape
+rule and poisoned, and the replay runs it eagerly on the buffers as they are then (the block
+mask and the ``starts`` its mask reads included). Dynamo compiles no frame while a dispatch
+mode is active, so the capture runs compiled functions eagerly (stance ``force_eager``) and the
+compiled kernel and its guards run in the warm-up only; any other higher-order operator
+raises, rather than being run during the capture.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_fake_impl
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -58,13 +68,25 @@ def _to_meta(x):
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
+# Higher-order operators the capture records, with the rule that shapes their outputs (as a
+# meta kernel does for aten ops): none of them writes its inputs.
+_HOP_SHAPES = {flex_attention: flex_attention_fake_impl}
+
+
 class _Recorder(TorchDispatchMode):
+    supports_higher_order_operators = True  # they reach __torch_dispatch__ (flex attention)
+
     def __init__(self):
         super().__init__()
         self.ops: list[_Op] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            if func not in _HOP_SHAPES:
+                raise CaptureError(f"no capture emulation of the operator {func.name()}")
+            out = _HOP_SHAPES[func](*args, **kwargs)  # fresh empty outputs, never run
+            return self._fresh(func, args, kwargs, out)
         if func in _HOST_READS:
             raise CaptureError(f"{func} reads a device value back during graph capture")
         schema = func._schema
@@ -86,6 +108,10 @@ class _Recorder(TorchDispatchMode):
             out = tree_map(lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype,
                                                          device=device)
                            if isinstance(m, torch.Tensor) else m, meta)
+        return self._fresh(func, args, kwargs, out)
+
+    def _fresh(self, func, args, kwargs, out):
+        """Record ``func`` as filling ``out`` on replay; until then ``out`` holds poison."""
         leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in leaves:
             poison(t)
@@ -106,7 +132,7 @@ class EmulatedGraph:
 
         torch.Tensor.tolist = no_tolist
         try:
-            with recorder:
+            with torch.compiler.set_stance("force_eager"), recorder:
                 self.output = fn()
         finally:
             torch.Tensor.tolist = real_tolist

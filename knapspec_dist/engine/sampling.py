@@ -71,6 +71,18 @@ def row_seed(seed: int | None, key: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 2  # 62 bits: no int64 overflow below
 
 
+def prompt_keys(prompts: list[list[int]]) -> list[tuple[tuple[int, ...], int]]:
+    """Each prompt's sampling key: the prompt and how often it came before in ``prompts``, so
+    that a seeded prompt gives the same text whatever else is asked with it."""
+    seen: dict[tuple[int, ...], int] = {}
+    keys = []
+    for prompt in prompts:
+        ids = tuple(prompt)
+        seen[ids] = seen.get(ids, -1) + 1
+        keys.append((ids, seen[ids]))
+    return keys
+
+
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit avalanche hash (a bijection) of int64 values in [0, 2^32)."""
     x = (((x >> 16) ^ x) * _MUL) & _M32

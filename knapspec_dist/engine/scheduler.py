@@ -34,7 +34,7 @@ from knapspec_dist.engine.generation import (
 from knapspec_dist.engine.memory import max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
 from knapspec_dist.engine.pages import PagePool, Paging
-from knapspec_dist.engine.sampling import choose, row_seed
+from knapspec_dist.engine.sampling import choose, prompt_keys, row_seed
 from knapspec_dist.engine.sequence import Batch, Row, row_capacity
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.errors import UserError
@@ -144,14 +144,10 @@ class Scheduler:
         self.waiting.append(Row(rid, list(prompt), limit, seed))
 
     def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
-        """Generate every prompt (all checked before any runs); results in input order. A row's
-        sampling key is its prompt and how often that prompt came before it in ``prompts``, so
-        a seeded prompt gives the same text whatever else is in the call."""
-        seen: dict[tuple[int, ...], int] = {}
-        for rid, prompt in enumerate(prompts):
-            ids = tuple(prompt)
-            seen[ids] = seen.get(ids, -1) + 1
-            self.add(rid, prompt, key=(ids, seen[ids]))
+        """Generate every prompt (all checked before any runs); results in input order, each
+        row keyed by ``prompt_keys``."""
+        for rid, (prompt, key) in enumerate(zip(prompts, prompt_keys(prompts))):
+            self.add(rid, prompt, key=key)
         done: dict[int, GenerationResult] = {}
         while self.busy:
             for row in self.step():

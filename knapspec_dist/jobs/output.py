@@ -46,10 +46,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.jobs.inputs import filesystem_and_path
 from knapspec_dist.jobs.parts import iter_parts
-from knapspec_dist.runtime.stages import PLANS, result_columns
+from knapspec_dist.runtime.stages import RESULT_FIELDS, result_columns
 
 log = logging.getLogger(__name__)
 
@@ -63,39 +63,19 @@ PLOT_FILE = "speedup.png"
 RETRYABLE = ("oom", "replica", "timeout")  # error kinds a rerun retries
 
 
+#: Columns a job's output adds to the engine's (``RESULT_FIELDS``).
+JOB_FIELDS = [
+    ("strategy", pa.string()),
+    ("truncated", pa.bool_()),  # the prompt was cut to fit --max-model-len
+    ("finished_at", pa.timestamp("us", tz="UTC")),  # when the row was written
+]
+
+
 def output_schema(id_column: str, id_type: pa.DataType) -> pa.Schema:
-    """One output row per input row.  Ray Data LLM's names where they overlap."""
-    return pa.schema([
-        pa.field(id_column, id_type, nullable=False),
-        ("generated_text", pa.string()),
-        ("generated_tokens", pa.list_(pa.int32())),
-        ("num_input_tokens", pa.int64()),
-        ("num_generated_tokens", pa.int64()),
-        ("finish_reason", pa.string()),  # "eos" | "length"
-        ("strategy", pa.string()),
-        ("time_taken_llm", pa.float64()),  # wall seconds of this row's generation
-        ("prefill_s", pa.float64()),
-        ("tokens_per_s", pa.float64()),
-        ("steps", pa.int64()),
-        ("drafted", pa.int64()),
-        ("accepted", pa.int64()),
-        ("acceptance_rate", pa.float64()),
-        ("attention_skipped", pa.float64()),  # mean attention sublayers skipped per draft token
-        ("mlp_skipped", pa.float64()),
-        ("selections", pa.int64()),
-        ("truncated", pa.bool_()),
-        ("replica", pa.int32()),
-        ("attempts", pa.int32()),  # submissions of this row (more than 1 after replica failures)
-        ("finished_at", pa.timestamp("us", tz="UTC")),
-        # Batching: when the replica admitted the row and finished it, and how many rows
-        # decoded beside it on average (speculation/scheduler.py)
-        ("generation_start", pa.timestamp("us", tz="UTC")),
-        ("generation_end", pa.timestamp("us", tz="UTC")),
-        ("mean_batch", pa.float64()),
-        ("plans", PLANS),  # per plan: rounds, tokens, seconds, predicted tokens (summary.py)
-        ("error", pa.string()),  # null when the row succeeded
-        ("error_kind", pa.string()),  # input | row | oom | replica | timeout (null: ok)
-    ])
+    """One output row per input row: its id first, the engine's columns (Ray Data LLM's names
+    where they overlap), then the job's."""
+    return pa.schema([pa.field(id_column, id_type, nullable=False), *RESULT_FIELDS,
+                      *JOB_FIELDS])
 
 
 def is_retryable(row: dict) -> bool:
@@ -258,7 +238,7 @@ class OutputDir:
             return fn()
         except OSError as e:
             raise UserError(f"--output {self.uri!r}: cannot write there: "
-                            f"{e.strerror or str(e).strip().splitlines()[0]}") from None
+                            f"{e.strerror or first_line(e)}") from None
 
     def write_bytes(self, name: str, data: bytes) -> str:
         """Write ``DIR/name`` atomically (temporary file, then rename)."""

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-log = logging.getLogger("knapspec_dist.jobs.output")  # one name for the output's warnings
+log = logging.getLogger(__name__)
 
 
 def keep_one_per_id(status: pa.Table) -> tuple[np.ndarray, int]:

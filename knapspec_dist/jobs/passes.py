@@ -12,9 +12,9 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,7 +31,7 @@ from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
 from knapspec_dist.runtime.stream import stream_batches
 from knapspec_dist.speculation.options import StrategyOptions
 
-log = logging.getLogger("knapspec_dist.jobs.runner")  # one name for all of a job's lines
+log = logging.getLogger(__name__)
 
 AR = StrategyOptions(name="ar")  # the baseline every speedup is measured against
 
@@ -39,6 +39,19 @@ AR = StrategyOptions(name="ar")  # the baseline every speedup is measured agains
 def _missing(ids: pa.Array, done: pa.Array) -> pa.Array:
     """``ids`` not in ``done`` (an anti-join)."""
     return ids.filter(pc.invert(pc.is_in(ids, value_set=done.cast(ids.type))))
+
+
+@dataclass
+class Pass:
+    """One generation pass of a job: its rows' strategy, where they are written, how the
+    progress names it, and what it counts as each row is generated."""
+
+    label: str  # in progress lines: "rows", "baseline (ar)"
+    strategy: str
+    writer: PartWriter
+    count: Callable[[], None]  # one more row generated (the result's count, kept live)
+    stop_after: int | None = None  # rows this run writes at most
+    on_row: Callable[[dict], None] | None = None
 
 
 class GenerationPasses:
@@ -139,9 +152,10 @@ class GenerationPasses:
                     log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
                              self.pending - self._written(), c.strategy.name, c.replicas,
                              c.tp)
-                    self.generate(engine, c.strategy.name, itertools.chain([first], todo),
-                                  self.pending - self._written(), self.writer, "rows",
-                                  c.stop_after, self.on_row, "generated")
+                    rows = Pass("rows", c.strategy.name, self.writer, self._count_generated,
+                                c.stop_after, self.on_row)
+                    self.generate(engine, rows, itertools.chain([first], todo),
+                                  self.pending - self._written())
         finally:
             stream.close()
         self.result.stopped_early = self._written() < self.pending
@@ -194,23 +208,28 @@ class GenerationPasses:
                          len(left), strategy.name, replicas)
                 stream = self.prompt_batches(keep=left.cast(self.scan.id_type))
                 try:
+                    again = Pass(f"baseline ({strategy.name})", strategy.name, pass_writer,
+                                 self._count_baseline)
                     with self.engine_factory(c, strategy, replicas) as engine:
-                        self.generate(engine, strategy.name, self.tasks(stream, False),
-                                      len(left), pass_writer, f"baseline ({strategy.name})",
-                                      None, None, "baseline_generated")
+                        self.generate(engine, again, self.tasks(stream, False), len(left))
                 finally:
                     stream.close()
                 check_terminate()
         self.base_writer.flush()
         self.again_writer.flush()
 
-    def generate(self, engine, strategy: str, todo: Iterator[Task], total: int,
-                 writer: PartWriter, label: str, stop_after: int | None,
-                 on_row: Callable[[dict], None] | None, counter: str) -> None:
-        """Generate ``todo`` (``total`` rows; until ``stop_after`` rows were written by this
-        run) and hand every row to ``writer``; counts go to the result as they happen (so
-        they are right even when the run is interrupted)."""
+    def _count_generated(self) -> None:
+        self.result.generated += 1
+
+    def _count_baseline(self) -> None:
+        self.result.baseline_generated += 1
+
+    def generate(self, engine, run: Pass, todo: Iterator[Task], total: int) -> None:
+        """Generate ``todo`` (``total`` rows; until ``run.stop_after`` rows were written by
+        this run) and hand every row to the pass's writer; counts go to the result as they
+        happen (so they are right even when the run is interrupted)."""
         c, result = self.config, self.result
+        writer, label, stop_after = run.writer, run.label, run.stop_after
         seqs = _max_num_seqs(engine, c)
         inflight = c.max_inflight or seqs + 2
         backend = self.backend_factory(engine)
@@ -225,15 +244,15 @@ class GenerationPasses:
 
         def on_result(outcome: Outcome) -> None:
             length, truncated = self.meta.pop(outcome.task.key)
-            row = {**result_row(c.id_column, outcome.task.key, strategy,
+            row = {**result_row(c.id_column, outcome.task.key, run.strategy,
                                 num_input_tokens=length, truncated=truncated),
                    **outcome_columns(outcome)}
             if outcome.result is not None and outcome.error is None:
-                setattr(result, counter, getattr(result, counter) + 1)
+                run.count()
             writer.add(row)
             progress.update(outcome)
-            if on_row is not None:
-                on_row(row)
+            if run.on_row is not None:
+                run.on_row(row)
 
         def on_tick() -> None:
             check_terminate()
@@ -268,7 +287,7 @@ def _max_num_seqs(engine, config: JobConfig) -> int:
     """Rows one replica decodes at once: what the replicas reported (the asked number, or
     less where memory capped it), else as asked."""
     info = getattr(engine, "replica_info", None)
-    seqs = info(0).get("max_num_seqs") if info is not None else None
+    seqs = info(0).max_num_seqs if info is not None else None
     return seqs or config.max_num_seqs or 1
 
 
@@ -278,7 +297,7 @@ def _profile_report(engine, replicas: int) -> dict | None:
     info = getattr(engine, "replica_info", None)
     if info is None:
         return None
-    reports = [info(i).get("profile") for i in range(replicas)]
+    reports = [info(i).profile for i in range(replicas)]
     reports = [r for r in reports if r]
     if not reports:
         return None

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.runtime.dispatch import Outcome
 
-log = logging.getLogger("knapspec_dist.jobs.runner")  # one name for all of a job's lines
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -5,7 +5,7 @@ input files, the output directory) is checked first, so a malformed job fails in
 with one clear line; the tokenizer and config (small files) come next, to turn rows into
 prompts and fail bad rows; then the job takes the output directory's lease (jobs/lease.py:
 one job per output; a second one is refused before it writes anything) and reads the rows
-written already; only then does the Engine start its actors and load weights, and only
+written already; only then does the RayEngine start its actors and load weights, and only
 when there is a row left to generate.
 
 The stages are the methods of :class:`JobRun`, in the order :meth:`JobRun.run` calls them.
@@ -49,7 +49,7 @@ from knapspec_dist.jobs.termination import (
 )
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
 from knapspec_dist.speculation.options import StrategyOptions
 
@@ -82,10 +82,10 @@ class JobResult:
 
 
 def default_engine_factory(config: JobConfig, strategy: StrategyOptions, replicas: int,
-                           longest: int | None = None) -> Engine:
+                           longest: int | None = None) -> RayEngine:
     """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
     context of the job (prompt + new tokens), which its latency profile must cover."""
-    return Engine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
+    return RayEngine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
                   cpus_per_rank=config.cpus_per_rank, profile_need=longest,
                   max_num_seqs=config.max_num_seqs)
@@ -97,7 +97,7 @@ def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
     """Run one job; returns where its results are and its summary.
 
     ``engine_factory(config, strategy, replicas)`` returns a context-managed engine for
-    ``strategy`` (StrategyOptions; default: :class:`knapspec_dist.runtime.engine.Engine`);
+    ``strategy`` (StrategyOptions; default: :class:`knapspec_dist.runtime.ray_engine.RayEngine`);
     ``backend_factory(engine)`` adapts it to the dispatcher (default
     :class:`knapspec_dist.runtime.backend.EngineBackend`); ``text_tools(config)`` gives the
     tokenizer and context window (default :func:`load_text_tools`).  ``on_row(row)`` sees
@@ -118,10 +118,10 @@ class JobRun(GenerationPasses):
         self.real_engine = engine_factory is None  # one Ray connection for all its engines
         self.engine_factory = engine_factory or default_engine_factory
         self.backend_factory = backend_factory or EngineBackend
-        # Given tools (tests' fake tokenizer) tokenize in this process; the model's own on
-        # the cluster, with Ray Data (runtime/stream.py), unless the input is small
-        # (check_output): then the tokenizer actors' start would cost more than they save.
-        self.ray_data = text_tools is None
+        # Prompts are tokenized on the cluster with Ray Data (runtime/stream.py) unless the
+        # input is small (check_output): then the tokenizer actors' start would cost more
+        # than they save. Whoever the tokenizer is, the rule is the same.
+        self.ray_data = False
         self.text_tools = text_tools or load_text_tools
         self.on_row = on_row
         self.started = dt.datetime.now(dt.timezone.utc)
@@ -177,7 +177,7 @@ class JobRun(GenerationPasses):
         self.legacy = functools.cache(lambda: legacy_digest(self.scan))  # old outputs
         self.resuming = self.out.check(self.fingerprint, self.legacy)
         self.schema = output_schema(c.id_column, self.scan.id_type)
-        self.ray_data = self.ray_data and len(self.scan) > LOCAL_ROWS
+        self.ray_data = len(self.scan) > LOCAL_ROWS
 
     def open_output(self) -> None:
         """Under the lease: the ids an earlier run of this job wrote already (one row per

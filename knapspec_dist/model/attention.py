@@ -15,7 +15,9 @@ Backends, one per device kind, pinned rather than left to a library default:
 - ``flex`` (CUDA): ``flex_attention`` compiled, with a block mask built on the device from
   ``starts`` (``length_block_mask``): key blocks wholly visible are "full" (no mask_mod), the
   one or two blocks at each row's causal edge are "partial", blocks past a row's length are
-  never read. GQA without repeating K/V; flex-decoding splits long rows over thread blocks.
+  never read. GQA without repeating K/V; flex-decoding splits long rows over thread blocks
+  where query heads / KV heads is a power of two (torch's lowering takes it only then: a
+  model with 9 / 3 heads, SmolLM2, gets the main flex kernel, with no split over the keys).
   Its shapes are static (all ``capacity`` keys, lengths in the block mask), so the same call
   is captured in CUDA graphs; the batch and head dims are integers in the compiled graph (the
   flex-decoding kernel needs them), and the runner pads the batch to a power of two
@@ -34,7 +36,7 @@ import torch
 import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BACKENDS = ("sdpa", "flex")
 FLEX_BLOCK = 128  # flex_attention's default block size, for queries and keys
@@ -44,6 +46,11 @@ def default_backend(device: torch.device | str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
+_BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE",
+                 "mask_mod")
+
+
 def _flex_static_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask,
                        enable_gqa: bool) -> torch.Tensor:
     """flex_attention with the batch and head dims forced static: torch's lowering takes the
@@ -51,20 +58,40 @@ def _flex_static_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     dynamo would otherwise make the batch symbolic at its second batch size. Marked inside the
     compiled function, so calls pay nothing (dynamo specializes the dims; the lowering sees
     integers); the mask_mod's closure (``starts``) is marked where it is made, in
-    ``length_block_mask``."""
+    ``length_block_mask``. The block mask is rewrapped with its lengths taken from q and the
+    keys: its own ``seq_lengths`` are Python ints, and flex's shape checks against them would
+    specialize the symbolic T and capacity (``dynamic_lengths``) back to constants."""
     for x in (q, keys, values):
         torch._dynamo.mark_static(x, 0)
         torch._dynamo.mark_static(x, 1)
     for x in block_mask.as_tuple(flatten=False)[1:]:
         if isinstance(x, torch.Tensor):
             torch._dynamo.mark_static(x, 0)
+    block_mask = BlockMask((q.shape[2], keys.shape[2]),
+                           *(getattr(block_mask, f) for f in _BLOCK_FIELDS))
     return flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def dynamic_lengths(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    block_mask) -> None:
+    """Mark the query length T and the cache capacity dynamic before the first compile.
+    Dynamo would make each symbolic only at its second value, after compiling a static graph
+    for the first one: each (bucket, T = 1 or T > 1) would compile again at the second
+    capacity. A length of 1 stays specialized (dynamo's 0/1 rule), so T = 1 keeps its own
+    graph (flex-decoding)."""
+    torch._dynamo.maybe_mark_dynamic(q, 2)
+    for x in (keys, values):
+        torch._dynamo.maybe_mark_dynamic(x, 2)
+    for x in (block_mask.kv_indices, block_mask.full_kv_indices):
+        if x is not None:  # [B, H, q blocks, kv blocks]
+            torch._dynamo.maybe_mark_dynamic(x, 3)
 
 
 @functools.cache
 def compiled_flex(backend: str | Callable = "inductor") -> Callable:
-    """One compiled kernel per (batch bucket, T = 1 or T > 1, capacity, heads): the batch is
-    static and padded to a few buckets (engine/buckets.py). Decoding meets more shapes than
+    """One compiled kernel per (batch bucket, T = 1 or T > 1, heads): the batch is static and
+    padded to a few buckets (engine/buckets.py), T > 1 and the capacity are dynamic from the
+    first compile (``dynamic_lengths``). Decoding meets more shapes than
     dynamo's default limit of 8 recompilations, past which it would fall back to unfused flex.
     ``backend``: tests pass a counting one (torch._dynamo.testing)."""
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
@@ -95,7 +122,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> t
     b, h, t, hd = q.shape
     kv = keys.shape[1]
     if step.backend == "flex" and not step.causal:
-        o = compiled_flex()(canonical(q), keys, values, step.block_mask, h != kv)
+        q = canonical(q)
+        dynamic_lengths(q, keys, values, step.block_mask)
+        o = compiled_flex()(q, keys, values, step.block_mask, h != kv)
     elif q.device.type == "cuda":
         with _sdpa_backends():
             o = _sdpa(q, keys, values, step)

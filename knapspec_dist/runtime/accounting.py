@@ -75,7 +75,7 @@ def split(wall_s: float, metered_s: float, comm_s: float) -> Split:
 
 
 def job_summary(results, wall_s: float, replicas: int) -> dict:
-    """Time split of one ``Engine.generate`` call, as shares of the replicas' wall time.
+    """Time split of one ``RayEngine.generate`` call, as shares of the replicas' wall time.
 
     Each replica serves its prompts one after another, so its busy time is the sum of its
     requests; ``wall_s`` (driver-observed, one replica's worth of time when replicas run in

@@ -15,7 +15,8 @@ from ray import exceptions as rx
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import Work
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.errors import first_line
+from knapspec_dist.runtime.ray_engine import RayEngine
 
 #: Errors that say the replica (an actor, a worker, a node) died, not the row.
 REPLICA_FAILURES = tuple(getattr(rx, n) for n in (
@@ -33,9 +34,9 @@ OUT_OF_MEMORY = tuple(t for t in (getattr(rx, "OutOfMemoryError", None),
 
 
 class EngineBackend:
-    """runtime.dispatch.Backend over :class:`~knapspec_dist.runtime.engine.Engine`."""
+    """runtime.dispatch.Backend over :class:`~knapspec_dist.runtime.ray_engine.RayEngine`."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: RayEngine):
         self.engine = engine
         self.num_replicas = engine.num_replicas
 
@@ -62,7 +63,7 @@ class EngineBackend:
         """Restart ``replica``; ``smaller`` (after out of memory): at half its batch."""
         seqs = None
         if smaller:
-            current = self.engine.replica_info(replica).get("max_num_seqs")
+            current = self.engine.replica_info(replica).max_num_seqs
             if current and current > 1:
                 seqs = max(1, current // 2)
         self.engine.restart_replica(replica, max_num_seqs=seqs)
@@ -100,8 +101,7 @@ def describe_error(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     if cause is not None and not isinstance(cause, type(exc)):
         exc = cause
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
+    first = first_line(exc) if str(exc).strip() else ""
     name = type(exc).__name__
     if name.startswith("RayTaskError(") and name.endswith(")"):
         name = name[len("RayTaskError("):-1]

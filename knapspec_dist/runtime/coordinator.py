@@ -28,12 +28,12 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
 from knapspec_dist.engine.scheduler import Work
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.profiles.profile import LatencyProfile
@@ -44,12 +44,35 @@ from knapspec_dist.profiles.store import (
     decode_mode,
     lookup,
 )
+from knapspec_dist.runtime.messages import (
+    Admission,
+    MeasureOptions,
+    Measuring,
+    ReplicaBudget,
+    ReplicaInfo,
+    ShardInfo,
+    StepResult,
+)
 from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
 
 ROUNDS_PER_CALL = 16  # scheduler steps per shard call at most (a row finishing ends it)
 CALL_SECONDS = 1.0  # ... and about this long: steps of long prefill chunks are fewer per call
+
+
+@dataclass
+class PendingRequest:
+    """A prompt queued here until a slot frees; ``future`` resolves to its result."""
+
+    rid: int
+    prompt_ids: list[int]
+    config: object  # its GenerationConfig: rows of one config share a batch
+    future: asyncio.Future
+    key: object  # names the row for its sampling seed
+
+    def admission(self) -> Admission:
+        return Admission(self.rid, tuple(self.prompt_ids), self.key)
 
 
 async def _awaitable(ref):
@@ -77,8 +100,8 @@ class Coordinator:
                                                                      vocab_size, tp, dtype)
         self.shards: list = []
         self.profile_description: dict | None = None  # key, path, origin (info)
-        self.measuring: dict | None = None  # a profile measurement under way
-        self._queue: deque = deque()  # (id, prompt ids, config, future, key) not yet admitted
+        self.measuring: Measuring | None = None  # a profile measurement under way
+        self._queue: deque[PendingRequest] = deque()  # not yet admitted
         self._active: dict[int, asyncio.Future] = {}  # admitted to the shards, not finished
         self._ray: dict[int, float] = {}  # each active row's share of Ray round trips
         self._next_id = 0
@@ -93,13 +116,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ startup
 
-    async def prepare(self, shards: list, options: StrategyOptions, infos: list[dict],
-                      measure: dict, batching: dict | None = None) -> dict:
+    async def prepare(self, shards: list, options: StrategyOptions, infos: list[ShardInfo],
+                      measure: MeasureOptions, budget: ReplicaBudget) -> ReplicaInfo:
         """Resolve the profile (KnapSpec / CLaSp), then configure every shard's strategy with
-        it: the shards' selectors price with it, this actor keeps only its description.
-
-        ``measure``: ``contexts`` / ``repeats`` of a measurement, and ``need``, the longest
-        context the job runs (a stored profile must cover it; a measured one does)."""
+        it: the shards' selectors price with it, this actor keeps only its description."""
         self.shards = shards
         self.profile_description = None
         self._decode([])  # load the tokenizer now, not on the first request
@@ -112,37 +132,33 @@ class Coordinator:
                             "tp=%d: its all-reduce costs do not match", self.replica,
                             choice.path, choice.profile.tp, self.tp)
             profiles = [p.to_json() for p in choice.profiles]
-        batching = batching or {}
         seqs = await asyncio.gather(*[s.configure.remote(
-            replace(options, profile=None), profiles, capacity=batching.get("capacity"),
-            max_num_seqs=batching.get("max_num_seqs")) for s in shards])
+            replace(options, profile=None), profiles, budget) for s in shards])
         self.max_num_seqs = min(seqs)  # every rank must hold the batch
         log.info("replica %d: up to %d rows decode at once", self.replica, self.max_num_seqs)
         return self.info()
 
-    async def _find(self, options: StrategyOptions, infos: list[dict],
-                    measure: dict) -> ProfileChoice:
+    async def _find(self, options: StrategyOptions, infos: list[ShardInfo],
+                    measure: MeasureOptions) -> ProfileChoice:
         """profiles/store.py's lookup for this replica's devices (files only, in a thread);
         where a strategy refits its prices online, a starting point rather than a
         measurement; else the shards measure one, awaited, never blocking this loop."""
         config = load_config(self.path)
-        devices = [i["device"] for i in infos]
-        need = measure.get("need")
+        devices = [i.device for i in infos]
+        need = measure.need
         choice = await asyncio.to_thread(lookup, options.profile, devices, config.shape(),
                                          self.dtype, tp=self.tp, need=need,
                                          borrow=calibrates(options))
         if choice is not None:
             return choice
-        contexts = list(measure.get("contexts")
-                        or contexts_for(need, config.max_position_embeddings))
-        profile = await self._measure(contexts, decode_mode(devices[0]),
-                                      int(measure.get("repeats", 3)))
+        contexts = list(measure.contexts or contexts_for(need, config.max_position_embeddings))
+        profile = await self._measure(contexts, decode_mode(devices[0]), measure.repeats)
         return await asyncio.to_thread(adopt, profile)
 
     async def _measure(self, contexts: list[int], mode: str, repeats: int) -> LatencyProfile:
         """A profile measured by every shard (samples MAX-reduced over the ranks)."""
         start = time.perf_counter()
-        self.measuring = {"contexts": list(contexts), "repeats": repeats, "since": time.time()}
+        self.measuring = Measuring(tuple(contexts), repeats, time.time())
         try:
             outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats,
                                                                    mode=mode)
@@ -154,9 +170,9 @@ class Coordinator:
                  profile.key(), list(contexts), time.perf_counter() - start)
         return profile
 
-    def measuring_since(self) -> dict | None:
-        """The measurement under way (contexts, repeats, its start in epoch seconds), or
-        None: what the engine's start-up wait does not count against its timeout."""
+    def measuring_since(self) -> Measuring | None:
+        """The measurement under way, or None: what the engine's start-up wait does not
+        count against its timeout."""
         return self.measuring
 
     # ------------------------------------------------------------------ requests
@@ -177,8 +193,8 @@ class Coordinator:
             config = replace(config, sampling=replace(config.sampling, seed=self._seed))
             key = ("unseeded", self._next_id)
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((self._next_id, ids, config, future, tuple(ids) if key is None
-                            else key))
+        self._queue.append(PendingRequest(self._next_id, ids, config, future,
+                                          tuple(ids) if key is None else key))
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
         result = await future
@@ -194,42 +210,44 @@ class Coordinator:
         Rounds per call shrink so that a call lasts about ``CALL_SECONDS`` (the live token
         count, i.e. the job's progress, moves at least that often); the coordinator decides
         it, so every rank runs the same steps."""
-        config, busy, rounds = None, False, 1
+        config, rounds = None, 1
         while self._queue or self._active:
             if not self._active:
-                config = self._queue[0][2]
-            admit = []
-            while (self._queue and self._queue[0][2] == config
+                config = self._queue[0].config
+            admit: list[PendingRequest] = []
+            while (self._queue and self._queue[0].config == config
                    and len(self._active) + len(admit) < self.max_num_seqs):
                 admit.append(self._queue.popleft())
-            for rid, _, _, future, _ in admit:
-                self._active[rid] = future
+            for request in admit:
+                self._active[request.rid] = request.future
             start = time.perf_counter()
-            refs = [s.step.remote(config, [(rid, ids, key) for rid, ids, _, _, key in admit],
-                                  rounds, self.max_num_seqs) for s in self.shards]
+            rows = [request.admission() for request in admit]
+            refs = [s.step.remote(config, rows, rounds, self.max_num_seqs) for s in self.shards]
             try:
                 outs = await self._gather(refs)
             except BaseException as e:  # a dead or failing shard: every row here fails with it
-                for future in list(self._active.values()) + [q[3] for q in self._queue]:
+                for future in list(self._active.values()) + [q.future for q in self._queue]:
                     if not future.done():
                         future.set_exception(e)
                 self._active.clear()
                 self._queue.clear()
                 return
-            finished, refused, elapsed, busy, work, steps = outs[0]
-            self.done_work += work
-            if steps and elapsed > 0:  # the next call's rounds, from its seconds per step
-                rounds = max(1, min(ROUNDS_PER_CALL, int(CALL_SECONDS * steps / elapsed)))
-            if not busy and len(finished) + len(refused) < len(self._active):
+            first: StepResult = outs[0]
+            finished, refused = first.finished, first.refused
+            self.done_work += first.work
+            if first.steps and first.elapsed_s > 0:  # the next call's rounds, from its s/step
+                rounds = max(1, min(ROUNDS_PER_CALL,
+                                    int(CALL_SECONDS * first.steps / first.elapsed_s)))
+            if not first.busy and len(finished) + len(refused) < len(self._active):
                 lost = RuntimeError(f"replica {self.replica}: the shards dropped rows")
                 for rid, future in self._active.items():
                     if rid not in {r for r, _ in finished} | {r for r, _ in refused}:
                         future.set_exception(lost)
-            ray_share = max(0.0, time.perf_counter() - start - max(o[2] for o in outs))
+            ray_share = max(0.0, time.perf_counter() - start - max(o.elapsed_s for o in outs))
             for rid in self._active:
                 self._ray[rid] = self._ray.get(rid, 0.0) + ray_share / len(self._active)
             for rank, other in enumerate(outs[1:], 1):
-                if [r.token_ids for _, r in other[0]] != [r.token_ids for _, r in finished]:
+                if [r.token_ids for _, r in other.finished] != [r.token_ids for _, r in finished]:
                     error = RuntimeError(f"replica {self.replica}: rank {rank} generated "
                                          f"different tokens than rank 0 (ranks out of sync)")
                     for future in self._active.values():
@@ -281,7 +299,7 @@ class Coordinator:
                 self._tokenizer = load_tokenizer(self.path)
             except Exception as e:  # a checkpoint without tokenizer: results keep token ids
                 log.warning("replica %d: no tokenizer (%s); results carry token ids only",
-                            self.replica, str(e).strip().splitlines()[0])
+                            self.replica, first_line(e))
         if self._tokenizer is None:
             return ""
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -290,8 +308,6 @@ class Coordinator:
         """What this replica's rows have had done so far, finished or not."""
         return self.done_work
 
-    def info(self) -> dict:
-        described = self.profile_description
-        return {"replica": self.replica, "served": self.served,
-                "max_num_seqs": self.max_num_seqs, "profile": described,
-                "profile_key": described["key"] if described else None}
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.replica, self.served, self.max_num_seqs,
+                           self.profile_description)

@@ -1,9 +1,9 @@
 """Spread rows over the engine's replicas, actor-pool style, with retries after replica failures.
 
 Why an actor pool and not Ray Data: a replica is a long-lived TP group (a placement group,
-a coordinator and ``tp`` shard actors holding the weights) that the Engine already owns and
+a coordinator and ``tp`` shard actors holding the weights) that the RayEngine already owns and
 can restart; the jobs layer only has to keep each replica busy and notice when one dies.
-Ray Data's ``map_batches`` would need its own actor per replica wrapping the Engine's
+Ray Data's ``map_batches`` would need its own actor per replica wrapping the RayEngine's
 actors, would re-run whole batches on failure (so one dead shard recomputes its batch
 neighbours), and its streaming order would fight "longest documents first".  A driver-side
 pool is a few dozen lines, keeps exactly-once bookkeeping in one place, and costs one Ray

@@ -15,7 +15,7 @@ Stages, as in ``ray.data.llm`` and described once in runtime/stages.py: ``prepro
 batch job's own: ``messages`` through the template, or ``prompt`` as is; CPU actors; a
 prompt too long for the model's window is that row's error), the engine (one Ray Data actor
 per replica, each owning one TP group: its placement group, coordinator and shard actors,
-i.e. a one-replica :class:`~knapspec_dist.runtime.engine.Engine`, fed by the batch job's
+i.e. a one-replica :class:`~knapspec_dist.runtime.ray_engine.RayEngine`, fed by the batch job's
 Dispatcher: a dead replica is restarted and its rows retried; the coordinator detokenizes),
 ``postprocess``. The rows of a batch decode together in the replica's continuous batch
 (``batch_size``, 2 x ``max_num_seqs`` by default, keeps it full).
@@ -41,7 +41,7 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.prompts import TokenizeStage, load_text_tools, make_builder
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.stages import (
@@ -93,14 +93,14 @@ class ProcessorConfig:
 
 
 class EngineStage:
-    """One replica (a one-replica Engine: its TP group) as a Ray Data actor, fed by the
+    """One replica (a one-replica RayEngine: its TP group) as a Ray Data actor, fed by the
     Dispatcher: every row of a batch is submitted at once, so they share the replica's
     continuous batch, and a replica failure restarts it and retries its rows."""
 
     def __init__(self, config: ProcessorConfig):
         c = config
         self.config = c
-        self.engine = Engine(c.model, tp=c.tp, replicas=1, strategy=c.strategy, dtype=c.dtype,
+        self.engine = RayEngine(c.model, tp=c.tp, replicas=1, strategy=c.strategy, dtype=c.dtype,
                              device=c.device, cpus_per_rank=c.cpus_per_rank,
                              max_num_seqs=c.max_num_seqs)
         self.dispatcher = Dispatcher(EngineBackend(self.engine), c.generation_config(),

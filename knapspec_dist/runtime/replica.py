@@ -21,8 +21,15 @@ from ray._private import state
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.runtime.coordinator import Coordinator
+from knapspec_dist.runtime.messages import (
+    MeasureOptions,
+    Measuring,
+    ReplicaBudget,
+    ReplicaInfo,
+    ShardInfo,
+)
 from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.speculation.options import StrategyOptions
 
@@ -45,7 +52,6 @@ class ReplicaSpec:
     device: str
     cpus_per_rank: int
     startup_timeout_s: float
-    shard_class: type = Shard  # the rank's actor class (tests pass one that fails)
 
     def name(self, index: int) -> str:
         return f"{self.tag}-r{index}"
@@ -62,7 +68,8 @@ class Replica:
     pg: object = None  # its PlacementGroup
     shards: list = field(default_factory=list)  # shard actor handles, by rank
     coordinator: object = None
-    info: dict = field(default_factory=dict)  # ranks' setup reports, then the coordinator's
+    ranks: list[ShardInfo] = field(default_factory=list)  # each rank's load report
+    info: ReplicaInfo | None = None  # its coordinator's report, once prepared
 
 
 def check_resources(spec: ReplicaSpec, replicas: int) -> None:
@@ -101,7 +108,7 @@ def node_memory(device: str) -> int | None:
 
 
 def start_replicas(spec: ReplicaSpec, indices: list[int], options: StrategyOptions,
-                   measure: dict, batching: dict) -> list[Replica]:
+                   measure: MeasureOptions, budget: ReplicaBudget) -> list[Replica]:
     """Start the replicas ``indices`` and prepare their strategy; any failure stops all."""
     reps = [Replica(i) for i in indices]
     started = time.perf_counter()
@@ -121,15 +128,15 @@ def start_replicas(spec: ReplicaSpec, indices: list[int], options: StrategyOptio
                     f"replica {rep.index} rank {rank}"
         infos = wait(spec, setups, "load its shard")
         for k, rep in enumerate(reps):
-            rep.info = {"ranks": infos[k * spec.tp:(k + 1) * spec.tp]}
-        prepare_replicas(spec, reps, options, measure, batching, "prepare")
+            rep.ranks = infos[k * spec.tp:(k + 1) * spec.tp]
+        prepare_replicas(spec, reps, options, measure, budget, "prepare")
     except BaseException:
         for rep in reps:
             stop_replica(rep)
         raise
     for rep in reps:
         log.info("replica %d ready: tp=%d, %s, profile %s (%.1fs)", rep.index, spec.tp,
-                 options.name, rep.info.get("profile_key"), time.perf_counter() - started)
+                 options.name, rep.info.profile_key, time.perf_counter() - started)
     return reps
 
 
@@ -137,7 +144,7 @@ def _start_actors(spec: ReplicaSpec, reps: list[Replica]) -> None:
     """One shard actor per bundle of the replica's placement group, the coordinator beside
     rank 0 (no resources of its own)."""
     env = {"env_vars": {"OMP_NUM_THREADS": str(spec.cpus_per_rank)}}
-    shard_cls, coordinator_cls = ray.remote(spec.shard_class), ray.remote(Coordinator)
+    shard_cls, coordinator_cls = ray.remote(Shard), ray.remote(Coordinator)
     for rep in reps:
         for rank in range(spec.tp):
             rep.shards.append(shard_cls.options(
@@ -154,15 +161,15 @@ def _start_actors(spec: ReplicaSpec, reps: list[Replica]) -> None:
 
 
 def prepare_replicas(spec: ReplicaSpec, reps: list[Replica], options: StrategyOptions,
-                     measure: dict, batching: dict, what: str) -> None:
+                     measure: MeasureOptions, budget: ReplicaBudget, what: str) -> None:
     """Have each coordinator resolve its profile and configure its shards for ``options``;
-    its report goes into the replica's ``info``. Time a coordinator spends measuring a
+    its report becomes the replica's ``info``. Time a coordinator spends measuring a
     latency profile is not counted against the start-up timeout (it is logged instead)."""
-    refs = {rep.coordinator.prepare.remote(rep.shards, options, rep.info["ranks"], measure,
-                                           batching): f"replica {rep.index}" for rep in reps}
+    refs = {rep.coordinator.prepare.remote(rep.shards, options, rep.ranks, measure,
+                                           budget): f"replica {rep.index}" for rep in reps}
     coordinators = {ref: rep.coordinator for ref, rep in zip(refs, reps)}
     for rep, info in zip(reps, wait(spec, refs, what, measuring=coordinators)):
-        rep.info.update(info)
+        rep.info = info
 
 
 #: How often a start-up wait asks the coordinators whether they are measuring a profile,
@@ -170,7 +177,7 @@ def prepare_replicas(spec: ReplicaSpec, reps: list[Replica], options: StrategyOp
 POLL_S, MEASURING_LOG_S = 5.0, 30.0
 
 
-def _measuring(pending: list, coordinators: dict) -> dict | None:
+def _measuring(pending: list, coordinators: dict) -> Measuring | None:
     """What a pending replica's coordinator is measuring (``Coordinator.measuring_since``),
     or None; a coordinator that does not answer within a second counts as not measuring."""
     refs = [coordinators[r].measuring_since.remote() for r in pending if r in coordinators]
@@ -206,12 +213,12 @@ def wait(spec: ReplicaSpec, refs: dict, what: str, placement: bool = False,
             busy = _measuring(pending, measuring)
             if busy is not None:
                 deadline += time.monotonic() - now  # this slice is not counted
-                since = time.time() - busy["since"]
+                since = time.time() - busy.since
                 if since - logged >= MEASURING_LOG_S:
                     logged = since
                     log.info("measuring a latency profile (contexts %s, %d repeats) for %.0fs; "
-                             "not counted against the %.0fs start-up timeout", busy["contexts"],
-                             busy["repeats"], since, timeout)
+                             "not counted against the %.0fs start-up timeout", list(busy.contexts),
+                             busy.repeats, since, timeout)
             continue
         if not ready:
             who = ", ".join(refs[r] for r in pending)
@@ -230,10 +237,10 @@ def wait(spec: ReplicaSpec, refs: dict, what: str, placement: bool = False,
             raise UserError(f"{who}: {cause}") from None
         except ray.exceptions.RayActorError as e:
             raise StartupError(f"{who} failed to {what}: its actor died "
-                               f"({_first_line(e)})") from None
+                               f"({first_line(e)})") from None
         except ray.exceptions.RayTaskError as e:
             raise StartupError(f"{who} failed to {what}: "
-                               f"{_first_line(getattr(e, 'cause', e))}") from e
+                               f"{first_line(getattr(e, 'cause', e))}") from e
     return out
 
 
@@ -254,11 +261,6 @@ def stop_replica(rep: Replica | None) -> None:
             log.debug("remove placement group: %s", e)
     _wait_gone([a._actor_id.hex() for a in actors], rep.pg.id.hex() if rep.pg else None)
     rep.shards, rep.coordinator, rep.pg = [], None, None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def _wait_gone(actor_ids: list[str], pg_id: str | None, timeout_s: float = 30.0) -> None:

@@ -4,7 +4,7 @@ Each rank loads only its slice of the weights, joins the replica's torch.distrib
 (gloo on CPU, NCCL on CUDA) and runs the strategy SPMD: every rank receives the same request
 (one Ray call per prompt, never per token or sublayer) and executes identical forwards; the
 collectives inside the model keep the ranks in lock step, and rank 0 broadcasts each round's
-draft plan (``spec.spmd.SyncedSelector``). The class is plain Python; ``ray.remote`` is
+draft plan (``speculation.spmd.SyncedSelector``). The class is plain Python; ``ray.remote`` is
 applied by the engine.
 """
 
@@ -36,6 +36,7 @@ from knapspec_dist.profiles import profiler
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.runtime.accounting import Meter, Split, split
+from knapspec_dist.runtime.messages import Admission, ReplicaBudget, ShardInfo, StepResult
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.speculation.spmd import spmd_strategy
@@ -76,7 +77,7 @@ class Shard:
         """Rank 0: this node's address and a free port for the process group."""
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, path: str, address: str, port: int, dtype: str) -> dict:
+    def setup(self, path: str, address: str, port: int, dtype: str) -> ShardInfo:
         """Join the group and load this rank's shard; returns what the coordinator needs."""
         start = time.perf_counter()
         if self.world > 1:
@@ -89,8 +90,8 @@ class Shard:
         log.info("replica %d rank %d/%d loaded %.0f MiB of weights in %.1fs", self.replica,
                  self.rank, self.world, parameter_bytes(self.model) / 2 ** 20,
                  time.perf_counter() - start)
-        return {"rank": self.rank, "params": parameter_bytes(self.model),
-                "device": device_info(self.model.device), "pid": os.getpid()}
+        return ShardInfo(self.rank, parameter_bytes(self.model), device_info(self.model.device),
+                         os.getpid())
 
     def measure_profile(self, contexts: list[int], repeats: int, *, batch: int = 1,
                         max_q: int = profiler.DEFAULT_MAX_Q, warmup: int = 1,
@@ -110,14 +111,13 @@ class Shard:
         return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
                                           repeats=repeats)
 
-    def configure(self, options: StrategyOptions, profiles: list[dict] | None, *,
-                  capacity: int | None = None, max_num_seqs: int | None = None) -> int:
+    def configure(self, options: StrategyOptions, profiles: list[dict] | None,
+                  budget: ReplicaBudget) -> int:
         """Build the strategy (same on every rank), priced by ``profiles``: the JSON of the
         coordinator's profile and of those at other batch sizes (None for ar and static).
-        ``capacity``: cache positions per row (default: the model's window);
-        ``max_num_seqs``: rows decoding at once (default: what this rank's free memory holds,
-        engine/memory.py; one that does not fit is capped, with a warning). Returns this rank's
-        max_num_seqs."""
+        ``budget``: positions per row and rows decoding at once (one that does not fit this
+        rank's free memory is capped, with a warning). Returns this rank's max_num_seqs."""
+        capacity, max_num_seqs = budget.capacity, budget.max_num_seqs
         self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
         self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
         if max_num_seqs:  # asked for: not capped at 16 / 256, but it must fit
@@ -137,17 +137,12 @@ class Shard:
 
     # ------------------------------------------------------------------ requests
 
-    def step(self, config, admit: list[tuple[int, list[int], object]], max_rounds: int,
-             max_num_seqs: int):
-        """Continuous batching, SPMD on every rank: queue the ``admit`` rows (id, prompt ids, sampling key),
-        then run scheduler steps until a row finishes or ``max_rounds`` have run.
-
-        Returns (finished rows as (id, GenerationResult), refused rows as (id, message), this
-        call's wall seconds, whether rows remain, the ``Work`` of this call (tokens emitted and
-        prompt tokens prefilled by all rows, and their seconds),
-        scheduler steps run). A row's time split is its share of each
-        call it took part in (the call's split divided among its rows), so the rows of a job
-        add up to the replica's time."""
+    def step(self, config, admit: list[Admission], max_rounds: int,
+             max_num_seqs: int) -> StepResult:
+        """Continuous batching, SPMD on every rank: queue the ``admit`` rows, then run
+        scheduler steps until a row finishes or ``max_rounds`` have run. A row's time split is
+        its share of each call it took part in (the call's split divided among its rows), so
+        the rows of a job add up to the replica's time."""
         if self.strategy is None:
             raise RuntimeError("shard not configured")
         if self.scheduler is None or (self.scheduler.config != config and not self.scheduler.busy):
@@ -157,12 +152,12 @@ class Shard:
             self.shares: dict[int, RowShare] = {}
         sched = self.scheduler
         refused = []
-        for rid, ids, key in admit:
+        for row in admit:
             try:
-                sched.add(rid, list(ids), key)
-                self.shares[rid] = RowShare()
+                sched.add(row.rid, list(row.prompt_ids), row.key)
+                self.shares[row.rid] = RowShare()
             except UserError as e:
-                refused.append((rid, str(e)))
+                refused.append((row.rid, str(e)))
         comm = self.model.tp.comm
         comm.reset()
         self.meter.seconds = 0.0
@@ -189,4 +184,4 @@ class Shard:
                                                          share.ray_s, share.other_s)
             s.comm_calls = round(share.comm_calls)
             out.append((row.rid, r))
-        return out, refused, elapsed, sched.busy, sched.work - before, steps
+        return StepResult(out, refused, elapsed, sched.busy, sched.work - before, steps)

@@ -12,7 +12,7 @@ A pipeline is ``preprocess -> tokenize -> engine -> postprocess``, as in ``ray.d
 Why the job does not run the engine stage as a Ray Data actor: it adds what Ray Data LLM
 lacks around the same stages -- exactly-once part files, resume by an anti-join, retries
 across replicas, the baseline passes and the summary -- and those need one owner of every
-row's fate across all replicas (the driver's Dispatcher over the job's Engine). The
+row's fate across all replicas (the driver's Dispatcher over the job's RayEngine). The
 processor's engine stage (runtime/processor.py) is one replica per Ray Data actor, driving
 the same Dispatcher over it, so both paths restart a dead replica and retry its rows alike.
 """
@@ -82,19 +82,28 @@ PLANS = pa.list_(pa.struct([("plan", pa.string()), ("rounds", pa.int64()),
                             ("predicted_tokens", pa.float64()), ("priced_s", pa.float64())]))
 
 
-#: Columns the engine stage gives every row (null where the row failed).
+#: Columns the engine stage gives every row (null where the row failed); the job's output adds
+#: its own (jobs/output.py ``output_schema``).
 RESULT_FIELDS = [
     ("generated_text", pa.string()), ("generated_tokens", pa.list_(pa.int32())),
     ("num_input_tokens", pa.int64()), ("num_generated_tokens", pa.int64()),
-    ("finish_reason", pa.string()), ("time_taken_llm", pa.float64()),
+    ("finish_reason", pa.string()),  # "eos" | "length"
+    ("time_taken_llm", pa.float64()),  # wall seconds of this row's generation
     ("prefill_s", pa.float64()), ("tokens_per_s", pa.float64()), ("steps", pa.int64()),
     ("drafted", pa.int64()), ("accepted", pa.int64()), ("acceptance_rate", pa.float64()),
+    # mean attention / MLP sublayers skipped per draft token
     ("attention_skipped", pa.float64()), ("mlp_skipped", pa.float64()),
-    ("selections", pa.int64()), ("mean_batch", pa.float64()), ("plans", PLANS),
+    ("selections", pa.int64()),
+    ("mean_batch", pa.float64()),  # rows that decoded beside it, on average
+    ("plans", PLANS),
+    # when the replica admitted the row and finished it
     ("generation_start", pa.timestamp("us", tz="UTC")),
     ("generation_end", pa.timestamp("us", tz="UTC")),
-    ("replica", pa.int32()), ("attempts", pa.int32()),
-    ("error", pa.string()), ("error_kind", pa.string())]
+    ("replica", pa.int32()),
+    ("attempts", pa.int32()),  # submissions of this row (more than 1 after replica failures)
+    ("error", pa.string()),  # null when the row succeeded
+    ("error_kind", pa.string()),  # input | row | oom | replica | timeout (null: ok)
+]
 
 
 def outcome_columns(outcome: Outcome) -> dict:

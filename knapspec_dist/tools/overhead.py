@@ -35,7 +35,7 @@ from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import random_llama_weights
 from knapspec_dist.profiles.profiler import decode_allreduce_sizes
 from knapspec_dist.runtime.cluster import connect
-from knapspec_dist.runtime.engine import Engine
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.tools.corpus import document_of_tokens
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
     for tp in tps:
         threads = max(1, cores // tp)
         started = time.perf_counter()
-        with Engine(path, tp=tp, strategy="ar", cpus_per_rank=threads,
+        with RayEngine(path, tp=tp, strategy="ar", cpus_per_rank=threads,
                     profile_contexts=profile_contexts, profile_repeats=2,
                     max_num_seqs=max_num_seqs) as engine:
             startup = time.perf_counter() - started
@@ -103,7 +103,7 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
     return out
 
 
-def _strategy_split(engine: Engine, strategy: str, texts: list[str],
+def _strategy_split(engine: RayEngine, strategy: str, texts: list[str],
                     new_tokens: int) -> tuple[dict, dict]:
     """One strategy's generation on a warm engine: the job's time split, and its rates."""
     if strategy != engine.options.name:
@@ -118,7 +118,7 @@ def _strategy_split(engine: Engine, strategy: str, texts: list[str],
             "mean_batch": sum(r.stats.mean_batch for r in results) / len(results),
             "selections": sum(r.stats.selections for r in results),
             "acceptance": [r.stats.acceptance_rate for r in results],
-            "profile": engine.replica_info(0).get("profile_key")}
+            "profile": engine.replica_info(0).profile_key}
 
 
 def _line(r: dict) -> str:

@@ -66,7 +66,8 @@ LATE = [
 ]
 RUN = [("section", "section"), ("status", "status"), ("wall_s", "wall s"),
        ("budget_s", "budget s"), ("compiles", "compiles"), ("compile_s", "compile s"),
-       ("rows_ok", "rows ok"), ("rows_failed", "failed"), ("rows_skipped", "skipped")]
+       ("rows_ok", "rows ok"), ("rows_failed", "failed"), ("rows_skipped", "skipped"),
+       ("cut", "cut for time")]
 
 GREEDY = [("dtype", "dtype"), ("strategy", "strategy"), ("prompt", "prompt"),
           ("new_tokens", "tokens"), ("acceptance", "acceptance"), ("verdict", "vs ar"),
@@ -84,10 +85,15 @@ def markdown(doc: dict) -> str:
     lines = [f"# knapspec gpu-check ({meta['device_name']})", "", meta["headline"], "",
              f"`{meta['command']}` on {meta['date']}, torch {meta['torch']}, "
              f"{'quick (tiny shapes)' if meta['quick'] else 'full'}; {meta['wall_s']:.0f} s of a "
-             f"{meta['budget_s']:.0f} s budget. Bound = (weight bytes + KV bytes read) / "
+             f"{meta['budget_s']:.0f} s budget ({meta.get('setup_s', 0.0):.0f} s of imports and "
+             f"model conversion before the first section). Bound = (weight bytes + KV bytes read) / "
              f"{meta['bandwidth_tb_s']} TB/s; shapes in {meta['dtype']} with random weights.", ""]
     if meta.get("stopped"):
         lines += [f"**Stopped early: {meta['stopped']}.**", ""]
+    kernels = doc.get("kernels", [])
+    if kernels:
+        lines += ["## Decode attention kernel per shape", "", *(f"- {k['line']}" for k in kernels),
+                  ""]
     run = [{"section": name, **r} for name, r in doc["sections"].items()]
     lines += ["## Sections (in the order run; compiles: graphs torch.compile made)", "",
               *table(run, RUN), ""]

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo import utils as dynamo_utils
 
-from knapspec_dist.tools.gpucheck.budget import Budget, Section
+from knapspec_dist.errors import first_line
+from knapspec_dist.tools.gpucheck.budget import Budget, Section, Spent
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ def poisons(e: BaseException) -> bool:
 
 def error_line(e: BaseException) -> str:
     """The exception's type and first non-empty line: what a table cell can hold."""
-    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    return f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''}"[:300]
 
 
 def where_from(e: BaseException, frames: int = 6) -> list[str]:
@@ -101,13 +101,17 @@ class Rows:
             section: Section | None = None, need_s: float = 0.0) -> dict | None:
         """``base`` plus what ``measure()`` returns as one row of ``table`` (status "ok"); if
         ``section`` has less than ``need_s`` left, the row says it was skipped; if ``measure``
-        raises, the row holds the error. Returns the row when it was measured, else None.
+        raises, the row holds the error (``Spent``: the row was cut for time, and counts as
+        skipped). Returns the row when it was measured, else None.
         Raises DevicePoisoned (after saving the row) when the error poisoned the device."""
         if section is not None and (why := section.over(need_s)) is not None:
             self.skip(table, base, why)
             return None
         try:
             fields = measure()
+        except Spent as e:
+            self.skip(table, base, str(e))
+            return None
         except Exception as e:  # noqa: BLE001 - the point: a row's failure is its status
             self._put(table, {**base, "status": status_of(e), "where": where_from(e)},
                       "failed")
@@ -138,7 +142,9 @@ def run_sections(steps: list[tuple[str, Callable[[Section], None] | str]], budge
     """Runs each (name, step) in its share of ``budget``, in order, writing into ``record`` per
     section: status, wall and compile seconds, compiles, rows ok / failed / skipped. A step
     given as a string is skipped for that reason. A step's own exception ends that section
-    only; a poisoned device ends every later one. Returns why the run stopped early, or None."""
+    only; a poisoned device ends every later one. A section whose share ran out before its
+    last row has status "cut" and the first reason in "cut". Returns why the run stopped
+    early, or None."""
     stopped = None
     for name, step in steps:
         if stopped is not None or isinstance(step, str):
@@ -151,6 +157,8 @@ def run_sections(steps: list[tuple[str, Callable[[Section], None] | str]], budge
         status, where = "ok", None
         try:
             step(section)
+        except Spent:  # a measurement outside Rows.add ran out of time: the section ends
+            pass
         except Exception as e:  # noqa: BLE001 - a section's failure is its status
             where = where_from(e.__cause__ if isinstance(e, DevicePoisoned) else e)
             if isinstance(e, DevicePoisoned) or poisons(e):
@@ -162,12 +170,15 @@ def run_sections(steps: list[tuple[str, Callable[[Section], None] | str]], budge
                 status = "error: " + error_line(e)
                 rows.errors.append(f"{name}: {error_line(e)}")
                 log.exception("section %s failed; the check goes on", name)
+        if status == "ok" and section.cut:
+            status = "cut"
         now_graphs, now_s = compile_stats()
         tally = rows.tallies.get(name, Tally())
         record[name] = {"status": status, "wall_s": time.perf_counter() - start,
                         "budget_s": section.seconds, "compiles": now_graphs - graphs,
                         "compile_s": now_s - compile_s, "rows_ok": tally.ok,
                         "rows_failed": tally.failed, "rows_skipped": tally.skipped,
-                        **({"where": where} if where else {})}
+                        **({"where": where} if where else {}),
+                        **({"cut": section.cut} if section.cut else {})}
         (rows.save_section or rows.save)()
     return stopped

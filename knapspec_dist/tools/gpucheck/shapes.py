@@ -48,6 +48,32 @@ def shapes(quick: bool) -> dict[str, ModelConfig]:
     return {"llama31-8b": llama31_8b(), "llama31-70b-tp8": llama31_70b_shard(8)}
 
 
+def decode_kernel(name: str, cfg: ModelConfig, backend: str) -> dict:
+    """Which flex kernel serves this shape's decode and verify steps (T < 128 queries), as torch
+    2.11's lowering chooses (``_use_flex_decoding``): flex-decoding, which splits the keys of
+    a row over thread blocks (split-K), only when query heads / KV heads is a power of two;
+    else the main flex kernel, one thread block per query block and (row, query head), with
+    no split over the keys. So a shape with another ratio (SmolLM2: 9 / 3 = 3) says nothing
+    about long-context decoding of one with a power of two (Llama-3.1-70B: 64 / 8 = 8)."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    power_of_two = group > 0 and group & (group - 1) == 0
+    ratio = f"{cfg.num_heads} query heads / {cfg.num_kv_heads} KV heads = {group}"
+    if power_of_two:
+        flex = "flex-decoding"
+        line = f"{name}: {ratio}, a power of two: flex-decoding (split-K over the keys)"
+    else:
+        flex = "flex main kernel"
+        line = (f"{name}: {ratio}, not a power of two: the main flex kernel, no split-K; its "
+                "long-context figures are not those of a power-of-two model (Llama-3.1-70B: "
+                "64 / 8 = 8)")
+    kernel = flex if backend == "flex" else backend
+    if backend != "flex":
+        line = f"{line}; attention runs {backend} here, so this holds on CUDA only"
+    return {"model": name, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+            "group": group, "power_of_two": power_of_two, "backend": backend,
+            "decode_kernel": kernel, "flex_kernel": flex, "line": line}
+
+
 def attention_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     hd, h = cfg.head_dim, cfg.hidden_size
     params = h * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + h  # q, k, v, o and the norm

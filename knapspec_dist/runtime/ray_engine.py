@@ -1,7 +1,7 @@
 """The Ray engine: replicas of tensor-parallel shard actors, each with a coordinator actor.
 
 ```
-with Engine("smollm2", tp=1, replicas=2, strategy="knapspec") as engine:
+with RayEngine("smollm2", tp=1, replicas=2, strategy="knapspec") as engine:
     results = engine.generate(["Summarize ..."], max_new_tokens=64)
 ```
 
@@ -26,18 +26,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.runtime.accounting import job_summary
 from knapspec_dist.runtime.cluster import connect, disconnect
+from knapspec_dist.runtime.messages import MeasureOptions, ReplicaBudget, ReplicaInfo
 from knapspec_dist.runtime.replica import (
     Replica,
     ReplicaSpec,
@@ -49,15 +52,14 @@ from knapspec_dist.runtime.replica import (
     stop_replica,
 )
 from knapspec_dist.runtime.setup import check_batch_memory, check_setup
-from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
-__all__ = ["Engine", "StartupError"]
+__all__ = ["RayEngine", "StartupError"]
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class RayEngine:
     """Replicas of TP shard actors behind one Python API (a context manager)."""
 
     def __init__(self, model: str, tp: int = 1, replicas: int = 1,
@@ -65,7 +67,7 @@ class Engine:
                  device: str = "cpu", address: str | None = None, *, cpus_per_rank: int = 1,
                  startup_timeout_s: float = 300.0, profile_contexts: list[int] | None = None,
                  profile_repeats: int = 3, profile_need: int | None = None,
-                 max_num_seqs: int | None = None, shard_class: type = Shard):
+                 max_num_seqs: int | None = None):
         """``strategy``: its options, or a strategy's name with default options.
         ``cpus_per_rank`` CPUs are reserved per rank, and each rank runs that many torch
         threads (OMP_NUM_THREADS). ``profile_contexts`` / ``profile_repeats``: the
@@ -73,8 +75,7 @@ class Engine:
         context the work will run, which a stored profile must cover and a measured one does
         (profiles/store.py); it also sizes each row's KV cache (default: the model's window).
         ``max_num_seqs``: rows each replica decodes at once (continuous batching; default:
-        what the memory left after the weights holds, engine/memory.py). ``shard_class``:
-        the rank's actor class, a :class:`Shard` (tests give one that fails)."""
+        what the memory left after the weights holds, engine/memory.py)."""
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         for name, value in (("tp", tp), ("replicas", replicas), ("cpus_per_rank", cpus_per_rank)):
@@ -89,18 +90,18 @@ class Engine:
         self.path, self.tp, self.dtype, self.device = str(path), tp, dtype, device
         self.num_replicas, self.cpus_per_rank = replicas, cpus_per_rank
         self.startup_timeout_s = startup_timeout_s
-        self.measure = {"contexts": profile_contexts, "repeats": profile_repeats,
-                        "need": profile_need}
-        self.batching = {"max_num_seqs": max_num_seqs,
-                         "capacity": row_capacity(profile_need, 0) if profile_need else None}
+        self.measure = MeasureOptions(tuple(profile_contexts) if profile_contexts else None,
+                                      profile_repeats, profile_need)
+        self.budget = ReplicaBudget(row_capacity(profile_need, 0) if profile_need else None,
+                                    max_num_seqs)
         self.spec = ReplicaSpec(f"knapspec-{uuid.uuid4().hex[:8]}", self.path,
                                 self.config.vocab_size, tp, dtype, device, cpus_per_rank,
-                                startup_timeout_s, shard_class)
+                                startup_timeout_s)
         try:
             self.tokenizer = load_tokenizer(path)
         except UserError as e:
             log.warning("%s; text prompts are unavailable, pass token ids",
-                        str(e).strip().splitlines()[0])
+                        first_line(e))
             self.tokenizer = None
         self.last_job: dict | None = None
 
@@ -110,16 +111,16 @@ class Engine:
         try:
             check_resources(self.spec, replicas)
             check_batch_memory(self.config, tp, dtype, device, max_num_seqs,
-                               self.batching["capacity"]
+                               self.budget.capacity
                                or row_capacity(self.config.max_position_embeddings, 0),
                                node_memory(device))
             self._replicas = start_replicas(self.spec, list(range(replicas)), self.options,
-                                            self.measure, self.batching)
+                                            self.measure, self.budget)
         except BaseException:
             self.shutdown()
             raise
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> RayEngine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -139,11 +140,11 @@ class Engine:
         stop_replica(self._replicas[replica])
         self._replicas[replica] = None
         self._replicas[replica] = start_replicas(self.spec, [replica], self.options,
-                                                 self.measure, self._batching(replica))[0]
+                                                 self.measure, self._budget(replica))[0]
 
-    def _batching(self, replica: int) -> dict:
+    def _budget(self, replica: int) -> ReplicaBudget:
         seqs = self._batch_of.get(replica)
-        return self.batching if seqs is None else {**self.batching, "max_num_seqs": seqs}
+        return self.budget if seqs is None else replace(self.budget, max_num_seqs=seqs)
 
     def reconfigure(self, strategy: StrategyOptions | str) -> None:
         """Switch every replica to another strategy / options without reloading weights
@@ -152,7 +153,7 @@ class Engine:
         check_setup(self.path, self.tp, options)
         self.options = options
         prepare_replicas(self.spec, [r for r in self._replicas if r is not None], options,
-                         self.measure, self.batching, "reconfigure")
+                         self.measure, self.budget, "reconfigure")
 
     def shutdown(self) -> None:
         for i, rep in enumerate(getattr(self, "_replicas", [])):
@@ -199,9 +200,10 @@ class Engine:
         except ray.exceptions.RayError:  # a dead replica: the dispatcher will notice
             return None
 
-    def replica_info(self, replica: int) -> dict:
+    def replica_info(self, replica: int) -> ReplicaInfo:
+        """What the replica's coordinator reported when prepared (empty while it is not)."""
         rep = self._replicas[replica]
-        return dict(rep.info) if rep and rep.info else {}
+        return rep.info if rep and rep.info else ReplicaInfo(replica)
 
     # ------------------------------------------------------------------ requests
 
@@ -242,13 +244,8 @@ class Engine:
                                             for k, v in given.items()})
         ids = [self.encode(p, chat) for p in prompts]
         start = time.perf_counter()
-        seen: dict[tuple[int, ...], int] = {}
-        keys = []  # a prompt and its occurrence: the same text whatever else is asked
-        for p in ids:
-            seen[tuple(p)] = seen.get(tuple(p), -1) + 1
-            keys.append((tuple(p), seen[tuple(p)]))
         refs = [self.submit(i % self.num_replicas, p, config, key)
-                for i, (p, key) in enumerate(zip(ids, keys))]
+                for i, (p, key) in enumerate(zip(ids, prompt_keys(ids)))]
         results = ray.get(refs)
         self.last_job = job_summary(results, time.perf_counter() - start, self.num_replicas)
         return results

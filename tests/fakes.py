@@ -1,0 +1,215 @@
+"""Fakes and fixtures shared by the tests: a tokenizer, engines and a backend that stand in for
+the model and Ray in the job layer, job helpers, and latency profiles built from made-up
+samples (never written under profiles/)."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from knapspec_dist.engine.generation import GenerationResult, GenerationStats
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs import JobConfig, run_job
+from knapspec_dist.profiles import fit_profile
+
+BOS, SYS, USER, END, ASSISTANT = 1, 2, 3, 4, 5
+
+
+class FakeTokenizer:
+    """One id per distinct word; the chat template adds SYS USER ... END ASSISTANT."""
+
+    chat_template = "fake"
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self.words: dict[int, str] = {}
+
+    def _ids(self, text: str) -> list[int]:
+        out = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = 100 + len(self.vocab)
+                self.words[self.vocab[w]] = w
+            out.append(self.vocab[w])
+        return out
+
+    def __call__(self, text, add_special_tokens=True, **kwargs):
+        return {"input_ids": ([BOS] if add_special_tokens else []) + self._ids(text)}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
+        return [SYS, USER] + self._ids(messages[0]["content"]) + [END, ASSISTANT]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.words[i] for i in ids if i in self.words)
+
+
+def fake_tools(window: int = 64):
+    tok = FakeTokenizer()
+    return lambda config: (tok, window)
+
+
+class ReplicaDied(Exception):
+    """Stands in for ray.exceptions.RayActorError."""
+
+
+class FakeBackend:
+    """Replicas that answer in submission order; ``kill`` makes a replica's calls fail.
+
+    ``speed[strategy]`` tokens/s fixes each row's wall time, so the speedup is known.
+    ``die_when(replica, key)``: the replica dies when it is asked to generate ``key``.
+    """
+
+    speed = {"knapspec": 30.0, "static": 30.0, "ar": 20.0}
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.num_replicas = engine.num_replicas
+        self.handles: dict[int, dict] = {}
+        self.epoch = [0] * self.num_replicas  # incarnation; a kill starts a new one ...
+        self.alive = [True] * self.num_replicas  # ... that is dead until restarted
+        self.next = 0
+
+    def submit(self, replica, prompt_ids, config, key=None):
+        e = self.engine
+        e.submits.append((e.strategy, tuple(prompt_ids), replica, len(e.created) - 1))
+        h = self.next
+        self.next += 1
+        self.handles[h] = {"replica": replica, "ids": prompt_ids, "config": config,
+                           "epoch": self.epoch[replica] if self.alive[replica] else None}
+        key = tuple(prompt_ids)
+        if e.poison is not None and e.poison(key):
+            self.kill(replica)
+        return h
+
+    def kill(self, replica):
+        self.engine.kills += 1
+        self.epoch[replica] += 1  # every outstanding call of the old incarnation fails
+        self.alive[replica] = False
+
+    def wait(self, handles, timeout):
+        return handles[:1]
+
+    def result(self, h):
+        info = self.handles.pop(h)
+        e = self.engine
+        if info["epoch"] != self.epoch[info["replica"]]:
+            raise ReplicaDied(f"replica {info['replica']} died")
+        e.answered += 1
+        if e.after_answers is not None:
+            e.after_answers(e.answered, self)
+        ids = info["ids"]
+        if e.row_error is not None and e.row_error(tuple(ids)):
+            raise UserError("this row is bad")
+        n = min(info["config"].max_new_tokens, 6)
+        tokens = [(sum(ids) + k) % 50 + 100 for k in range(n)]  # same for every strategy
+        wall = n / self.speed[e.strategy]
+        spec = e.strategy != "ar"
+        e.clock += wall  # rows one after another on a made-up clock
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=n, steps=n, wall_s=wall,
+                                admitted_at=e.clock - wall, finished_at=e.clock,
+                                prefill_s=0.0, drafted=2 * n if spec else 0,
+                                accepted=n if spec else 0, attention_skipped=3.0 if spec else 0,
+                                mlp_skipped=1.0 if spec else 0, selections=1 if spec else 0)
+        return GenerationResult(tokens, stats, "length", text=f"summary {len(ids)}")
+
+    def restart(self, replica):
+        self.engine.restarts.append(replica)
+        self.epoch[replica] += 1
+        self.alive[replica] = True
+
+    def is_replica_failure(self, exc):
+        return isinstance(exc, ReplicaDied)
+
+
+class FakeEngines:
+    """engine_factory for run_job; records every engine, submission and restart."""
+
+    def __init__(self, poison=None, row_error=None, after_answers=None):
+        self.poison, self.row_error, self.after_answers = poison, row_error, after_answers
+        self.created: list[tuple[str, int]] = []
+        self.submits: list[tuple[str, tuple, int, int]] = []  # strategy, ids, replica, engine
+        self.restarts: list[int] = []
+        self.kills = 0
+        self.answered = 0
+        self.clock = 1.7e9  # seconds since the epoch of the made-up clock
+        self.strategy = None
+        self.num_replicas = 0
+
+    def __call__(self, config, strategy, replicas):
+        self.created.append((strategy.name, replicas))
+        self.strategy, self.num_replicas = strategy.name, replicas
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def write_input(path, ids, docs, id_column="id", text_column="document"):
+    pq.write_table(pa.table({id_column: ids, text_column: docs}), path)
+    return str(path)
+
+
+def docs_of(lengths):
+    """Documents of the given word counts, each word distinct per document."""
+    return [" ".join(f"w{i}x{j}" for j in range(n)) for i, n in enumerate(lengths)]
+
+
+def job(tmp_path, **kw):
+    defaults = dict(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"),
+                    strategy="knapspec", max_new_tokens=6, instruction="Sum:",
+                    checkpoint_rows=1, progress_seconds=0.01, progress_bar=False)
+    defaults.update(kw)
+    return JobConfig(**defaults)
+
+
+def run(config, engines=None, window=64):
+    engines = engines or FakeEngines()
+    result = run_job(config, engine_factory=engines, backend_factory=FakeBackend,
+                     text_tools=fake_tools(window))
+    return result, engines
+
+
+def read_rows(out, sub="rows"):
+    return pq.read_table(os.path.join(out, sub)).to_pylist()
+
+
+# ----------------------------------------------------------------------------- profiles
+
+def synthetic_profile(model, attention: list[tuple[int, float]], mlp: float = 7e-4,
+                      verify_growth: float = 0.1, verify_scale: float = 1.0):
+    """A profile built from made-up samples (tests only; never written under profiles/)."""
+    layers = model.cfg.num_layers
+    ns = [n for n, _ in attention]
+
+    def step(n):  # one full-model decode step at context n, from the same fit
+        slope = (attention[-1][1] - attention[0][1]) / (ns[-1] - ns[0])
+        return layers * (attention[0][1] + slope * (n - ns[0]) + mlp) + 1e-3
+
+    samples = {"attention": [[n, t] for n, t in attention], "mlp": [mlp] * 3, "head": [1e-3] * 3,
+               "verify": [[q, n, verify_scale * step(n) * (1 + verify_growth * (q - 1))]
+                          for q in range(1, 12) for n in ns]}
+    return fit_profile(samples, device={"name": "synthetic", "threads": 1},
+                       model=model.cfg.shape(), dtype="fp32", batch=1, tp=1,
+                       torch_version=torch.__version__)
+
+
+LINEAR_ATTENTION = [(64, 5e-4), (4096, 4e-3)]
+
+
+def drafting_profile(shape: dict | None = None):
+    """A fixed in-memory latency profile (test fixture; never written to profiles/): drafts
+    nearly free next to a slow verify, so the TPT search drafts even at the low acceptance of
+    a random model, and the draft/verify path runs with KnapSpec's plans under TP. ``shape``:
+    the model shape it records (for a file a model's options may name)."""
+    samples = {"attention": [[n, 1e-9 * n + 1e-6] for n in (16, 64, 256)],
+               "mlp": [1e-6], "head": [1e-6],
+               "verify": [[q, n, 1.0 + 1e-3 * q] for q in (1, 4, 11) for n in (16, 64, 256)]}
+    return fit_profile(samples, device={"name": "test"}, model=shape or {}, dtype="fp32",
+                       batch=1, tp=1,
+                       torch_version=torch.__version__)
