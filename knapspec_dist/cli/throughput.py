@@ -30,7 +30,7 @@ from knapspec_dist.engine.memory import parse_size
 from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.factory import build_strategy
-from knapspec_dist.tools.bench.paged import compare, documents
+from knapspec_dist.tools.bench.paged import compare, documents, window_rows
 from knapspec_dist.tools.bench.paged import table as paged_table
 from knapspec_dist.tools.bench.plots import plot_throughput
 from knapspec_dist.tools.bench.prompts import resolve_tokenizer
@@ -94,10 +94,12 @@ def cmd_paged(args, parser, model, tokenizer, specs, config) -> int:
     lo, hi = parse_ints(f"{lo},{hi}", "--lengths")
     if lo > hi or args.page_size < 1:
         raise UserError(f"--lengths {args.lengths}: expected LO-HI; --page-size >= 1")
+    budget = parse_size(args.kv_cache_memory)
+    window_rows(model, budget)  # a budget too small for one row, before any document is made
     rows = documents(tokenizer, lo, hi, args.documents, model.cfg.max_position_embeddings,
                      args.new_tokens)
     entries = compare(model, lambda label: build_strategy(specs[label].options, model),
-                      list(specs), rows, config, parse_size(args.kv_cache_memory),
+                      list(specs), rows, config, budget,
                       args.page_size, args.repeats)
     out = Path(args.out)
     header = {"command": command_line(args, parser), "machine": machine(args.device),

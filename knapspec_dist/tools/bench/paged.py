@@ -50,18 +50,25 @@ def documents(tokenizer, lo: int, hi: int, count: int, window: int,
     return rows
 
 
+def window_rows(model: Transformer, budget: int) -> tuple[int, int]:
+    """Rows of the model's whole window that ``budget`` bytes of K/V hold (a UserError when
+    none), and the positions of one."""
+    per_token = kv_bytes_per_token(model)
+    window = row_capacity(model.cfg.max_position_embeddings, 0)
+    rows = budget // (per_token * window)
+    if rows < 1:
+        raise UserError(f"--kv-cache-memory {budget} bytes holds no row of the model's "
+                        f"{window}-position window ({per_token * window} bytes)")
+    return rows, window
+
+
 def compare(model: Transformer, build_strategy: Callable[[str], Strategy], labels: list[str],
             rows: list[tuple[str, list[int]]], config: GenerationConfig, budget: int,
             page: int = CPU_PAGE, repeats: int = 1) -> list[dict]:
     """Fixed slots and pages under ``budget`` bytes of K/V, per strategy, ``repeats`` times
     interleaved; one entry per (strategy, mode), the median run by tokens/s."""
-    per_token = kv_bytes_per_token(model)
-    window = row_capacity(model.cfg.max_position_embeddings, 0)
-    fixed_rows = budget // (per_token * window)
-    if fixed_rows < 1:
-        raise UserError(f"--kv-cache-memory {budget} bytes holds no row of the model's "
-                        f"{window}-position window ({per_token * window} bytes)")
-    pool = budget // per_token
+    fixed_rows, window = window_rows(model, budget)
+    pool = budget // kv_bytes_per_token(model)
     ids = [p for _, p in rows]
     needs = [row_capacity(len(p), config.max_new_tokens) for p in ids]
     capacity = max(needs)
