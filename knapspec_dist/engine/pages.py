@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 
-CPU_PAGE = 16  # positions per page on a CPU: the gather reads by position, so small pages cost
-# nothing and waste at most 15 positions a row
+CPU_PAGE = 16  # positions per page on a CPU: the gather indexes positions, so the page size
+# changes only the block table's width and the waste, at most page - 1 positions a row
 
 
 @dataclass(frozen=True)
