@@ -68,12 +68,13 @@ def sweep(loaded, profile, n: int, args) -> list[str]:
     ar = decode(model, prompt, frozenset(), 0, config, args.tau_conf)
     ar_rate = rate(ar)
     verify = lambda q: profile.verify_time(q, len(prompt))  # noqa: E731
+    picked = selection.choice.candidate
+    chosen = "plain decoding" if picked is None else f"candidate {picked}"
     lines = [f"## context {len(prompt)}", "",
              f"selection {select_s:.2f} s ({select_s * ar_rate:.1f} plain steps), "
              f"{len(selection.candidates)} candidates, weights attn/mlp "
              f"{selection.weights[0]}/{selection.weights[1]}; chose "
-             f"{'plain decoding' if selection.choice.candidate is None else 'candidate %d' % selection.choice.candidate}"
-             f" gamma {selection.choice.gamma}; plain decoding {ar_rate:.2f} tok/s, "
+             f"{chosen} gamma {selection.choice.gamma}; plain decoding {ar_rate:.2f} tok/s, "
              f"{1e3 / ar_rate:.1f} ms/token (profile {verify(1) * 1e3:.1f} ms)", "",
              "| cand | attn/MLP skipped | DP cosine | DP alpha | gamma | predicted | realized "
              "acceptance | draft ms/token (profile) | verify ms/round | speedup |",

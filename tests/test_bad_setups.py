@@ -30,8 +30,8 @@ PROFILE = next((REPO / "profiles").glob("*layers30-hidden576*__eager.json"))
 
 
 def summarize(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "jobs/summarize.py", *args], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "jobs/summarize.py", *args], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def knapspec(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

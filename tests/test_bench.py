@@ -13,11 +13,11 @@ from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
 from knapspec_dist.speculation.selfspec import SelfSpeculative
-from knapspec_dist.tools.ties import classify
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
 from knapspec_dist.tools.bench.report import summarize, write_markdown
 from knapspec_dist.tools.bench.specs import parse_strategies
+from knapspec_dist.tools.ties import Divergence, RunCheck, classify
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -55,12 +55,15 @@ def test_bench_writes_results_table_and_plots(checkpoint, tmp_path, capsys):
     md = (tmp_path / "results.md").read_text()
     assert "torch" in md and "machine:" in md and "command: `knapspec bench" in md
     for n in (64, 128):
-        section = md.split(f"## context {n} ")[1].split("## context")[0]
+        section = md.split(f"## context {n} ")[1].split("\n## ")[0]
         rows = [line for line in section.splitlines() if line.startswith("| ")
                 and not line.startswith("| strategy")]
         assert [row.split("|")[1].strip() for row in rows] == ["ar", "static:a1@2"]
         assert all(row.rstrip().endswith("| yes |") for row in rows)
         assert "| 1.000x |" in rows[0]
+        # every token compared (2 prompts x 8), none differs; fp32 on a CPU: no false acceptance
+        assert f"| {n} | static:a1@2 | 16 | 0 | 0.00 | 0.00 % |" in md
+    assert all(r["check"]["correct"] and r["check"]["tokens"] == 8 for r in runs)
     for name in ("speedup.png", "skipped.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG
 
@@ -141,31 +144,48 @@ def test_strategy_specs():
             parse_strategies(bad)
 
 
-def test_bench_report_shows_near_ties_and_bugs(tmp_path):
-    """A tie is reported with its gap and tolerance, not as an error; a BUG is an error."""
+def check_of(*divergences: dict, tokens: int = 16, inside: int = 0) -> dict:
+    return RunCheck(tokens, tuple(Divergence(**d) for d in divergences), inside, 0).to_dict()
+
+
+def test_bench_report_lists_every_divergence_with_its_margin(tmp_path):
+    """Every divergence of every run is listed with its gap, tolerance and margin; a run whose
+    divergences are all near-ties is reported, not an error; a BUG is an error. The check
+    table gives near-ties per 1k tokens and the false-acceptance rate."""
     z = torch.full((8,), -2.0)
     z[3], z[5] = 19.75, 19.625
     tie = classify(z, 12, 3, 5, torch.bfloat16).to_dict()
+    later = classify(z, 14, 5, 3, torch.bfloat16).to_dict()
     bug = classify(z, 4, 3, 6, torch.bfloat16).to_dict()
     stats = {"new_tokens": 16, "wall_s": 1.0, "prefill_s": 0.1, "drafted": 8, "accepted": 4,
              "prompt_tokens": 64, "attention_skipped": 1.0, "mlp_skipped": 0.0, "select_s": 0.0,
              "selections": 0, "draft_s": 0.2, "verify_s": 0.5}
-    runs = [{"strategy": s, "context": 64, "prompt": p, "matches_ar": d is None,
-             "first_mismatch": d and d["position"], "divergence": d, "stats": stats}
-            for s, p, d in [("ar", "a", None), ("ar", "b", None), ("static:a1@2", "a", tie),
-                            ("static:a1@2", "b", None), ("clasp", "a", None), ("clasp", "b", bug)]]
+    runs = [{"strategy": s, "context": 64, "prompt": p, "matches_ar": not c["divergences"],
+             "check": c, "stats": stats}
+            for s, p, c in [("ar", "a", check_of(inside=4)), ("ar", "b", check_of()),
+                            ("static:a1@2", "a", check_of(tie, later, inside=4)),
+                            ("static:a1@2", "b", check_of()), ("clasp", "a", check_of()),
+                            ("clasp", "b", check_of(bug))]]
     assert [r["prompt"] for r in bugs(runs)] == ["b"]
     header = {"machine": {"cpu": "x", "torch_threads": 1, "cpu_count": 2}, "command": "c",
               "date": "d", "torch": "t", "model": "m", "dtype": "bf16", "device": "cpu",
               "new_tokens": 16, "prompts": 2}
     rows = summarize(runs)
-    assert [(r["ties"], r["bugs"]) for r in rows] == [(0, 0), (1, 0), (0, 1)]
+    assert [(r["ties"], r["bugs"], r["near_ties"]) for r in rows] == [(0, 0, 0), (1, 0, 2),
+                                                                      (0, 1, 0)]
     write_markdown(tmp_path / "r.md", header, rows, runs)
     md = (tmp_path / "r.md").read_text()
     assert "ERROR: 1 run(s) differ from `ar` beyond a near-tie" in md
     assert "| near-tie in 1/2 |" in md and "| **NO: 1 BUG** |" in md
-    assert "| 64 | a | static:a1@2 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 0.5 | tie |" in md
-    assert "| 64 | b | clasp | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 0.5 | **BUG** |" in md
+    assert ("| 64 | a | static:a1@2 | 1 | 12 | 3 (19.75) | 5 (19.62) | 19.75 | 0.125 | 1.75 | "
+            "1.625 | tie |") in md
+    assert ("| 64 | a | static:a1@2 | 1 | 14 | 5 (19.62) | 3 (19.75) | 19.75 | 0.125 | 1.75 | "
+            "1.625 | tie |") in md
+    assert ("| 64 | b | clasp | 1 | 4 | 3 (19.75) | 6 (-2) | 19.75 | 21.75 | 1.75 | -20 | "
+            "**BUG** |") in md
+    # 2 near-ties in 32 tokens: 62.5 per 1k; 4 of 32 positions inside the bound: 12.5 %
+    assert "| 64 | static:a1@2 | 32 | 2 | 62.50 | 12.50 % |" in md
+    assert "| 64 | ar | 32 | 0 | 0.00 | 12.50 % |" in md
 
 
 def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_path):
@@ -181,12 +201,15 @@ def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_pat
     base = {"new_tokens": 16, "wall_s": 1.0, "prefill_s": 0.1, "drafted": 8, "accepted": 4,
             "prompt_tokens": 64, "attention_skipped": 1.0, "mlp_skipped": 1.0, "select_s": 0.0,
             "selections": 1, "draft_s": 0.2, "verify_s": 0.5}
-    runs = [{"strategy": "ar", "context": 64, "prompt": p, "matches_ar": True, "stats":
-             {**base, "plans": {"ar": {**tally(15, 15, 0.5, 0.0), "priced_s": 0.0}}}}
+    runs = [{"strategy": "ar", "context": 64, "prompt": p, "matches_ar": True,
+             "check": check_of(),
+             "stats": {**base, "plans": {"ar": {**tally(15, 15, 0.5, 0.0), "priced_s": 0.0}}}}
             for p in "ab"]
-    runs += [{"strategy": "knapspec", "context": 64, "prompt": p, "matches_ar": True, "stats":
-              {**base, "plans": {label: tally(2 + k, 3 + k, 0.1 * (k + 1) + 0.01 * j, 30 + k)
-                                 for k, label in enumerate(labels)}}}
+    runs += [{"strategy": "knapspec", "context": 64, "prompt": p, "matches_ar": True,
+              "check": check_of(),
+              "stats": {**base, "plans": {label: tally(2 + k, 3 + k, 0.1 * (k + 1) + 0.01 * j,
+                                                       30 + k)
+                                          for k, label in enumerate(labels)}}}
              for j, p in enumerate("ab")]
     header = {"machine": {"cpu": "x", "torch_threads": 1, "cpu_count": 2}, "command": "c",
               "date": "d", "torch": "t", "model": "m", "dtype": "bf16", "device": "cpu",
@@ -194,7 +217,7 @@ def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_pat
     rows = summarize(runs)
     assert rows[0]["plans"] == []  # ar priced nothing
     write_markdown(tmp_path / "r.md", header, rows, runs)
-    section = (tmp_path / "r.md").read_text().split("## plans")[1]
+    section = (tmp_path / "r.md").read_text().split("## plans")[1].split("\n## ")[0]
     table = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
              if line.startswith("| 64 |")]
     assert {c[1] for c in table} == {"knapspec"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompt
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from knapspec_dist.engine import model_runner

@@ -158,12 +158,14 @@ def test_many_prompts_are_batched_and_each_equals_ar_alone(capsys, smollm2, tmp_
     lines = [json.loads(line) for line in out.strip().splitlines()]
     assert len(lines) == 3
     for text, line in zip(texts, lines):
-        want = generate(Autoregressive(), smollm2.model, [encode(smollm2.tokenizer, text, chat=True)],
-                                         GenerationConfig(max_new_tokens=8))[0]
+        prompt = encode(smollm2.tokenizer, text, chat=True)
+        want = generate(Autoregressive(), smollm2.model, [prompt],
+                        GenerationConfig(max_new_tokens=8))[0]
         assert line["token_ids"] == want.token_ids
     assert max(line["stats"]["mean_batch"] for line in lines) > 1
 
 
+@pytest.mark.e2e
 def test_console_script_subprocess_long_prompt(smollm2, tmp_path):
     """The installed `knapspec` script, in its own process, on the real model: a prompt past
     SmolLM2's 8192-token window gives exit code 2 and exactly one stderr line, no traceback
@@ -187,6 +189,7 @@ def test_console_script_subprocess_long_prompt(smollm2, tmp_path):
 
 @pytest.mark.parametrize("stop, code", [(JobTerminated(signal.SIGTERM), 143),
                                         (KeyboardInterrupt(), 130)])
+@pytest.mark.e2e
 def test_every_command_stops_on_a_signal_with_one_line_and_the_shells_code(
         monkeypatch, caplog, stop, code):
     """`knapspec demo` under SIGTERM printed a JobTerminated traceback (only `job` handled it)."""

@@ -96,6 +96,7 @@ def test_batched_ar_equals_unbatched(name, engine_model):
     assert len(batched[0].token_ids) < 40
 
 
+@pytest.mark.e2e
 def test_batched_ar_equals_unbatched_smollm2(smollm2, corpus_prompt):
     model = smollm2.model
     prompts = [corpus_prompt[:40], corpus_prompt[100:227], corpus_prompt[300:307]]
@@ -112,8 +113,8 @@ def skip_sets(num_layers: int) -> list[set[int]]:
     sets = [
         {0},  # attention of the first layer
         {2 * last + 1},  # MLP of the last layer
-        {2 * l for l in range(num_layers)},  # every attention (50%)
-        {2 * l + 1 for l in range(num_layers)},  # every MLP (50%)
+        {2 * layer for layer in range(num_layers)},  # every attention (50%)
+        {2 * layer + 1 for layer in range(num_layers)},  # every MLP (50%)
         {2, 2 * last + 1},  # mixed
         {0, 1, 2 * last, 2 * last + 1},  # first and last layer
         set(range(1, n)),  # all but one (> 50%)
@@ -198,8 +199,8 @@ def smol_plans() -> list[tuple[set[int], int, float]]:
     Its drafts are rarely confident (top-1 probability > 0.7), so the tau_conf=0.7 plans use
     mild skip sets (sublayers whose removal keeps ~90% top-1 agreement); the heavy ones run at
     tau_conf=0 with short drafts, since nearly every draft they make is rejected."""
-    a = lambda *ls: {2 * l for l in ls}  # noqa: E731
-    m = lambda *ls: {2 * l + 1 for l in ls}  # noqa: E731
+    a = lambda *layers: {2 * layer for layer in layers}  # noqa: E731
+    m = lambda *layers: {2 * layer + 1 for layer in layers}  # noqa: E731
     mild = sorted(a(4, 5, 6, 7, 9, 17, 22, 23, 25, 26, 28, 29) | m(12, 13, 23, 25))
     return [
         (a(4, 5, 6, 7, 22, 23, 25), 4, 0.7),  # attention only
@@ -227,6 +228,7 @@ def smol_prompts(smollm2, corpus_prompt):
             corpus_prompt[:150]]
 
 
+@pytest.mark.e2e
 def test_static_equals_ar_smollm2(smollm2, smol_prompts):
     model = smollm2.model
     reference = [ar(model, [p], SMOL_NEW, **NO_EOS)[0].token_ids for p in smol_prompts]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_prompt
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 from knapspec_dist.cli.standalone import main
 from knapspec_dist.engine.generation import GenerationConfig

@@ -220,6 +220,14 @@ def _check_doc(doc: dict) -> None:
     greedy = doc["correctness"]["greedy"]
     assert {r["strategy"] for r in greedy} == {"ar", "static", "knapspec", "clasp"}
     assert all(r["verdict"] != "BUG" for r in greedy)
+    kind = doc["meta"]["device"]["kind"]
+    assert {(r["dtype"], r["guarantee"]) for r in greedy} == {
+        ("fp32", "token-identical" if kind == "cpu" else "identical up to near-ties (fp32 on cuda)"),
+        ("bf16", f"identical up to near-ties (bf16 on {kind})")}
+    spread = doc["correctness"]["spread"]  # bf16 decode / verify against one forward
+    assert spread and all(r["status"] == "ok" and r["positions"] > 0 and
+                          0 <= r["median"] <= r["p90"] <= r["max"] and r["bound_ulps"] == 14
+                          for r in spread)
     assert doc["correctness"]["sampling"]
     assert all(r["in_vocab"] and r["new_tokens"] > 0 for r in doc["correctness"]["sampling"])
     assert doc["bench"]["summary"]
@@ -234,12 +242,14 @@ def _check_doc(doc: dict) -> None:
     assert all(f["attention_share"] >= 0 for r in found for f in r["findings"])
 
 
+@pytest.mark.e2e
 def test_quick_run_on_cpu_through_gpu_run_sh(tmp_path):
     """The script the GPU machine runs, on a CPU without Ray or gguf, as on the GPU image: no
     SmolLM2 pack, gpu-check --quick."""
     env = without_ray(subprocess_env())
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable,
-               KNAPSPEC_PACK=str(tmp_path / "no-pack"), KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
+               KNAPSPEC_PACK=str(tmp_path / "no-pack"),
+               KNAPSPEC_PACK_STASH=str(tmp_path / "stash"), KNAPSPEC_CACHE=str(tmp_path / "c"))
     # A budget no busy machine exhausts: the test checks the program, not the time it takes
     # (about 12 s on an idle 2-core CPU, measured by the command itself in meta.wall_s).
     p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_run.sh"), "--device", "cpu",

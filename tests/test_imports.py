@@ -141,7 +141,8 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_layer_rule_sees_a_planted_upward_import():
     assert layer_of("knapspec_dist.model.decoder") < layer_of("knapspec_dist.speculation.knapspec")
     assert layer_of("knapspec_dist.llm") < layer_of("knapspec_dist.runtime.ray_engine")
-    tree = ast.parse("import os\nfrom knapspec_dist.speculation import tpt\n\ndef f():\n    import re\n")
+    tree = ast.parse("import os\nfrom knapspec_dist.speculation import tpt\n\n"
+                     "def f():\n    import re\n")
     assert [imported(n) for n in top_level_imports(tree)] == [
         ["knapspec_dist.speculation", "knapspec_dist.speculation.tpt"], ["os"]]
     assert [imported(n) for n in nested_imports(tree)] == [["re"]]

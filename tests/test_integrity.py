@@ -319,8 +319,8 @@ def two_jobs(twelve_rows, tmp_path_factory):
     out = tmp_path_factory.mktemp("two") / "O"
     args = ["--input", str(twelve_rows), "--output", str(out), *J, "--checkpoint-rows", "1",
             "--address", "local"]
-    first = subprocess.Popen(knapspec_job(*args), cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(knapspec_job(*args), cwd=REPO, env=subprocess_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (out / LEASE_FILE).exists() and first.poll() is None:
         assert time.monotonic() < deadline

@@ -223,8 +223,15 @@ def test_job_writes_one_row_per_input_row_summary_and_plot(tmp_path):
     assert s["baseline"]["identical_tokens"] == 2
     assert s["acceptance"]["acceptance_rate"] == 0.5
     assert [b["bucket"] for b in s["buckets"]] == ["0-512"]
+    assert s["job"]["guarantee"] == "token-identical"  # fp32 on a CPU
     assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(result.plot_path) > 10_000
+
+
+def test_a_bf16_job_says_its_tokens_are_identical_up_to_near_ties(tmp_path):
+    write_input(tmp_path / "in.parquet", ["a"], docs_of([5]))
+    result, _ = run(job(tmp_path, dtype="bf16"))
+    assert result.summary["job"]["guarantee"] == "identical up to near-ties (bf16 on cpu)"
 
 
 def test_ar_strategy_has_no_baseline_run(tmp_path):

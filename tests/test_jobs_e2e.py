@@ -180,6 +180,7 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     assert png.shape[0] > 400 and png.shape[1] > 400
 
 
+@pytest.mark.e2e
 def test_stopped_job_resumes_without_recomputing_finished_rows(head, tmp_path):
     docs = _good_docs()
     pq.write_table(pa.table({"id": list(docs), "document": list(docs.values())}),
@@ -214,6 +215,7 @@ def test_stopped_job_resumes_without_recomputing_finished_rows(head, tmp_path):
     assert s["rows"]["ok"] == 4
 
 
+@pytest.mark.e2e
 def test_malformed_inputs_fail_fast_under_ray_job_submit(head, tmp_path):
     cases = {
         "missing-column": (pa.table({"id": ["a"], "body": ["x"]}),
@@ -286,14 +288,16 @@ FAULT_DRIVER = textwrap.dedent("""
     inp, out, address = sys.argv[1:4]
     result = run_job(JobConfig(
         input=inp, output=out, address=address, model="smollm2",
-        strategy=StrategyOptions(name="static", skip="a10,a12,m14,a16"), max_new_tokens=8, baseline_fraction=0,
-        checkpoint_rows=1, max_num_seqs=8, progress_seconds=5), on_row=kill_a_shard)
+        strategy=StrategyOptions(name="static", skip="a10,a12,m14,a16"), max_new_tokens=8,
+        baseline_fraction=0, checkpoint_rows=1, max_num_seqs=8, progress_seconds=5),
+        on_row=kill_a_shard)
     alive = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "Shard")])
     print(json.dumps({"killed": killed, "summary": result.summary,
                       "alive_after": [a.pid for a in alive]}))
 """)
 
 
+@pytest.mark.e2e
 def test_killed_shard_actor_is_replaced_and_no_row_is_lost_or_duplicated(head, tmp_path):
     """16 rows through a replica decoding 8 at once; its shard is SIGKILLed mid-job."""
     docs = {f"{key}-{i}": f"{text} ({i})" for i in range(4) for key, text in _good_docs().items()}

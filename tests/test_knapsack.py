@@ -1,4 +1,5 @@
-"""The KnapSpec DP against brute force, with an additive evaluator (where the DP is an exact knapsack)."""
+"""The KnapSpec DP against brute force, with an additive evaluator (where the DP is an exact
+knapsack)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,16 @@ class AdditiveEvaluator:
 
     def evaluate(self, item: int, sources: list[int], execute: bool) -> list[float]:
         assert item == len(self.kept), "evaluate must follow the stages in order"
-        assert all(s in self.states for s in sources), "sources must be states of the previous stage"
+        assert all(s in self.states for s in sources), (
+            "sources must be states of the previous stage")
         self.calls.append((item, list(sources), execute))
         out = [self.states[s] - (0.0 if execute else self.penalties[item]) for s in sources]
         self.pending.update({(s, execute): v for s, v in zip(sources, out)})
         return out
 
     def keep(self, item: int, chosen: dict[int, tuple[int, bool]]) -> None:
-        assert all(key in self.pending for key in chosen.values()), "kept states must have been evaluated"
+        assert all(key in self.pending for key in chosen.values()), (
+            "kept states must have been evaluated")
         self.states = {j: self.pending[key] for j, key in chosen.items()}
         self.pending = {}
         self.kept.append(dict(chosen))
@@ -50,7 +53,10 @@ def brute_force(
     """Best value for every exact skipped weight j > 0 over all allowed subsets."""
     cap = math.floor(max_skip_fraction * sum(weights))
     n = len(weights)
-    units = [(2 * l, 2 * l + 1) for l in range(n // 2)] if coupled else [(i,) for i in range(n)]
+    if coupled:
+        units = [(2 * layer, 2 * layer + 1) for layer in range(n // 2)]
+    else:
+        units = [(i,) for i in range(n)]
     units = [u for u in units if not set(u) & set(always_execute)]
     best: dict[int, float] = {}
     for r in range(1, len(units) + 1):
@@ -69,7 +75,9 @@ def additive_value(penalties: list[float]):
     return lambda skipped: BASE - sum(penalties[i] for i in skipped)
 
 
-def check_against_brute_force(cands: list[Candidate], expected: dict[int, float], weights, penalties) -> None:
+def check_against_brute_force(
+    cands: list[Candidate], expected: dict[int, float], weights, penalties
+) -> None:
     assert [c.skipped_weight for c in cands] == sorted(expected)
     for c in cands:
         assert c.value == pytest.approx(expected[c.skipped_weight], abs=1e-12)
@@ -92,7 +100,11 @@ def test_exact_against_brute_force(seed: int) -> None:
     fraction = rng.choice([0.3, 0.5, 1.0])
     always = rng.sample(range(n_items), k=rng.randint(0, 2))
     cands = solve(
-        weights, AdditiveEvaluator(penalties), tau=-math.inf, max_skip_fraction=fraction, always_execute=always
+        weights,
+        AdditiveEvaluator(penalties),
+        tau=-math.inf,
+        max_skip_fraction=fraction,
+        always_execute=always,
     )
     expected = brute_force(
         weights, additive_value(penalties), max_skip_fraction=fraction, always_execute=always
@@ -115,11 +127,16 @@ def test_coupled_against_brute_force(seed: int) -> None:
         coupled=True,
     )
     expected = brute_force(
-        weights, additive_value(penalties), max_skip_fraction=fraction, always_execute=always, coupled=True
+        weights,
+        additive_value(penalties),
+        max_skip_fraction=fraction,
+        always_execute=always,
+        coupled=True,
     )
     check_against_brute_force(cands, expected, weights, penalties)
     for c in cands:
-        assert all((i ^ 1) in c.skipped for i in c.skipped), "a layer is skipped whole or not at all"
+        assert all((i ^ 1) in c.skipped for i in c.skipped), (
+            "a layer is skipped whole or not at all")
 
 
 def test_coupled_keeps_both_substates_at_a_colliding_budget() -> None:
@@ -127,8 +144,12 @@ def test_coupled_keeps_both_substates_at_a_colliding_budget() -> None:
     # at budget 2" and "attention 1 skipped from budget 0" have the same skipped weight after
     # attention 1; only keeping both yields budget 4 (skip layer 1) as well as budget 2.
     weights, penalties = [1, 1, 2, 2], [0.0, 0.0, 0.1, 0.1]
-    cands = solve(weights, AdditiveEvaluator(penalties), tau=-math.inf, max_skip_fraction=1.0, coupled=True)
-    assert [(c.skipped_weight, sorted(c.skipped)) for c in cands] == [(2, [0, 1]), (4, [2, 3]), (6, [0, 1, 2, 3])]
+    cands = solve(
+        weights, AdditiveEvaluator(penalties), tau=-math.inf, max_skip_fraction=1.0, coupled=True
+    )
+    assert [(c.skipped_weight, sorted(c.skipped)) for c in cands] == [
+        (2, [0, 1]), (4, [2, 3]), (6, [0, 1, 2, 3])
+    ]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -160,7 +181,9 @@ def test_one_batched_evaluate_call_per_item_and_mode() -> None:
     solve(weights, ev, tau=-math.inf, max_skip_fraction=0.5, always_execute=[3])
     keys = [(item, execute) for item, _, execute in ev.calls]
     assert len(keys) == len(set(keys))
-    assert sorted(keys) == sorted({(i, True) for i in range(6)} | {(i, False) for i in range(6) if i != 3})
+    executed = {(i, True) for i in range(6)}
+    skipped = {(i, False) for i in range(6) if i != 3}  # item 3 is always executed
+    assert sorted(keys) == sorted(executed | skipped)
     for item, sources, execute in ev.calls:  # every live state of the previous stage, in one call
         prev = sorted(ev.kept[item - 1]) if item else [0]
         if execute:
@@ -179,7 +202,9 @@ def test_ties_prefer_execute_and_cap_is_respected() -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("coupled", [False, True])
-def test_useful_from_returns_the_full_dps_candidates_at_or_above_it(seed: int, coupled: bool) -> None:
+def test_useful_from_returns_the_full_dps_candidates_at_or_above_it(
+    seed: int, coupled: bool
+) -> None:
     n_items = [6, 10, 16][seed % 3]
     rng, weights, penalties = random_instance(300 + seed, n_items)
     always = rng.sample(range(n_items), k=rng.randint(0, 2))

@@ -21,7 +21,7 @@ from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector,
 from knapspec_dist.speculation.schedule import SpareRule, smoothed_alpha
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 
 

@@ -22,7 +22,7 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from test_generate import with_eos
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 from test_scheduler import STRATEGIES
 
 NAME = "llama-gqa"

@@ -51,8 +51,8 @@ def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tm
     parquet = build_processor(config, preprocess=lambda row: {
         **row, "messages": [{"role": "user", "content": row["text"]}]})(
         ray.data.read_parquet(str(tmp_path / "docs.parquet")))
-    again = {r["id"]: r for r in parquet.map(lambda r: {"id": r["id"],
-                                                        "tokens": r["generated_tokens"]}).take_all()}
+    tokens_only = parquet.map(lambda r: {"id": r["id"], "tokens": r["generated_tokens"]})
+    again = {r["id"]: r for r in tokens_only.take_all()}
     assert {i: list(r["tokens"]) for i, r in again.items()} == {
         i: list(got[i]["tokens"]) for i in range(3)}
 

@@ -14,7 +14,8 @@ from knapspec_dist.profiles import (
     integer_weights,
 )
 
-MODEL = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128, "vocab": 100}
+MODEL = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
+         "vocab": 100}
 META = {
     "device": {"name": "NVIDIA H200", "kind": "cuda", "threads": 16},
     "model": MODEL,
@@ -32,7 +33,8 @@ def synthetic_samples() -> dict:
         "attention": [[n, 2e-8 * n + 1e-4] for n in (128, 512, 2048, 8192)],
         "mlp": [3e-4, 3e-4, 9e-4],  # one slow outlier: the median ignores it
         "head": [5e-4, 5e-4],
-        "verify": [[q, n, q * 1e-5 + 1e-7 * n + 2e-3] for q in (1, 4, 8) for n in (128, 1024, 4096)],
+        "verify": [[q, n, q * 1e-5 + 1e-7 * n + 2e-3]
+                   for q in (1, 4, 8) for n in (128, 1024, 4096)],
         "allreduce": [[b, 1e-9 * b + 2e-5] for b in (256, 1024, 4096)],
     }
 
@@ -57,7 +59,8 @@ def test_fit_profile_recovers_known_coefficients() -> None:
     assert p.mlp_time() == pytest.approx(3e-4)
     assert p.head == pytest.approx(5e-4)
     assert sorted(p.verify) == [1, 4, 8]
-    assert p.verify[4].slope == pytest.approx(1e-7) and p.verify[4].intercept == pytest.approx(4e-5 + 2e-3)
+    assert p.verify[4].slope == pytest.approx(1e-7)
+    assert p.verify[4].intercept == pytest.approx(4e-5 + 2e-3)
     assert p.allreduce == pytest.approx(1e-9 * (2 * 64 * 2) + 2e-5)  # batch * hidden * bf16 bytes
     single = fit_profile(synthetic_samples(), **{**META, "tp": 1})
     assert single.allreduce == 0.0
@@ -68,7 +71,8 @@ def test_verify_time_interpolates_and_clips() -> None:
     exact = lambda q, n: q * 1e-5 + 1e-7 * n + 2e-3  # noqa: E731
     assert p.verify_time(4, 1000) == pytest.approx(exact(4, 1000))
     assert p.verify_time(6, 1000) == pytest.approx(exact(6, 1000))  # between 4 and 8: linear in q
-    assert p.verify_time(20, 1000) == pytest.approx(exact(8, 1000))  # clipped to the largest measured q
+    # clipped to the largest measured q
+    assert p.verify_time(20, 1000) == pytest.approx(exact(8, 1000))
     assert p.verify_time(0, 1000) == pytest.approx(exact(1, 1000))
 
 
@@ -111,7 +115,9 @@ def test_key_is_deterministic_and_file_name_safe() -> None:
     p = make_profile()
     key = p.key()
     assert key == make_profile().key()
-    assert key == "nvidia-h200__layers4-hidden64-heads4-kv_heads2-head_dim16-intermediate128-vocab100__bfloat16__b2__tp2__eager"
+    assert key == ("nvidia-h200"
+                   "__layers4-hidden64-heads4-kv_heads2-head_dim16-intermediate128-vocab100"
+                   "__bfloat16__b2__tp2__eager")
     other = fit_profile(synthetic_samples(), **{**META, "batch": 4})
     assert other.key() != key
     weird = fit_profile(synthetic_samples(), **{**META, "device": {"name": "AMD/Ryzen 9 (x86)"}})

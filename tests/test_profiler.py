@@ -138,7 +138,8 @@ def test_cli_profile_writes_file_named_by_key(checkpoint, tmp_path, capsys) -> N
     (["--contexts", "100000"], "context length 2048"),
     (["--repeats", "0"], "--repeats"),
 ])
-def test_cli_profile_bad_options_are_one_line_errors(checkpoint, tmp_path, capsys, args, message) -> None:
+def test_cli_profile_bad_options_are_one_line_errors(checkpoint, tmp_path, capsys, args,
+                                                     message) -> None:
     out = tmp_path / "p.json"
     rc = main(["profile", "--model", str(checkpoint), "--out", str(out), *args])
     err = capsys.readouterr().err
@@ -177,5 +178,6 @@ def test_measure_allreduce_on_two_gloo_ranks(checkpoint, tmp_path, monkeypatch) 
     assert results[1]["rows"] == rows  # MAX-reduced: both ranks price the same
     profiles = [LatencyProfile.from_json(r["profile"]) for r in results]
     assert profiles[0].tp == 2 and profiles[0].allreduce > 0.0
-    assert profiles[0].samples["allreduce"] and all(t > 0 for _, t in profiles[0].samples["allreduce"])
+    allreduce = profiles[0].samples["allreduce"]
+    assert allreduce and all(t > 0 for _, t in allreduce)
     assert profiles[0].samples == profiles[1].samples

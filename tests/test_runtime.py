@@ -17,7 +17,7 @@ import os
 import pytest
 
 from conftest import random_prompt
-from fakes import drafting_profile
+from synthetic import drafting_profile
 from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.runtime import replica
@@ -182,6 +182,7 @@ def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
     assert leftovers() == []
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_profile_tp2_measures_the_allreduce(cluster, checkpoints, tmp_path, capsys):
     from knapspec_dist.cli.main import main

@@ -22,7 +22,7 @@ from knapspec_dist.speculation.schedule import Frontier
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
-from fakes import LINEAR_ATTENTION, synthetic_profile
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
 LENGTHS = (9, 70, 23, 140, 4)

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import random_prompt
-from fakes import drafting_profile
+from synthetic import drafting_profile
 from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.scheduler import generate
 from models import hf_model, make_checkpoint

@@ -58,7 +58,8 @@ def output_path(out: str, profile: LatencyProfile) -> Path:
 
 def register(sub) -> None:
     """Add ``knapspec profile`` to the CLI's subparsers."""
-    p = sub.add_parser("profile", help="measure a latency profile (sublayers, head, verify) to JSON",
+    p = sub.add_parser("profile",
+                       help="measure a latency profile (sublayers, head, verify) to JSON",
                        description="Measure per-sublayer decode latency against context length, "
                                    "the head, and the verify cost of q tokens; fit and write JSON.")
     add_model_args(p)
@@ -69,8 +70,10 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timings per point; the median is kept")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of every shape first")
     p.add_argument("--fill", default="random", choices=["random", "prefill"],
-                   help="KV cache contents: random K/V (default) or a real prefill of random tokens")
-    p.add_argument("--out", required=True, help="output JSON file, or a directory (file named by key)")
+                   help="KV cache contents: random K/V (default) "
+                        "or a real prefill of random tokens")
+    p.add_argument("--out", required=True,
+                   help="output JSON file, or a directory (file named by key)")
     add_engine_args(p)  # --tp / --address: measure on the Ray engine
     p.set_defaults(func=cmd_profile)
 

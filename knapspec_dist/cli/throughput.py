@@ -44,7 +44,8 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[0].strip("`"))
     add_model_args(p)
     p.add_argument("--tokenizer", default=None, help="as for bench")
-    p.add_argument("--contexts", default="1024", help="longest prompt per workload, comma-separated")
+    p.add_argument("--contexts", default="1024",
+                   help="longest prompt per workload, comma-separated")
     p.add_argument("--documents", type=int, default=8, help="documents per context")
     p.add_argument("--batch", default="1,8", help="max_num_seqs values, comma-separated")
     p.add_argument("--strategies", default="ar,knapspec", help="as for bench")

@@ -47,6 +47,7 @@ from knapspec_dist.jobs.termination import (
     install_sigterm,
     restore_sigterm,
 )
+from knapspec_dist.model.precision import guarantee
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.ray_engine import RayEngine
@@ -252,6 +253,7 @@ class JobRun(GenerationPasses):
                                    or (self.previous.get("run") or {}).get("max_num_seqs"))
         job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
+               "guarantee": guarantee(c.dtype, c.device),
                "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
                "input": c.input, "output": result.output, "input_files": len(self.scan.files),
                "max_model_len": self.max_len, "truncate": c.truncate,

@@ -1,1 +1,2 @@
-"""The model: config, decoder with skippable sublayers, per-forward step, attention backends, KV cache, weights, tokenizer."""
+"""The model: config, decoder with skippable sublayers, per-forward step, attention backends,
+KV cache, weights, tokenizer."""

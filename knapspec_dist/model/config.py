@@ -37,7 +37,10 @@ class ModelConfig:
 
     @property
     def num_items(self) -> int:
-        """Knapsack items: Attention and MLP of every layer (item 2l = attention l, 2l+1 = MLP l)."""
+        """Knapsack items: Attention and MLP of every layer.
+
+        Item 2l is the attention of layer l, item 2l+1 its MLP.
+        """
         return 2 * self.num_layers
 
     def shape(self) -> dict:

@@ -128,6 +128,43 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
 
+HEAD_ROWS = 1024  # vocabulary rows upcast at a time by the CPU head (a 2.4 MB fp32 block at 576)
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with fp32 output, whatever the model's dtype.
+
+    A bf16 output would round every logit to 8 significant bits: at logits in [16, 32) that
+    is a 0.125 grid, so two tokens whose true logits differ by less than that tie exactly
+    (2.1 % of SmolLM2's greedy positions in bf16), and the near-tie bound can no longer tell a
+    wrong token from rounding. Here the products are summed in fp32 and kept in fp32: on CUDA
+    with ``torch.mm(..., out_dtype=float32)`` (cuBLAS reads the bf16 operands as they are); on
+    a CPU, which has no such kernel, by upcasting ``HEAD_ROWS`` rows of the head at a time
+    (exact: bf16 values are fp32 values), so the fp32 copy never exists whole (a 128k x 8k head
+    is 4 GB in fp32) and the block stays in cache. Measured on SmolLM2 in bf16 (2-core CPU):
+    the head costs about what the bf16 one did at one token and ~1.4x at 5-11 tokens
+    (docs/measurements.md). An fp32 model is unchanged: its head is the plain fp32 linear.
+    """
+    if weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    if x.device.type == "cuda":
+        flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    x = x.float()
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for start in range(0, weight.shape[0], HEAD_ROWS):
+        rows = weight[start:start + HEAD_ROWS]
+        out[..., start:start + rows.shape[0]] = F.linear(x, rows.float())
+    return out
+
+
+class LMHead(nn.Linear):
+    """The vocabulary projection, with fp32 logits (:func:`head_logits`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return head_logits(x, self.weight)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -135,7 +172,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.backend: str | None = None  # attention backend; None: the device's default
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -169,7 +206,8 @@ class Transformer(nn.Module):
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).float()
+        """fp32 logits of hidden states ``h``: the head sums and keeps fp32 (``head_logits``)."""
+        return self.lm_head(self.norm(h))
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int] | torch.Tensor, cache: KVCache,
                 rows: slice | None = None, skip: frozenset[int] = frozenset(),

@@ -37,7 +37,7 @@ from torch import nn
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.model.decoder import Transformer, head_logits
 from knapspec_dist.parallel.comm import Comm
 
 
@@ -103,7 +103,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """This rank's vocab slice of the logits, all-gathered into the full [.., V] logits."""
+    """This rank's vocab slice of the logits (fp32, ``head_logits``), all-gathered into the
+    full [.., V] logits."""
 
     def __init__(self, lay: Layout, hidden: int, comm: Comm):
         super().__init__()
@@ -111,7 +112,7 @@ class VocabParallelLMHead(nn.Module):
         self.vocab, self.comm = lay.vocab, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        full = self.comm.all_gather_last(F.linear(x, self.weight))
+        full = self.comm.all_gather_last(head_logits(x, self.weight))
         return full[..., :self.vocab] if full.shape[-1] != self.vocab else full
 
 

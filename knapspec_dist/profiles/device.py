@@ -28,8 +28,8 @@ def device_info(device: torch.device | str) -> dict[str, Any]:
         return _cuda_info(device)
     threads = torch.get_num_threads()
     model = cpu_model_name()
-    info: dict[str, Any] = {"kind": "cpu", "name": f"{model} ({threads} threads)", "cpu_model": model,
-                            "threads": threads, "logical_cpus": os.cpu_count(),
+    info: dict[str, Any] = {"kind": "cpu", "name": f"{model} ({threads} threads)",
+                            "cpu_model": model, "threads": threads, "logical_cpus": os.cpu_count(),
                             "machine": platform.machine()}
     info.update(_cpuinfo_details())
     return info
@@ -56,7 +56,8 @@ def _cpuinfo_details() -> dict[str, Any]:
         return out
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model_id"), ("stepping", "stepping")):
+    for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model_id"),
+                      ("stepping", "stepping")):
         if key in fields:
             out[name] = fields[key]
     flags = set(fields.get("flags", "").split())
@@ -68,7 +69,8 @@ def _cpuinfo_details() -> dict[str, Any]:
 def _cuda_info(device: torch.device) -> dict[str, Any]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    info: dict[str, Any] = {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
+    info: dict[str, Any] = {"kind": "cuda", "name": props.name,
+                            "memory_bytes": int(props.total_memory),
                             "capability": f"{props.major}.{props.minor}",
                             "multiprocessors": props.multi_processor_count, "source": "torch"}
     if pynvml is None:
@@ -92,7 +94,8 @@ def _cuda_info(device: torch.device) -> dict[str, Any]:
             driver = pynvml.nvmlSystemGetDriverVersion()
             info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
             try:
-                info["max_sm_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+                info["max_sm_clock_mhz"] = int(
+                    pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
             except pynvml.NVMLError:
                 pass
             info["source"] = "nvml"

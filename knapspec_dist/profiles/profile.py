@@ -1,4 +1,5 @@
-"""Typed latency profile: fitted sublayer costs for one device, model shape, dtype, batch and TP degree.
+"""Typed latency profile: fitted sublayer costs for one device, model shape, dtype, batch and
+TP degree.
 
 The profile is the only source of the knapsack weights and of the TPT search's latency model,
 so it keeps its raw samples next to the fitted coefficients: a stored profile can be refitted
@@ -73,9 +74,9 @@ class LatencyProfile:
     allreduce: float = 0.0  # seconds per sublayer all-reduce at decode shape (0 when tp == 1)
     mode: str = "eager"  # execution mode of the measured forwards: "eager" or "graph"
     origin: str = "measured"  # "measured" (profiler.py), "online" (refitted from timed
-    # rounds, speculation/calibration.py; its raw rounds in samples["online"]) or "borrowed" (another
-    # device's, the starting point of this one's calibration: profiles/store.py; its source in
-    # samples["borrowed"])
+    # rounds, speculation/calibration.py; its raw rounds in samples["online"]) or "borrowed"
+    # (another device's, the starting point of this one's calibration: profiles/store.py; its
+    # source in samples["borrowed"])
 
     def spread(self) -> float | None:
         """How much the repeated timings of the measured points disagreed: the median over
@@ -154,7 +155,8 @@ class LatencyProfile:
             "attention": {"slope": self.attention.slope, "intercept": self.attention.intercept},
             "mlp": self.mlp,
             "head": self.head,
-            "verify": {str(q): {"slope": f.slope, "intercept": f.intercept} for q, f in sorted(self.verify.items())},
+            "verify": {str(q): {"slope": f.slope, "intercept": f.intercept}
+                       for q, f in sorted(self.verify.items())},
             "allreduce": self.allreduce,
             "mode": self.mode,
             "origin": self.origin,
@@ -327,7 +329,10 @@ def _parse(d: Any) -> LatencyProfile:
 
 
 def fit_linear(points: list[tuple[float, float]]) -> LinearFit:
-    """Ordinary least squares y = slope * x + intercept; one point (or one distinct x) -> slope 0."""
+    """Ordinary least squares y = slope * x + intercept.
+
+    One point (or one distinct x) gives slope 0.
+    """
     if not points:
         raise ValueError("cannot fit a line to no points")
     xs = [float(x) for x, _ in points]
@@ -349,7 +354,8 @@ def fit_profile(samples: dict[str, Any], **meta: Any) -> LatencyProfile:
     (defaults to "eager").
     Constant costs (mlp, head) use the median, robust to the odd slow repeat.
     """
-    missing = [k for k in ("device", "model", "dtype", "batch", "tp", "torch_version") if k not in meta]
+    required = ("device", "model", "dtype", "batch", "tp", "torch_version")
+    missing = [k for k in required if k not in meta]
     if missing:
         raise ValueError(f"fit_profile needs meta {missing}")
     clean = _normalize_samples(samples)
@@ -394,7 +400,8 @@ def _normalize_samples(samples: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def integer_weights(profile: LatencyProfile, n: int, num_layers: int, cap: float = 5.0) -> list[int]:
+def integer_weights(profile: LatencyProfile, n: int, num_layers: int,
+                    cap: float = 5.0) -> list[int]:
     """Knapsack weights at context n, in item order (attention, mlp, attention, mlp, ...).
 
     delta = min(t_attn(n), t_mlp); each weight is its time over delta, capped at `cap` and

@@ -36,10 +36,10 @@ Every shape is run ``warmup`` times first (allocator, oneDNN / cuBLAS kernel cho
 stored sample of each (kind, n[, q]) is the median of ``repeats`` timings, and
 ``samples["spread"]`` records each point's relative spread ``(max - min) / median`` of those
 timings (MAX over the ranks under TP): repeats that disagree mean the machine was busy, and
-profiles/store.py then uses the profile for the run but does not cache it (``SPREAD_LIMIT``). With a process
-group of more than one rank (tensor parallelism) every rank measures, samples are reduced
-with MAX (a replica runs at its slowest rank's pace), and ``measure_allreduce`` adds the
-all-reduce cost at the message sizes decoding uses.
+profiles/store.py then uses the profile for the run but does not cache it (``SPREAD_LIMIT``).
+With a process group of more than one rank (tensor parallelism) every rank measures,
+samples are reduced with MAX (a replica runs at its slowest rank's pace), and
+``measure_allreduce`` adds the all-reduce cost at the message sizes decoding uses.
 
 Other processes on the machine distort every number (on a 2-core CPU with two OpenMP threads,
 a load average of 10 made decode steps ~20x slower), so the 1-minute load average before and
@@ -104,7 +104,10 @@ class _SublayerTimer:
             h.remove()
 
     def split(self) -> dict[str, list[float]]:
-        """Durations of the last forward: per-sublayer lists, and the head (forward minus sublayers)."""
+        """Durations of the last forward: per-sublayer lists, and the head.
+
+        The head is the forward's time minus its sublayers'.
+        """
         self.clock.sync()
         marks, self.marks = self.marks, []
         if not marks or marks[0][0] != "forward" or marks[-1][0] != "forward":
@@ -372,8 +375,9 @@ def _device_record(device: torch.device, load_before: float | None) -> dict[str,
     if None not in load:
         info["load_average"] = load
         if device.type == "cpu" and max(load) > 0.75 * (os.cpu_count() or 1):
-            log.warning("the machine was busy while measuring (load average %.1f -> %.1f on %d CPUs): "
-                        "timings include contention from other processes; re-run on an idle machine",
+            log.warning("the machine was busy while measuring "
+                        "(load average %.1f -> %.1f on %d CPUs): timings include contention "
+                        "from other processes; re-run on an idle machine",
                         load[0], load[1], os.cpu_count() or 1)
     return info
 
@@ -403,7 +407,8 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     load_before = _load_average()
     started = time.perf_counter()
     fill_cache(model, cache, contexts[-1], fill, generator=gen)
-    log.info("filled a %d-token KV cache (%s) in %.1fs", contexts[-1], fill, time.perf_counter() - started)
+    log.info("filled a %d-token KV cache (%s) in %.1fs", contexts[-1], fill,
+             time.perf_counter() - started)
     qs = list(range(1, max_q + 1))
     raw = _timings(_Sampler(model, cache, batch, mode, gen), contexts, qs, warmup, repeats,
                    started)

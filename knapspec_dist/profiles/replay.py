@@ -32,7 +32,8 @@ class ReplayTimer:
 
     def __init__(self, model, cache: KVCache, rows: slice, tokens: Callable[[int], torch.Tensor],
                  iters: int = 5):
-        self.model, self.cache, self.rows, self.tokens, self.iters = model, cache, rows, tokens, iters
+        self.model, self.cache, self.rows = model, cache, rows
+        self.tokens, self.iters = tokens, iters
         self.runner = ModelRunner(model, graphs=True, max_graph_tokens=1 << 30)
         self.runner.cache = cache  # graphs are captured on the profiler's cache
         items = model.cfg.num_layers * 2

@@ -237,7 +237,10 @@ def _save(profile: LatencyProfile, path: Path, what: str) -> str | None:
 
 
 def online_profiles_dir() -> Path:
-    """Where profiles refitted online (speculation/calibration.py) are kept: the cache's ``online/``."""
+    """Where profiles refitted online (speculation/calibration.py) are kept.
+
+    That is the cache's ``online/`` directory.
+    """
     return cache_profiles_dir() / "online"
 
 

@@ -222,7 +222,7 @@ class Coordinator:
                 self._active[request.rid] = request.future
             start = time.perf_counter()
             rows = [request.admission() for request in admit]
-            refs = [s.step.remote(config, rows, rounds, self.max_num_seqs) for s in self.shards]
+            refs = [s.advance.remote(config, rows, rounds, self.max_num_seqs) for s in self.shards]
             try:
                 outs = await self._gather(refs)
             except BaseException as e:  # a dead or failing shard: every row here fails with it

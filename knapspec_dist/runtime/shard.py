@@ -137,7 +137,7 @@ class Shard:
 
     # ------------------------------------------------------------------ requests
 
-    def step(self, config, admit: list[Admission], max_rounds: int,
+    def advance(self, config, admit: list[Admission], max_rounds: int,
              max_num_seqs: int) -> StepResult:
         """Continuous batching, SPMD on every rank: queue the ``admit`` rows, then run
         scheduler steps until a row finishes or ``max_rounds`` have run. A row's time split is

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = run(args.model, [int(t) for t in args.tp.split(",")], args.strategies.split(","),
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
               [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs)

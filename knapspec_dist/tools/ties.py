@@ -19,23 +19,24 @@ the model's dtype at the top logit (bf16: ``eps = 2**-7``, 8 significant bits, s
 ``ulp = 2**(floor(log2|x|) - 7)``: 0.125 for logits in [16, 32); fp32: ``eps = 2**-23``,
 about 1.9e-6 at logits in [16, 32)). Then, with ``m = max(|z_top|, |z[r]|, |z[c]|)``::
 
-    tolerance = ULPS * ulp(m),            ULPS = 4              (bf16, fp16; any device)
-    tolerance = FP32_CUDA_ULPS * ulp(m),  FP32_CUDA_ULPS = 64   (fp32 on CUDA)
-    tolerance = 0                                               (fp32 on CPUs, fp64: identity)
+    tolerance = rule_ulps(dtype, device) * ulp(m)
 
-and the divergence is a near-tie iff ``gap <= tolerance`` and ``tolerance > 0``; anything else
-is a bug (so in fp32 on a CPU every divergence is a bug, even at an exact fp32 tie).
-Justification of ULPS = 4: let ``e_a = z_a - z`` be a decode path's logit error against the
+with the ulps per (dtype, device) in ``model/precision.py`` ``BOUND_ULPS`` (bf16: 14; fp32 on
+CUDA: 64; fp32 on CPUs and fp64: 0, identity), and the divergence is a near-tie iff
+``gap <= tolerance`` and ``tolerance > 0``; anything else is a bug (so in fp32 on a CPU every
+divergence is a bug, even at an exact fp32 tie).
+Why a spread bounds the gap: let ``e_a = z_a - z`` be a decode path's logit error against the
 one-shot logits. If path a chose ``r`` and path b chose ``c``, then
 ``|z[r] - z[c]| <= max(|e_a[r] - e_a[c]|, |e_b[r] - e_b[c]|)``: the gap is bounded by how
-unevenly the paths' errors fall on the two tokens. Each path rounds its logits once
-(``lm_head`` returns bf16: half an ulp each, so up to 1 ulp between two tokens), and its hidden
-states differ from the one-shot's by other kernels' bf16 rounding in every layer. Measured
-(SmolLM2, bf16, CPU, 20 positions, top-5 tokens, 1-token decode and 4-token verify against
-the one-shot forward): that spread was 0-2 ulps at top logits 10-28, and up to 3-3.5 ulps at
-top logits 4-12, where the top logit's ulp is small against the hidden-state rounding. Hence
-4 ulps. The bf16 ties measured on the CPU (docs/gpu-measurements.md) had gaps 0 and 1 ulp
-(0.125 at logits 19-23); a wrong token is typically tens of ulps below the top.
+unevenly the paths' errors fall on the two tokens, the spread (:func:`logit_spread`). The
+logits are summed and kept in fp32 (model/decoder.py ``head_logits``), so in bf16 the spread
+comes from the hidden states, which differ from the one-shot's by other kernels' bf16 rounding
+in every layer. Measured (SmolLM2, bf16, CPU, 2 documents x 64 positions, top-5 tokens; 1-token
+decode and 2- and 5-token verify against the one-shot forward; ``scripts/logit_spread.py``):
+median 0.7-0.9 ulps, p90 1.7-2.1, max 6.9; hence twice that, 14 ulps (1.75 at logits in
+[16, 32)). The price is the bound's false acceptance: where the runner-up lies within it of
+the top, a bug emitting the runner-up would pass as a tie (:class:`RunCheck`; measured in
+docs/bf16.md).
 Justification of FP32_CUDA_ULPS = 64: on CUDA a 1-token decode and a q-token verify run
 different cuBLAS kernels (GEMV against GEMM, split-K or not), which sum in different orders, so
 their fp32 logits differ by accumulated rounding, far below any real disagreement but enough to
@@ -53,24 +54,35 @@ been equal to ``ar``'s. The CPU logits of a verify and a decode are not bit-iden
 so an fp32 argmax could flip at a near-tie within about 15 ulps (~3e-5): rare enough not to
 have happened in the tests and benchmarks, and a divergence there is a failure to look at.
 
+**A check that keeps comparing.** A first divergence says nothing about the tokens after
+it, which follow a different prefix. :func:`check_run` therefore goes on: after a near-tie at
+``i`` it generates the candidate again from ``prompt + reference[:i + 1]`` (teacher-forced on
+the reference's token), compares that with ``reference[i + 1:]``, and so on to the end, every
+divergence classified (:class:`RunCheck`). A run is correct when every divergence is a
+near-tie. Its figures: near-ties per 1,000 tokens, and the bound's false-acceptance rate, the
+share of positions where the one-shot runner-up lies within the tolerance of the top: the
+chance that a bug emitting the runner-up there would be called a tie.
+
 :func:`classify` is the pure core (logits in, :class:`Divergence` out);
-:func:`check_divergence` finds the first difference and runs the one-shot forward.
+:func:`check_divergence` finds the first difference and runs the one-shot forward;
+:func:`check_run` compares a whole run.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.model.cache import KVCache, kv_heads
+from knapspec_dist.model.precision import rule_ulps
+from knapspec_dist.model.transfer import upload
 from knapspec_dist.model.weights import dtype_name
 
 TIE, BUG = "tie", "BUG"
-ULPS = 4  # bf16 / fp16 tolerance in units of the dtype's spacing at the top logit (module doc)
-FP32_CUDA_ULPS = 64  # fp32 on CUDA: its decode and verify run different cuBLAS kernels
 
 
 @dataclass(frozen=True)
@@ -114,16 +126,6 @@ def spacing(x: float, dtype: torch.dtype) -> float:
     x = abs(float(x))
     tiny = torch.finfo(dtype).tiny
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(x, tiny)))
-
-
-def rule_ulps(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
-    """The near-tie tolerance in ulps of the top logit for a model of ``dtype`` on ``device``
-    (0: exact identity)."""
-    if dtype == torch.float32 and torch.device(device).type == "cuda":
-        return FP32_CUDA_ULPS
-    if dtype in (torch.float32, torch.float64):
-        return 0
-    return ULPS
 
 
 def tolerance(magnitude: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
@@ -182,3 +184,141 @@ def check_divergence(model, prompt: list[int], reference: list[int],
         return classify(torch.empty(0), i, r, c, model.dtype, model.device)
     return classify(one_shot_logits(model, list(prompt) + list(reference[:i])), i, r, c,
                     model.dtype, model.device)
+
+
+BLOCK = 256  # reference tokens per forward of reference_logits (bounds its activations)
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """A candidate's run compared with the reference's at every position (:func:`check_run`)."""
+
+    tokens: int  # reference tokens compared
+    divergences: tuple[Divergence, ...]  # in order; the last one ends the check if a BUG
+    inside_bound: int  # positions whose one-shot runner-up is within the tolerance of the top
+    reruns: int  # candidate generations restarted on the reference's token
+
+    @property
+    def correct(self) -> bool:
+        return all(d.is_tie for d in self.divergences)
+
+    @property
+    def ties(self) -> int:
+        return sum(d.is_tie for d in self.divergences)
+
+    @property
+    def ties_per_1k(self) -> float:
+        return 1000.0 * self.ties / self.tokens if self.tokens else 0.0
+
+    @property
+    def false_acceptance(self) -> float:
+        """The share of positions where a bug emitting the runner-up would pass as a tie."""
+        return self.inside_bound / self.tokens if self.tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "divergences": [d.to_dict() for d in self.divergences],
+                "inside_bound": self.inside_bound, "reruns": self.reruns,
+                "correct": self.correct, "ties": self.ties, "ties_per_1k": self.ties_per_1k,
+                "false_acceptance": self.false_acceptance}
+
+
+@torch.inference_mode()
+def reference_logits(model, prompt: list[int], reference: list[int]) -> torch.Tensor:
+    """The full model's logits [len(reference), V] (fp32, on the CPU) before each reference
+    token: a prefill of the prompt, then the reference in blocks of ``BLOCK`` tokens (one
+    computation, independent of both decode paths)."""
+    return _path_logits(model, prompt, reference, BLOCK)
+
+
+def inside_bound(logits: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> int:
+    """How many rows of ``logits`` [N, V] have their runner-up within the near-tie tolerance
+    of their top logit (0 where the rule is identity)."""
+    if not rule_ulps(dtype, device) or logits.shape[-1] < 2:
+        return 0
+    top2 = logits.topk(2, dim=-1).values
+    return sum(1 for a, b in top2.tolist()
+               if a - b <= tolerance(max(abs(a), abs(b)), dtype, device))
+
+
+def check_run(model, prompt: list[int], reference: list[int], candidate: list[int],
+              rerun: Callable[[list[int], int], list[int]],
+              logits: torch.Tensor | None = None) -> RunCheck:
+    """Compare ``candidate`` with ``reference`` (both generated after ``prompt``) at every
+    position. After a near-tie at ``i``, ``rerun(prompt + reference[:i + 1], n)`` must return
+    the candidate's next ``n`` tokens from there (``n = len(reference) - i - 1``); the check
+    stops at the first BUG. ``logits``: :func:`reference_logits` of this prompt and reference
+    when already computed (shared by the candidates of one reference); otherwise they are
+    computed when needed (a divergence, or a rule other than identity)."""
+    def one_shot() -> torch.Tensor:
+        nonlocal logits
+        if logits is None:
+            logits = reference_logits(model, prompt, reference)
+        return logits
+
+    divergences, start, tail, reruns = [], 0, list(candidate), 0
+    while (j := first_difference(reference[start:], tail)) is not None:
+        i = start + j
+        r = reference[i] if i < len(reference) else None
+        c = tail[j] if j < len(tail) else None
+        z = one_shot()[i] if r is not None and c is not None else torch.empty(0)
+        divergences.append(classify(z, i, r, c, model.dtype, model.device))
+        if not divergences[-1].is_tie or i + 1 >= len(reference):
+            break
+        start = i + 1
+        tail = list(rerun(list(prompt) + list(reference[:start]), len(reference) - start))
+        reruns += 1
+    inside = (inside_bound(one_shot(), model.dtype, model.device)
+              if reference and rule_ulps(model.dtype, model.device) else 0)
+    return RunCheck(len(reference), tuple(divergences), inside, reruns)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How unevenly a decode path's logit errors fall on the top tokens, in ulps of the
+    model's dtype at the top logit: per position ``max_ij |e[i] - e[j]|`` over the one-shot
+    top ``top`` tokens, with ``e`` the path's logits minus the one-shot logits. A divergence
+    between two paths has a one-shot gap of at most the larger of their spreads (module doc),
+    so the bound must cover it."""
+
+    path: str  # "decode" (1-token steps) or "verify q=N"
+    positions: int
+    median: float
+    p90: float
+    max: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def logit_spread(model, prompt: list[int], tokens: list[int], qs: tuple[int, ...] = (5,),
+                 top: int = 5) -> list[Spread]:
+    """The spread (:class:`Spread`) of 1-token decode steps and of q-token verify blocks over
+    ``tokens`` teacher-forced after ``prompt``, against :func:`reference_logits`."""
+    one = reference_logits(model, prompt, tokens)
+    paths = {"decode": _path_logits(model, prompt, tokens, 1)}
+    paths.update({f"verify q={q}": _path_logits(model, prompt, tokens, q) for q in qs})
+    index = one.topk(min(top, one.shape[-1]), dim=-1).indices
+    ulp = torch.tensor([spacing(float(z), model.dtype) for z in one.max(dim=-1).values])
+    out = []
+    for name, z in paths.items():
+        e = (z - one).gather(-1, index)
+        s = ((e.max(dim=-1).values - e.min(dim=-1).values) / ulp).double()
+        out.append(Spread(name, len(tokens), float(s.median()), float(s.quantile(0.9)),
+                          float(s.max())))
+    return out
+
+
+def _path_logits(model, prompt: list[int], tokens: list[int], q: int) -> torch.Tensor:
+    """Logits [len(tokens), V] before each token: a prefill of ``prompt`` gives the first;
+    then forwards of ``q`` tokens each (q = 1: decode steps) give the next ones."""
+    cache = KVCache(model.cfg, 1, len(prompt) + len(tokens), dtype=model.dtype,
+                    device=model.device, kv_heads=kv_heads(model))
+    out = [prefill(model, cache, 0, list(prompt))[None].cpu()]
+    rest, start = list(tokens[:-1]), len(prompt)
+    for i in range(0, len(rest), q):
+        block = rest[i:i + q]
+        out.append(model(upload([block], model.device), [start + i], cache, slice(0, 1))[0].cpu())
+        cache.commit(0, start + i + len(block))
+    return torch.cat(out)[:len(tokens)]

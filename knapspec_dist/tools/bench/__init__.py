@@ -6,11 +6,13 @@
 
 One process, one model; for each context length and each prompt every strategy runs in turn
 (the order rotates from prompt to prompt, so a drifting machine does not favour one strategy).
-Greedy decoding throughout: every strategy must emit exactly ``ar``'s tokens. Each mismatch is
-classified at its first differing token by the full model's logit gap
-(:mod:`knapspec_dist.tools.ties`): a near-tie (bf16 kernels flipping an argmax between two
-nearly equal logits) is reported and recorded; anything else, and any mismatch in fp32, is a BUG
-(reported, recorded in the results, exit status 1). ``ar`` is always run, as the
+Greedy decoding throughout: every strategy must emit exactly ``ar``'s tokens. Every token is
+compared, and each divergence classified by the full model's logit gap
+(:mod:`knapspec_dist.tools.ties`, ``check_run``: after a near-tie the strategy runs again from
+``ar``'s token, untimed, and the comparison goes on): a near-tie (bf16 kernels flipping an
+argmax between two nearly equal logits) is reported and recorded with its margin; anything
+else, and any mismatch in fp32 on a CPU, is a BUG (reported, recorded in the results, exit
+status 1). The report gives near-ties per 1,000 tokens and the bound's false-acceptance rate. ``ar`` is always run, as the
 reference, even when not listed.
 
 Strategy specs (comma-separated in ``--strategies``):

@@ -105,7 +105,8 @@ def findings_markdown(result: dict) -> list[str]:
             f"{_x(f['paper_vs_ar'])} | {_x(f['default_vs_ar'])} | "
             f"{_x(f['paper_over_default'])} | {'yes' if f['all_match_ar'] else '**NO**'} |")
     lines += ["", "| context | strategy | acceptance | tokens per round | decode tok/s "
-              "| decode speedup vs ar | end-to-end speedup vs ar | selections | same tokens as ar |",
+              "| decode speedup vs ar | end-to-end speedup vs ar | selections "
+              "| same tokens as ar |",
               "|---:|---|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["rows"]:
         lines.append(

@@ -24,18 +24,19 @@ from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.config import ModelConfig, load_config
 from knapspec_dist.model.embedded import SmolLM2NotInstalledError, ensure_smollm2
+from knapspec_dist.model.precision import guarantee, rule_ulps
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
-from knapspec_dist.model.weights import load_model
+from knapspec_dist.model.weights import dtype_name, load_model
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions, format_skip
-from knapspec_dist.tools.ties import check_divergence
 from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import build_random
 from knapspec_dist.tools.gpucheck.rows import Rows, error_line
 from knapspec_dist.tools.gpucheck.shapes import skip_sets, tiny
+from knapspec_dist.tools.ties import check_divergence, logit_spread
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,10 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
         out["model"] = subj.name
         runner = ModelRunner(subj.model)  # one cache and set of graphs for every strategy
         config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
+        references: list[tuple[list[int], list[int]]] = []
         for i, prompt in enumerate(prompts(subj, count, prompt_tokens)):
             reference: list[int] = []
+            references.append((prompt, reference))
             for name in STRATEGIES:  # ar first: its first run is the reference
                 def greedy(name=name) -> dict:
                     if not reference:
@@ -170,7 +173,8 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
                     return {"new_tokens": len(r.token_ids),
                             "acceptance": r.stats.acceptance_rate,
                             **compare(subj, prompt, reference, r.token_ids)}
-                base = {"dtype": dtype, "strategy": name, "prompt": i}
+                base = {"dtype": dtype, "strategy": name, "prompt": i,
+                        "guarantee": guarantee(dtype, device)}
                 if name != "ar" and not reference:
                     rows.skip(out["greedy"], base, "skipped: no ar reference (its row failed)")
                     continue
@@ -178,8 +182,29 @@ def run_correctness(device: torch.device, real: RealModel, section: Section, out
                 if row is not None and row["verdict"] != "identical":
                     log.warning("%s %s prompt %d: %s", dtype, name, i, row["detail"])
         if dtype == "bf16":
+            spread(subj, references, out.setdefault("spread", []), rows, section)
             sampling(subj, strategies, prompts(subj, 1, prompt_tokens)[0], new_tokens, runner,
                      out["sampling"], rows, section)
+
+
+def spread(subj: Subject, references: list[tuple[list[int], list[int]]], table: list,
+           rows: Rows, section: Section) -> None:
+    """Per prompt with an ar reference: how far 1-token decode steps and 2- and 5-token verify
+    blocks stray from a one-shot forward over ar's tokens, in ulps of the top logit
+    (tools/ties.py ``logit_spread``), next to the bound, which must be at least twice it
+    (model/precision.py ``BOUND_ULPS``: a table, set from these rows)."""
+    bound = rule_ulps(subj.model.dtype, subj.model.device)
+    for i, (prompt, reference) in enumerate(references):
+        if not reference:
+            continue
+
+        def run(prompt=prompt, reference=reference) -> dict:
+            got = logit_spread(subj.model, prompt, reference, qs=(2, 5))
+            worst = max(s.max for s in got)
+            return {"positions": len(reference), "median": max(s.median for s in got),
+                    "p90": max(s.p90 for s in got), "max": worst, "bound_ulps": bound,
+                    "fits": 2 * worst <= bound}
+        rows.add(table, {"dtype": dtype_name(subj.model.dtype), "prompt": i}, run, section)
 
 
 def sampling(subj: Subject, strategies: dict, prompt: list[int], new_tokens: int,

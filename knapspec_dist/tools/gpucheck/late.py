@@ -5,9 +5,9 @@ prologue's buffers before any replay filled them: an index assert there poisons 
 context, so it goes last of all).
 
 Each is a ``ShapeCheck`` measure (measure.run_shapes builds the model, these take its
-contexts at batch 1). Between the two, ``drafting``: what drafting's early exit costs (one host read-back per
-draft token, against drafts queued without one: the runner's ``early_exit``), and what
-``compute_q_blocks=False`` saves in building each forward's block mask.
+contexts at batch 1). Between the two, ``drafting``: what drafting's early exit costs (one
+host read-back per draft token, against drafts queued without one: the runner's
+``early_exit``), and what ``compute_q_blocks=False`` saves in building each forward's block mask.
 """
 
 from __future__ import annotations

@@ -69,9 +69,13 @@ RUN = [("section", "section"), ("status", "status"), ("wall_s", "wall s"),
        ("rows_ok", "rows ok"), ("rows_failed", "failed"), ("rows_skipped", "skipped"),
        ("cut", "cut for time")]
 
-GREEDY = [("dtype", "dtype"), ("strategy", "strategy"), ("prompt", "prompt"),
+GREEDY = [("dtype", "dtype"), ("guarantee", "what holds"), ("strategy", "strategy"),
+          ("prompt", "prompt"),
           ("new_tokens", "tokens"), ("acceptance", "acceptance"), ("verdict", "vs ar"),
           ("detail", "first divergence"), ("status", "status")]
+SPREAD = [("dtype", "dtype"), ("prompt", "prompt"), ("positions", "positions"),
+          ("median", "median ulps"), ("p90", "p90"), ("max", "max"),
+          ("bound_ulps", "bound ulps"), ("fits", "2 x max <= bound"), ("status", "status")]
 SAMPLING = [("strategy", "strategy"), ("dtype", "dtype"), ("new_tokens", "tokens"),
             ("tokens_per_s", "tok/s"), ("acceptance", "acceptance"), ("in_vocab", "in vocab"),
             ("repeats", "same seed, same tokens"), ("status", "status")]
@@ -86,8 +90,9 @@ def markdown(doc: dict) -> str:
              f"`{meta['command']}` on {meta['date']}, torch {meta['torch']}, "
              f"{'quick (tiny shapes)' if meta['quick'] else 'full'}; {meta['wall_s']:.0f} s of a "
              f"{meta['budget_s']:.0f} s budget ({meta.get('setup_s', 0.0):.0f} s of imports and "
-             f"model conversion before the first section). Bound = (weight bytes + KV bytes read) / "
-             f"{meta['bandwidth_tb_s']} TB/s; shapes in {meta['dtype']} with random weights.", ""]
+             f"model conversion before the first section). "
+             f"Bound = (weight bytes + KV bytes read) / {meta['bandwidth_tb_s']} TB/s; "
+             f"shapes in {meta['dtype']} with random weights.", ""]
     if meta.get("stopped"):
         lines += [f"**Stopped early: {meta['stopped']}.**", ""]
     kernels = doc.get("kernels", [])
@@ -101,6 +106,8 @@ def markdown(doc: dict) -> str:
         lines += [f"## {title}", "", *table(doc[key], columns), ""]
     c = doc["correctness"]
     lines += [f"## Correctness ({c.get('model', '-')})", "", *table(c["greedy"], GREEDY), "",
+              "Logit spread, decode and verify against one forward (the near-tie bound must "
+              "cover twice it):", "", *table(c.get("spread", []), SPREAD), "",
               "Sampling (temperature 0.8, top-p 0.95, seed 0):", "",
               *table(c["sampling"], SAMPLING), ""]
     b = doc["bench"]

@@ -150,6 +150,8 @@ def skip_sets(num_layers: int) -> dict[str, frozenset[int]]:
     inner = range(1, max(2, num_layers - 1))
     a25, a50, m25 = spread(inner, 0.25), spread(inner, 0.5), spread(inner, 0.25)
     second = range(max(1, num_layers // 2), max(2, num_layers - 1))
-    mixed = {2 * l for l in spread(second, 0.5)} | {2 * l + 1 for l in spread(inner, 0.125)}
-    return {"attn25": frozenset(2 * l for l in a25), "attn50": frozenset(2 * l for l in a50),
-            "mlp25": frozenset(2 * l + 1 for l in m25), "mixed": frozenset(mixed)}
+    mixed = ({2 * layer for layer in spread(second, 0.5)}
+             | {2 * layer + 1 for layer in spread(inner, 0.125)})
+    return {"attn25": frozenset(2 * layer for layer in a25),
+            "attn50": frozenset(2 * layer for layer in a50),
+            "mlp25": frozenset(2 * layer + 1 for layer in m25), "mixed": frozenset(mixed)}
