@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from knapspec_dist.cli.main import main
+from knapspec_dist.engine.memory import kv_bytes_per_token_of
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.config import load_config
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
@@ -291,3 +294,28 @@ def test_run_findings_is_callable_without_the_cli(engine_model):
     assert f["all_match_ar"] and 0 < f["attention_share"] + f["mlp_share"] <= 1
     lines = findings_markdown(result)
     assert lines[2].startswith("| 64 |") and "knapspec:paper+once" in "\n".join(lines)
+
+
+def test_throughput_under_a_kv_budget_compares_pages_with_fixed_slots(checkpoint, tmp_path,
+                                                                      capsys):
+    """`knapspec throughput --kv-cache-memory`: a budget of 2 rows at the model's window; the
+    paged run decodes more rows at once, with the fixed run's tokens."""
+    config = load_config(checkpoint)
+    window = row_capacity(config.max_position_embeddings, 0)
+    budget = 2 * window * kv_bytes_per_token_of(config, 1, torch.float32) + 100
+    code = main(["throughput", "--model", str(checkpoint), "--kv-cache-memory", str(budget),
+                 "--lengths", "20-90", "--documents", "6", "--strategies", "ar,static:a1@2",
+                 "--new-tokens", "5", "--page-size", "8", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    runs = {(r["strategy"], r["mode"]): r for r in
+            json.loads((tmp_path / "paged.json").read_text())["runs"]}
+    for strategy in ("ar", "static:a1@2"):
+        fixed, paged = runs[(strategy, "fixed")], runs[(strategy, "paged")]
+        assert fixed["max_num_seqs"] == 2 and fixed["mean_batch"] <= 2
+        assert paged["pool_tokens"] == budget // kv_bytes_per_token_of(config, 1, torch.float32)
+        assert paged["mean_batch"] > 2.5 and paged["identical_rows"] == 6
+        assert paged["tokens"] == fixed["tokens"] == 30
+    assert "| ar | paged | 16 |" in capsys.readouterr().out
+    assert main(["throughput", "--model", str(checkpoint), "--kv-cache-memory", "1KB",
+                 "--out", str(tmp_path)]) != 0
+    assert "1000 bytes holds no row of the model's" in capsys.readouterr().err

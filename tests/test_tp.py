@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from conftest import random_prompt
 from synthetic import drafting_profile
+from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.scheduler import generate
 from models import hf_model, make_checkpoint
 
@@ -80,6 +81,10 @@ def _run_model(model) -> dict:
         out[name + "_stats"] = [r.stats.to_dict() for r in results]
         selector = getattr(strategy, "selector", None)
         out[name + "_divergences"] = getattr(selector, "divergences", 0)
+    # a paged cache under TP: each rank pages its own KV heads alike (no page traffic)
+    paged = generate(_strategies(model)["static"], model, prompts, config,
+                     paging=Paging(tokens=64, page=8))
+    out["static_paged"] = [r.token_ids for r in paged]
     return out
 
 
@@ -155,6 +160,7 @@ def test_tp2_tokens_equal_tp1(tp_runs, name):
         assert all(len(t) == NEW for t in rank0[strategy])
         assert rank0[strategy + "_divergences"] == rank1[strategy + "_divergences"] == 0
     assert rank0["static"] == rank0["ar"], "static self-speculation is not lossless"
+    assert rank0["static_paged"] == rank1["static_paged"] == rank0["ar"], "paged under TP"
     # The self-speculative paths really ran under TP: drafts were verified, selections made.
     assert sum(s["drafted"] for s in rank0["static_stats"]) > 0
     # selections ran (a later run may spare every due DP on an earlier run's frontier: the

@@ -26,8 +26,12 @@ from knapspec_dist.cli.common import (
     parse_ints,
 )
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.memory import parse_size
+from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.tools.bench.paged import compare, documents, window_rows
+from knapspec_dist.tools.bench.paged import table as paged_table
 from knapspec_dist.tools.bench.plots import plot_throughput
 from knapspec_dist.tools.bench.prompts import resolve_tokenizer
 from knapspec_dist.tools.bench.report import command_line, machine
@@ -49,6 +53,12 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each configuration, interleaved; the median is reported")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="compare paged KV with fixed slots under this K/V budget (2GiB, 500MB); "
+                        "the documents then come from --lengths")
+    p.add_argument("--lengths", default="200-3000", help="with --kv-cache-memory: LO-HI tokens")
+    p.add_argument("--page-size", type=int, default=CPU_PAGE,
+                   help="with --kv-cache-memory: positions per page")
     p.set_defaults(func=functools.partial(cmd_throughput, parser=p))
 
 
@@ -64,9 +74,11 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
+    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    if args.kv_cache_memory is not None:
+        return cmd_paged(args, parser, model, tokenizer, specs, config)
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
                     args.new_tokens)
-    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=False)
     runs = measure(model, lambda label: build_strategy(specs[label].options, model), list(specs),
                    work, batches, config, args.repeats)
     header = {"command": command_line(args, parser), "machine": machine(args.device),
@@ -75,6 +87,37 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
               "device": args.device, "new_tokens": args.new_tokens,
               "documents": {n: [rid for rid, _ in rows] for n, rows in work.items()}}
     return write_results(out, header, runs)
+
+
+def cmd_paged(args, parser, model, tokenizer, specs, config) -> int:
+    """Paged KV against fixed slots under ``--kv-cache-memory`` (tools/bench/paged.py)."""
+    lo, _, hi = args.lengths.partition("-")
+    lo, hi = parse_ints(f"{lo},{hi}", "--lengths")
+    if lo > hi or args.page_size < 1:
+        raise UserError(f"--lengths {args.lengths}: expected LO-HI; --page-size >= 1")
+    budget = parse_size(args.kv_cache_memory)
+    window_rows(model, budget)  # a budget too small for one row, before any document is made
+    rows = documents(tokenizer, lo, hi, args.documents, model.cfg.max_position_embeddings,
+                     args.new_tokens)
+    entries = compare(model, lambda label: build_strategy(specs[label].options, model),
+                      list(specs), rows, config, budget,
+                      args.page_size, args.repeats)
+    out = Path(args.out)
+    header = {"command": command_line(args, parser), "machine": machine(args.device),
+              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "model": str(args.model), "dtype": args.dtype,
+              "new_tokens": args.new_tokens, "documents": [rid for rid, _ in rows]}
+    (out / "paged.json").write_text(json.dumps({**header, "runs": entries}, indent=1))
+    lines = paged_table(entries)
+    (out / "paged.md").write_text(f"# knapspec throughput, paged against fixed "
+                                  f"({header['date']})\n\n`{header['command']}`\n\n"
+                                  f"{header['machine']}, torch {header['torch']}\n\n"
+                                  + "\n".join(lines) + "\n")
+    emit("\n".join(lines))
+    if any(e["identical_rows"] != e["rows"] for e in entries):
+        emit("error: paged rows differ from fixed slots", error=True)
+        return 1
+    return 0
 
 
 def write_results(out: Path, header: dict, runs: list[dict]) -> int:

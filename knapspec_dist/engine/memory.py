@@ -21,6 +21,8 @@ from __future__ import annotations
 import psutil
 import torch
 
+from knapspec_dist.errors import UserError
+
 GPU_CAP, CPU_CAP = 256, 16
 HEADROOM = 0.9  # activations, logits and the allocator's slack
 
@@ -66,3 +68,21 @@ def max_num_seqs_for(model, capacity: int) -> int:
 def fitting_max_num_seqs(model, capacity: int) -> int:
     """The most rows a loaded model's free memory holds (the rule without the cap; >= 1)."""
     return max(1, rows_that_fit(free_bytes(model.device), kv_bytes_per_token(model), capacity))
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size a user wrote: ``2GiB``, ``1.5GB``, ``300000000``."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise UserError(f"expected a size such as 2GiB or 500MB, got {text!r}")
+    return int(value * _UNITS[unit])

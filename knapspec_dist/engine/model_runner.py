@@ -37,7 +37,9 @@ import torch
 
 from knapspec_dist.engine.buckets import padded_forward
 from knapspec_dist.model.attention import default_backend
+from knapspec_dist.engine.pages import Paging
 from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.model.step import make_step
 from knapspec_dist.model.transfer import upload
@@ -113,18 +115,34 @@ class ModelRunner:
         self.draft_graphs = "plan"  # or "pieces": see the module docstring
         self._piece_sets: dict[tuple, tuple] = {}
 
-    def new_cache(self, batch: int, capacity: int, kv_heads: int) -> KVCache:
+    def new_cache(self, batch: int, capacity: int, kv_heads: int,
+                  paging: Paging | None = None) -> KVCache | PagedKVCache:
         """A cache of at least ``capacity`` positions and ``batch`` rows, every row empty; the
-        same one as last time when it fits (graphs captured on it stay valid)."""
+        same one as last time when it fits (graphs captured on it stay valid). ``paging``: a
+        paged cache of that pool, rows of up to ``capacity`` positions; None: fixed slots."""
         c = self.cache
-        if c is None or c.batch < batch or c.capacity < capacity or c.k[0].shape[1] != kv_heads:
-            size = -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
-            self.cache = c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
-                                     device=self.model.device, kv_heads=kv_heads)
+        size = -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
+        if paging is not None:
+            fits = (isinstance(c, PagedKVCache) and c.batch >= batch and c.capacity >= capacity
+                    and c.kv_heads == kv_heads and (c.n_pages, c.page) == (paging.n_pages,
+                                                                            paging.page))
+            if not fits:
+                c = PagedKVCache(self.model.cfg, batch, size, paging.n_pages, paging.page,
+                                 dtype=self.model.dtype, device=self.model.device,
+                                 kv_heads=kv_heads)
+        elif (not isinstance(c, KVCache) or c.batch < batch or c.capacity < capacity
+              or c.k[0].shape[1] != kv_heads):
+            c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
+                        device=self.model.device, kv_heads=kv_heads)
+        if c is not self.cache:
+            self.cache = c
             self._graphs.clear()
             self._piece_sets.clear()
         for row in range(c.batch):
-            c.commit(row, 0)
+            if isinstance(c, PagedKVCache):
+                c.release(row)
+            else:
+                c.commit(row, 0)
         return c
 
     def __call__(self, tokens: torch.Tensor, starts: Sequence[int], cache: KVCache,

@@ -2,7 +2,8 @@
 makes room for the next at once.
 
 Each ``step``: admit waiting rows into free slots and prefill them, one at a time at the slot
-after the decoding rows, up to ``prefill_chunk`` prompt tokens per step (a long prompt is cut
+after the decoding rows (with a paged cache, a row also waits until the free pages cover all it
+can need, engine/pages.py; first come, first served, so the order is the same every run), up to ``prefill_chunk`` prompt tokens per step (a long prompt is cut
 into chunks across steps, so it never stalls the decoding rows for its whole prefill; short
 ones are admitted several per step); then one round of the strategy over every decoding row;
 then retire the rows that finished. The chunks are the same whether or not other rows decode,
@@ -32,6 +33,7 @@ from knapspec_dist.engine.generation import (
 )
 from knapspec_dist.engine.memory import max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
+from knapspec_dist.engine.pages import PagePool, Paging
 from knapspec_dist.engine.sampling import choose, prompt_keys, row_seed
 from knapspec_dist.engine.sequence import Batch, Row, row_capacity
 from knapspec_dist.engine.strategy import Strategy
@@ -98,17 +100,21 @@ class Work:
 class Scheduler:
     def __init__(self, strategy: Strategy, model: Transformer, config: GenerationConfig,
                  max_num_seqs: int, capacity: int, prefill_chunk: int = PREFILL_CHUNK, *,
-                 runner: ModelRunner | None = None, clock: Clock | None = None):
+                 runner: ModelRunner | None = None, clock: Clock | None = None,
+                 paging: Paging | None = None):
         """``capacity``: cache positions per row (see ``row_capacity``); rows needing more
         are refused one by one. ``runner``: the model's runner, with its cache and graphs,
         when one is kept across schedulers (graphs stay captured); else a new one.
-        ``clock``: what times the rounds (a test's simulated one); else the device's."""
+        ``clock``: what times the rounds (a test's simulated one); else the device's.
+        ``paging``: a paged cache of that pool, rows admitted as its free pages cover them
+        (``capacity`` then bounds one row); None: ``max_num_seqs`` fixed slots."""
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.strategy, self.model, self.config = strategy, model, config
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, max(1, prefill_chunk)
         self.runner = runner if runner is not None else ModelRunner(model)
-        self.batch = Batch(self.runner.new_cache(max_num_seqs, capacity, kv_heads(model)))
+        cache = self.runner.new_cache(max_num_seqs, capacity, kv_heads(model), paging)
+        self.batch = Batch(cache, pool=PagePool(cache) if paging is not None else None)
         self.capacity = self.batch.cache.capacity
         self.waiting: deque[Row] = deque()
         self.timer = clock if clock is not None else Clock(model.device)
@@ -130,6 +136,10 @@ class Scheduler:
         if need > self.capacity:
             raise UserError(f"prompt of {len(prompt)} tokens with {limit} new tokens needs "
                             f"{need} cache positions; this engine holds {self.capacity} per row")
+        pool = self.batch.pool
+        if pool is not None and pool.pages_for(need) > pool.total:
+            raise UserError(f"prompt of {len(prompt)} tokens with {limit} new tokens needs "
+                            f"{need} cache positions; the KV pool holds {pool.tokens}")
         seed = row_seed(self.config.sampling.seed, rid if key is None else key)
         self.waiting.append(Row(rid, list(prompt), limit, seed))
 
@@ -150,13 +160,20 @@ class Scheduler:
         finished: list[Row] = []
         budget = self.prefill_chunk  # prompt tokens this step, while rows are decoding
         while True:
-            if b.prefilling is None and self.waiting and b.size < self.max_num_seqs:
+            if b.prefilling is None and self.waiting and b.size < self.max_num_seqs \
+                    and self._fits(self.waiting[0]):
                 row = b.prefilling = self.waiting.popleft()
+                if b.pool is not None:
+                    b.pool.admit(b.size, row_capacity(len(row.prompt), row.limit))
                 row.admitted_s = timer.now()
                 row.stats.admitted_at = time.time()
                 if self._first is None:
                     self._first = row.admitted_s
             if b.prefilling is None or budget <= 0:
+                if self.waiting and not b.rows and b.prefilling is None:
+                    # add() refuses a row bigger than the empty pool: pages were lost
+                    raise RuntimeError(f"{len(b.pool.free)} of {b.pool.total} pages free with "
+                                       "no row holding any")
                 break
             left = len(b.prefilling.prompt) - b.prefilling.prefilled
             n = min(left, budget)
@@ -200,6 +217,12 @@ class Scheduler:
             self.strategy.retired(row.rid)
         return finished
 
+    def _fits(self, row: Row) -> bool:
+        """Whether the free pages cover the row's reservation (always, with fixed slots):
+        the head of the queue waits for them, rows behind it do not go first."""
+        pool = self.batch.pool
+        return pool is None or pool.fits(row_capacity(len(row.prompt), row.limit))
+
     def _prefill_chunk(self, n: int) -> Row | None:
         """``n`` more prompt tokens of the prefilling row; when its prompt is in, its first
         token is chosen and it joins the decoding rows (or is returned finished, having left
@@ -223,7 +246,7 @@ class Scheduler:
                 self.strategy.admitted(row.rid)
             else:
                 b.prefilling = None
-                b.cache.commit(slot, 0)
+                b.free(slot)
             joined = row
         elapsed = timer.now() - start
         row.stats.prefill_s += elapsed
@@ -246,12 +269,12 @@ def result(row: Row) -> GenerationResult:
 
 def generate(strategy: Strategy, model: Transformer, prompts: list[list[int]],
              config: GenerationConfig, *, max_num_seqs: int | None = None,
-             runner: ModelRunner | None = None,
-             clock: Clock | None = None) -> list[GenerationResult]:
+             runner: ModelRunner | None = None, clock: Clock | None = None,
+             paging: Paging | None = None) -> list[GenerationResult]:
     """Generate for every prompt with ``strategy``, ``max_num_seqs`` rows at a time (None:
     all of them, as far as memory holds them: engine/memory.py); results in input order."""
     capacity = max((row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts),
                    default=1)
     rows = max_num_seqs or min(max(1, len(prompts)), max_num_seqs_for(model, capacity))
     return Scheduler(strategy, model, config, rows, capacity, runner=runner,
-                     clock=clock).run(prompts)
+                     clock=clock, paging=paging).run(prompts)

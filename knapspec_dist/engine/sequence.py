@@ -2,9 +2,9 @@
 
 Decoding rows occupy cache rows ``0 .. B-1`` in order, so a round is one forward over the
 slice ``0:B`` (no gather, no padding). A row being prefilled sits at slot B until its prompt is
-in, then joins. A finished row leaves by moving the last decoding row into its slot (K/V up
-to that row's length, once per finished row: cheap next to decoding it); a row being
-prefilled then moves down too. Lengths live on the host (``cache.lengths``): the decode loop
+in, then joins. A finished row leaves by moving the last decoding row into its slot (fixed
+slots: K/V up to that row's length, once per finished row; paged: its block-table row); a row
+being prefilled then moves down too. Lengths live on the host (``cache.lengths``): the decode loop
 knows them from the one read-back per round, and uploads them with the pending tokens, seeds
 and output indices in one copy per round (``Batch.inputs``); every forward's positions are
 made from that on the device.
@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from knapspec_dist.engine.generation import GenerationStats
+from knapspec_dist.engine.pages import PagePool
 from knapspec_dist.model.cache import KVCache
+from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.transfer import upload
 
 MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
@@ -58,10 +60,11 @@ class RoundInputs:
 
 @dataclass
 class Batch:
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     rows: list[Row] = field(default_factory=list)  # decoding, in cache-row order
     prefilling: Row | None = None  # at slot len(rows)
     progress: float = 0.0  # tokens emitted per decoding row, summed over rounds
+    pool: PagePool | None = None  # a paged cache's pages; None: fixed slots
 
     @property
     def size(self) -> int:
@@ -82,22 +85,24 @@ class Batch:
         self.rows.append(self.prefilling)
         self.prefilling = None
 
+    def free(self, slot: int) -> None:
+        """A row left ``slot``: its length back to 0 and, paged, its pages back to the pool."""
+        if self.pool is not None:
+            self.pool.release(slot)
+        else:
+            self.cache.commit(slot, 0)
+
     def retire(self, finished: list[Row]) -> None:
         """Drop finished rows, keeping the others packed at slots 0..B-1."""
         for row in finished:
             i = self.rows.index(row)
             last = len(self.rows) - 1
+            self.free(i)
             if i != last:
-                self._move(last, i)
+                self.cache.move_row(last, i)
                 self.rows[i] = self.rows[last]
             self.rows.pop()
             if self.prefilling is not None:
-                self._move(last + 1, last)
+                self.cache.move_row(last + 1, last)
             self.cache.commit(last + (self.prefilling is not None), 0)
 
-    def _move(self, src: int, dst: int) -> None:
-        c = self.cache
-        n = c.lengths[src]
-        for t in c.k + c.v:
-            t[dst, :, :n] = t[src, :, :n]
-        c.commit(dst, n)

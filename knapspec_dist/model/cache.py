@@ -1,4 +1,4 @@
-"""Preallocated KV cache with O(1) rollback.
+"""Preallocated KV caches with O(1) rollback: fixed slots (``KVCache``) or pages (``PagedKVCache``).
 
 One K and one V tensor per layer, ``[B, kv_heads, capacity, head_dim]``, allocated once. A
 sequence's valid length is a number (``lengths[b]``), so rejecting a draft only moves that
@@ -47,6 +47,22 @@ class KVCache:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"length {length} outside cache capacity {self.capacity}")
         self.lengths[row] = length
+
+    def locate(self, rows: slice, positions: torch.Tensor, kv_len: int):
+        """Physical indices of a forward's writes and reads: none for fixed slots (a row's
+        positions are its indices)."""
+        return None, None
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` takes row ``src``'s keys, values and length (a retire's move)."""
+        n = self.lengths[src]
+        for t in self.k + self.v:
+            t[dst, :, :n] = t[src, :, :n]
+        self.commit(dst, n)
+
+    def row_kv(self, layer: int, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` keys and values of one row, [1, KV, n, hd] each."""
+        return self.k[layer][row:row + 1, :, :n], self.v[layer][row:row + 1, :, :n]
 
 
 def kv_heads(model) -> int:

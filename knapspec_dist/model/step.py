@@ -38,6 +38,8 @@ class Step:
     causal: bool = False  # a fresh prefill of equal-length rows: plain causal attention
     backend: str = "sdpa"
     block_mask: object | None = None  # flex: built once per forward, shared by all layers
+    slots: torch.Tensor | None = None  # paged cache: physical positions of the new tokens
+    gather: torch.Tensor | None = None  # paged cache: physical positions of the keys read
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -147,9 +149,12 @@ def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     cos = (emb.cos() * model.rope_scale).to(model.dtype)
     sin = (emb.sin() * model.rope_scale).to(model.dtype)
+    slots, gather = cache.locate(rows, positions, kv_len)
+    if slots is not None and backend == "flex":
+        raise ValueError("a paged KV cache runs on the sdpa backend only")
     block_mask = None
     if backend == "flex" and not causal:
         block_mask = length_block_mask(starts_dev, t, kv_len)
     return Step(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
-                block_mask)
+                block_mask, slots, gather)
 

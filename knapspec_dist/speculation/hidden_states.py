@@ -88,8 +88,7 @@ class HiddenStateEvaluator:
         else:
             # All N states share the prefix: one attention per KV head with N folded into rows.
             rows = q.transpose(0, 1).reshape(1, kv, n * g * m, hd)
-            out_p, lse = prefix_attention(rows, self.cache.k[layer][slot:slot + 1, :, :prefix],
-                                          self.cache.v[layer][slot:slot + 1, :, :prefix], scale)
+            out_p, lse = prefix_attention(rows, *self.cache.row_kv(layer, slot, prefix), scale)
             out_p = out_p.reshape(kv, n, g * m, hd).transpose(0, 1)
             lse = lse.reshape(kv, n, g * m, 1).transpose(0, 1)
             top = torch.maximum(own.amax(dim=-1, keepdim=True), lse)

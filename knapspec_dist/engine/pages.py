@@ -1,0 +1,73 @@
+"""The block manager of a paged KV cache: which pages each row holds.
+
+A row is given every page it can need when it is admitted (its prompt, its new tokens and the
+draft lookahead: ``row_capacity``) and gives them all back when it ends, so the decode loop
+never allocates, never runs out and never preempts, and a rejected draft keeps its pages. Pages
+are handed out first freed, first reused, so the same admissions give the same pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
+
+CPU_PAGE = 16  # positions per page on a CPU: the gather indexes positions, so the page size
+# changes only the block table's width and the waste, at most page - 1 positions a row
+
+
+@dataclass(frozen=True)
+class Paging:
+    """A paged cache's size: a pool of ``tokens`` positions in pages of ``page``."""
+
+    tokens: int
+    page: int = CPU_PAGE
+
+    @property
+    def n_pages(self) -> int:
+        """Pages of the pool, the scratch page included."""
+        return -(-self.tokens // self.page) + 1
+
+
+class PagePool:
+    """The free pages of one paged cache (every row empty when it starts), and the rows'."""
+
+    def __init__(self, cache: PagedKVCache):
+        if any(cache.pages):
+            raise ValueError("a page pool starts on a cache whose rows are all empty")
+        self.cache = cache
+        self.free: deque[int] = deque(p for p in range(cache.n_pages) if p != SCRATCH)
+        self.total = len(self.free)
+
+    @property
+    def page(self) -> int:
+        return self.cache.page
+
+    @property
+    def tokens(self) -> int:
+        """Positions the pool holds, the scratch page aside."""
+        return self.total * self.page
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether the free pages cover a row of ``tokens`` positions now."""
+        return self.pages_for(tokens) <= len(self.free)
+
+    def admit(self, row: int, tokens: int) -> None:
+        """Reserve ``tokens`` positions for an empty cache row."""
+        n = self.pages_for(tokens)
+        if n > len(self.free):
+            raise ValueError(f"{n} pages asked, {len(self.free)} free")
+        self.cache.assign(row, [self.free.popleft() for _ in range(n)])
+
+    def release(self, row: int) -> None:
+        """A row ended: its pages are free again and its cache row empty."""
+        self.free.extend(self.cache.release(row))
+
+    @property
+    def reserved(self) -> int:
+        """Pages the rows hold."""
+        return sum(len(p) for p in self.cache.pages)
