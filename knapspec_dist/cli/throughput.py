@@ -14,23 +14,25 @@ import argparse
 import datetime
 import functools
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from knapspec_dist.cli.common import (
+    add_draw_args,
     add_model_args,
     emit,
     existing_model_path,
+    generation_config,
     load_model_args,
     parse_ints,
 )
-from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.tools.bench.plots import plot_throughput
 from knapspec_dist.tools.bench.prompts import resolve_tokenizer
-from knapspec_dist.tools.bench.report import command_line, machine
+from knapspec_dist.tools.bench.report import command_line, machine, sampling_line
 from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.tools.bench.throughput import measure, table, workload
 
@@ -47,6 +49,7 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each configuration, interleaved; the median is reported")
+    add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_throughput, parser=p))
 
@@ -65,13 +68,14 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         raise UserError("--repeats must be >= 1")
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
                     args.new_tokens)
-    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    config = generation_config(args, args.new_tokens, stop_at_eos=False)
     runs = measure(model, lambda label: build_strategy(specs[label].options, model), list(specs),
                    work, batches, config, args.repeats)
     header = {"command": command_line(args, parser), "machine": machine(args.device),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
               "device": args.device, "new_tokens": args.new_tokens,
+              "sampling": asdict(config.sampling),
               "documents": {n: [rid for rid, _ in rows] for n, rows in work.items()}}
     return write_results(out, header, runs)
 
@@ -83,7 +87,8 @@ def write_results(out: Path, header: dict, runs: list[dict]) -> int:
     lines = table(runs)
     (out / "throughput.md").write_text(
         f"# knapspec throughput ({header['date']})\n\n`{header['command']}`\n\n"
-        f"{header['machine']}, torch {header['torch']}\n\n" + "\n".join(lines) + "\n")
+        f"{header['machine']}, torch {header['torch']}, {sampling_line(header['sampling'])}"
+        "\n\n" + "\n".join(lines) + "\n")
     plot_throughput(out / "throughput.png", runs)
     emit("\n".join(lines))
     bugs = [d for r in runs for d in r["divergences"] if d["verdict"] != "tie"]

@@ -11,7 +11,7 @@ from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.tools.ties import check_divergence
+from knapspec_dist.tools.ties import check_divergence, first_difference
 from knapspec_dist.tools.bench.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -48,26 +48,34 @@ def compare_strategies(model: Transformer, strategies: dict[str, Strategy],
                              s.acceptance_rate)
                 for label in labels:
                     runs.append(_checked(model, n, prompt, label, rep, results[label],
-                                         results["ar"].token_ids, mismatches))
+                                         results["ar"].token_ids, mismatches,
+                                         label == "ar" or config.sampling.identical_to_plain))
         save(runs)
     return runs, mismatches
 
 
 def _checked(model: Transformer, n: int, prompt: Prompt, label: str, rep: int, r,
-             reference: list[int], mismatches: list[str]) -> dict:
+             reference: list[int], mismatches: list[str], compared: bool = True) -> dict:
     """A run's record, its first difference from ``ar``'s ``reference`` classified (a
-    message in ``mismatches``: near-tie or BUG)."""
+    message in ``mismatches``: near-tie or BUG). Not ``compared`` (rejection sampling, whose
+    tokens are plain sampling's in distribution only): ``matches_ar`` is None."""
+    if not compared:
+        return {**_record(n, prompt, label, rep, r), "matches_ar": None,
+                "first_mismatch": first_difference(reference, r.token_ids), "divergence": None}
     div = check_divergence(model, prompt.ids, reference, r.token_ids)
     if div is not None:
         mismatches.append(f"{label} differs from ar at context {n}, prompt {prompt.id}, "
                           f"{div.describe()}")
         (log.warning if div.is_tie else log.error)(mismatches[-1])
-    return {"strategy": label, "context": n, "prompt": prompt.id, "repeat": rep,
-            "prompt_tokens": len(prompt.ids), "matches_ar": div is None,
+    return {**_record(n, prompt, label, rep, r), "matches_ar": div is None,
             "first_mismatch": None if div is None else div.position,
-            "divergence": None if div is None else div.to_dict(),
-            "finish_reason": r.finish_reason, "token_ids": r.token_ids,
-            "stats": r.stats.to_dict()}
+            "divergence": None if div is None else div.to_dict()}
+
+
+def _record(n: int, prompt: Prompt, label: str, rep: int, r) -> dict:
+    return {"strategy": label, "context": n, "prompt": prompt.id, "repeat": rep,
+            "prompt_tokens": len(prompt.ids), "finish_reason": r.finish_reason,
+            "token_ids": r.token_ids, "stats": r.stats.to_dict()}
 
 
 def bugs(runs: list[dict]) -> list[dict]:
