@@ -16,6 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
+from knapspec_dist.cli.job import config_from_args
+from knapspec_dist.cli.main import parser
 from knapspec_dist.engine import rejection
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.rejection import ACCEPT, RESIDUAL, accept_rejection
@@ -158,6 +160,24 @@ def test_greedy_is_unaffected():
 def test_an_unknown_method_is_a_user_error():
     with pytest.raises(UserError, match="sampling must be one of"):
         SamplingConfig(temperature=1.0, method="typical")
+
+
+def test_the_option_reaches_every_command_and_the_job_fingerprint():
+    """``--sampling`` of generate, bench, throughput and job lands in the SamplingConfig; a
+    job's fingerprint names it only when it is not the default (earlier outputs resume)."""
+    common = ["--temperature", "0.7", "--sampling", "rejection"]
+    p = parser()
+    for argv in (["generate", "--prompt", "x"], ["bench", "--out", "o"],
+                 ["throughput", "--out", "o"]):
+        assert p.parse_args(argv + common).sampling == "rejection"
+        assert p.parse_args(argv).sampling == "coupled"
+    job = p.parse_args(["job", "--input", "i", "--output", "o"] + common)
+    c = config_from_args(job)
+    assert c.generation_config().sampling.method == "rejection"
+    assert c.fingerprint()["sampling"] == "rejection"
+    plain = config_from_args(p.parse_args(["job", "--input", "i", "--output", "o"]))
+    assert plain.generation_config().sampling.method == "coupled"
+    assert "sampling" not in plain.fingerprint()
 
 
 # --------------------------------------------------------------------------- end to end
