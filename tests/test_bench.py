@@ -253,6 +253,25 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
     assert "| 96 | ar | 3 | 2 |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("method", ["coupled", "rejection"])
+def test_a_sampled_bench_says_how_it_sampled(checkpoint, tmp_path, capsys, method):
+    """Sampled: results.json and .md name the sampling; coupled runs are checked against ar
+    (and match it), rejection runs are marked not compared, and neither is a failure."""
+    assert bench(checkpoint, tmp_path, "--temperature", "0.8", "--top-p", "0.9",
+                 "--sampling", method) == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["sampling"]["method"] == method and doc["sampling"]["seed"] == 0
+    static = [r for r in doc["runs"] if r["strategy"] == "static:a1@2"]
+    assert sum(r["stats"]["drafted"] for r in static) > 0
+    md = (tmp_path / "results.md").read_text()
+    assert f"T 0.8, top-p 0.9, seed 0, {method}" in md and "tokens/round" in md
+    if method == "coupled":
+        assert all(r["matches_ar"] for r in doc["runs"]) and "not compared" not in md
+    else:
+        assert all(r["matches_ar"] is None for r in static) and "| not compared |" in md
+        assert doc["bugs"] == 0 and doc["mismatches"] == []
+
+
 def test_findings_preset_writes_the_four_findings(checkpoint, tmp_path, capsys):
     """``--preset findings``: knapspec:paper and its ablations beside ar and knapspec, every
     run token-identical to ar, the findings table and its plot (tiny sizes here)."""

@@ -65,8 +65,9 @@ def count_rounds(strategy, monkeypatch) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, seed=5)],
-                         ids=["greedy", "sampling"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, seed=5),
+                                      SamplingConfig(temperature=0.8, seed=5, method="rejection")],
+                         ids=["greedy", "sampling", "rejection"])
 @pytest.mark.parametrize("name,early_exit", [("ar", True), ("static", False), ("static", True)])
 def test_a_round_uploads_once_and_reads_back_once(engine_model, monkeypatch, name, early_exit,
                                                    graphs, sampling):

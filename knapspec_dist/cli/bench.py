@@ -11,15 +11,17 @@ import datetime
 import functools
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from knapspec_dist.cli.common import (
+    add_draw_args,
     add_model_args,
     emit,
     existing_model_path,
+    generation_config,
     load_model_args,
     parse_ints,
 )
@@ -39,6 +41,7 @@ from knapspec_dist.tools.bench.prompts import Prompt, build_prompts, resolve_tok
 from knapspec_dist.tools.bench.report import (
     command_line,
     machine,
+    sampling_line,
     summarize,
     write_markdown,
 )
@@ -71,6 +74,7 @@ def register(sub) -> None:
     p.add_argument("--interval", type=int, default=64, help="tokens between re-selections")
     p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
     p.add_argument("--stop-at-eos", action="store_true", help="stop a run at EOS")
+    add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--preset", default=None, choices=["findings"],
                    help="findings: the paper's four findings, knapspec:paper against its "
@@ -113,11 +117,11 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out.mkdir(parents=True, exist_ok=True)
     setup = prepare(args, contexts, specs)
     runner = ModelRunner(setup.model)  # one cache and set of graphs for every strategy
-    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=args.stop_at_eos)
-    header = results_header(args, parser, setup, contexts)
+    config = generation_config(args, args.new_tokens, args.stop_at_eos)
+    header = results_header(args, parser, setup, contexts, config)
     log.info("bench: %s", header["command"])
     if not args.no_warmup:
-        warm_up(setup, runner, min(4, args.new_tokens), contexts[0])
+        warm_up(setup, runner, config, min(4, args.new_tokens), contexts[0])
 
     def save(runs: list[dict], mismatches: list[str] | None = None) -> None:
         write_results(out, header, runs, mismatches)
@@ -138,7 +142,8 @@ def write_findings(out: Path, header: dict, runs: list[dict], mismatches: list[s
               "findings": findings.findings(rows, num_layers)}
     lines = ["# The paper's findings, measured", "", f"- command: `{header['command']}`",
              f"- date: {header['date']}; {header['new_tokens']} new tokens, "
-             f"{header['prompts']} document(s) per context, greedy", "",
+             f"{header['prompts']} document(s) per context, {sampling_line(header['sampling'])}",
+             "",
              (findings.__doc__ or "").split("\n\n")[1].strip(), "",
              *findings.findings_markdown(result)]
     (out / "findings.md").write_text("\n".join(lines))
@@ -165,22 +170,24 @@ def prepare(args: argparse.Namespace, contexts: list[int], specs: list[NamedStra
 
 
 def results_header(args: argparse.Namespace, parser: argparse.ArgumentParser, setup: Setup,
-                   contexts: list[int]) -> dict:
-    """What results.json says about the run besides its runs."""
+                   contexts: list[int], config: GenerationConfig) -> dict:
+    """What results.json says about the run besides its runs (``sampling``: how tokens were
+    drawn and sampled drafts verified)."""
     return {"command": command_line(args, parser), "machine": machine(args.device),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": torch.__version__, "model": str(setup.path), "dtype": args.dtype,
             "device": args.device, "new_tokens": args.new_tokens, "prompts": args.prompts,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "sampling": asdict(config.sampling),
             "contexts": contexts, "profile": setup.profile_name,
             "strategies": {s.label: {**vars(s.options), "profile": setup.profile_name}
                            for s in setup.specs}}
 
 
-def warm_up(setup: Setup, runner: ModelRunner, new_tokens: int, context: int) -> None:
+def warm_up(setup: Setup, runner: ModelRunner, config: GenerationConfig, new_tokens: int,
+            context: int) -> None:
     """A few tokens of every strategy on the first prompt's start (graphs, caches, first
     selection), so the measured runs pay none of it."""
-    warm = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
+    warm = replace(config, max_new_tokens=new_tokens, stop_at_eos=False)
     first = setup.prompts[context][0].ids
     for strategy in setup.strategies.values():
         generate(strategy, setup.model, [first[:64]], warm, runner=runner)

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.sampling import METHODS
 from knapspec_dist.errors import Stopped, UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
@@ -84,10 +85,20 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
+    add_draw_args(p)
+
+
+def add_draw_args(p: argparse.ArgumentParser, seed: int | None = None) -> None:
+    """How tokens are drawn: greedy by default; the bench and throughput commands, which
+    generate a set number of tokens, take these without ``--max-new-tokens``."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--sampling", default="coupled", choices=list(METHODS),
+                   help="how sampled drafts are verified: coupled (the tokens of plain "
+                        "sampling, whatever the batch) or rejection (plain sampling's "
+                        "distribution, accepting more drafts; docs/sampling.md)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -123,10 +134,14 @@ def strategy_options(args: argparse.Namespace) -> StrategyOptions:
                    select_once=named.select_once or args.select_once)
 
 
-def generation_config(args: argparse.Namespace) -> GenerationConfig:
-    """:func:`add_sampling_args`' arguments, through the one builder."""
-    return GenerationConfig.of(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+def generation_config(args: argparse.Namespace, max_new_tokens: int | None = None,
+                      stop_at_eos: bool = True) -> GenerationConfig:
+    """:func:`add_sampling_args`' (or :func:`add_draw_args`' and ``max_new_tokens``)
+    arguments, through the one builder."""
+    return GenerationConfig.of(
+        max_new_tokens=args.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        stop_at_eos=stop_at_eos, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, sampling=args.sampling)
 
 
 def parse_ints(text: str, what: str) -> list[int]:

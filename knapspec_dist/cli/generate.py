@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [encode(loaded.tokenizer, text, args.chat) for text in texts]
         results = generate_texts(loaded, prompts, options, config, args.max_num_seqs)
     for result in results:
-        print_result(result, options.name, args.json)
+        print_result(result, options.name, args.json, config.sampling.label)
     return 0
 
 
@@ -88,14 +88,17 @@ def generate_on_engine(args: argparse.Namespace, texts: list[str], options: Stra
         return engine.generate(texts, config, chat=args.chat)
 
 
-def print_result(result: GenerationResult, strategy: str, as_json: bool) -> None:
-    """One result: a JSON line, or the text on stdout and its rates on stderr."""
+def print_result(result: GenerationResult, strategy: str, as_json: bool,
+                 sampling: str = "greedy") -> None:
+    """One result: a JSON line, or the text on stdout and its rates on stderr; ``sampling``:
+    how its tokens were drawn (``SamplingConfig.label``)."""
     s = result.stats
     if as_json:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text,
-                          "finish_reason": result.finish_reason, "stats": s.to_dict()}))
+                          "finish_reason": result.finish_reason, "sampling": sampling,
+                          "stats": s.to_dict()}))
         return
     print(result.text)
-    print(f"\n[{strategy}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+    print(f"\n[{strategy}, {sampling}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
           f"({s.tokens_per_s:.1f} tok/s), prompt {s.prompt_tokens} tokens, "
           f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})", file=sys.stderr)

@@ -178,6 +178,7 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         cpus_per_rank=args.cpus_per_rank,
         strategy=strategy_options(args), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        sampling=args.sampling,
         truncate=args.truncate, max_model_len=args.max_model_len,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
         max_num_seqs=args.max_num_seqs,

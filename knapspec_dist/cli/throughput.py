@@ -14,18 +14,20 @@ import argparse
 import datetime
 import functools
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from knapspec_dist.cli.common import (
+    add_draw_args,
     add_model_args,
     emit,
     existing_model_path,
+    generation_config,
     load_model_args,
     parse_ints,
 )
-from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import parse_size
 from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.errors import UserError
@@ -34,7 +36,7 @@ from knapspec_dist.tools.bench.paged import compare, documents, window_rows
 from knapspec_dist.tools.bench.paged import table as paged_table
 from knapspec_dist.tools.bench.plots import plot_throughput
 from knapspec_dist.tools.bench.prompts import resolve_tokenizer
-from knapspec_dist.tools.bench.report import command_line, machine
+from knapspec_dist.tools.bench.report import command_line, machine, sampling_line
 from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.tools.bench.throughput import measure, table, workload
 
@@ -52,6 +54,7 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each configuration, interleaved; the median is reported")
+    add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="compare paged KV with fixed slots under this K/V budget (2GiB, 500MB); "
@@ -74,7 +77,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
-    config = GenerationConfig.of(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    config = generation_config(args, args.new_tokens, stop_at_eos=False)
     if args.kv_cache_memory is not None:
         return cmd_paged(args, parser, model, tokenizer, specs, config)
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
@@ -85,6 +88,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
               "device": args.device, "new_tokens": args.new_tokens,
+              "sampling": asdict(config.sampling),
               "documents": {n: [rid for rid, _ in rows] for n, rows in work.items()}}
     return write_results(out, header, runs)
 
@@ -127,7 +131,8 @@ def write_results(out: Path, header: dict, runs: list[dict]) -> int:
     lines = table(runs)
     (out / "throughput.md").write_text(
         f"# knapspec throughput ({header['date']})\n\n`{header['command']}`\n\n"
-        f"{header['machine']}, torch {header['torch']}\n\n" + "\n".join(lines) + "\n")
+        f"{header['machine']}, torch {header['torch']}, {sampling_line(header['sampling'])}"
+        "\n\n" + "\n".join(lines) + "\n")
     plot_throughput(out / "throughput.png", runs)
     emit("\n".join(lines))
     bugs = [d for r in runs for d in r["divergences"] if d["verdict"] != "tie"]

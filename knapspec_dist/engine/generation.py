@@ -22,10 +22,13 @@ class GenerationConfig:
 
     @classmethod
     def of(cls, *, max_new_tokens: int = 128, stop_at_eos: bool = True, temperature: float = 0.0,
-           top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationConfig:
-        """The one builder from flat fields (command lines, job options, keyword arguments)."""
+           top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+           sampling: str = "coupled") -> GenerationConfig:
+        """The one builder from flat fields (command lines, job options, keyword arguments);
+        ``sampling``: how sampled drafts are verified (``SamplingConfig.method``)."""
         return cls(max_new_tokens, SamplingConfig(temperature=temperature, top_k=top_k,
-                                                  top_p=top_p, seed=seed), stop_at_eos)
+                                                  top_p=top_p, seed=seed, method=sampling),
+                   stop_at_eos)
 
 
 @dataclass

@@ -10,15 +10,23 @@ token outside the top-k / top-p support can win. Only the candidates that can wi
 on a CPU, where noise and a sort over a 49k-152k vocabulary cost as much as a small model's
 forward, the choice is made among the largest logits whenever that is provably the same choice.
 
-Speculation verifies sampled drafts the way it verifies greedy ones, on perturbed logits: a
-draft token at index t is ``argmax(draft logits + G_t)`` with the same noise the target uses
-at t, and it is accepted iff it equals the target's ``argmax(target logits + G_t)``. So every
-emitted token is the token plain decoding would sample with the same seeds: sampled output is
-lossless token for token (not only in distribution), and a row's text depends on its prompt,
-options and seed alone, never on the rows batched beside it, the replica, the admission order
-or a resume. (Rejection sampling, which this replaces, accepts drafts more often, 1 - TV(p, q)
-against the Gumbel coupling's at least (1 - TV) / (1 + TV), but its draws depend on how many
-drafts a round made, i.e. on the batch.)
+Two ways to verify sampled drafts (``SamplingConfig.method``, ``--sampling``):
+
+- ``coupled`` (the default): the way greedy drafts are verified, on perturbed logits. A draft
+  token at index t is ``argmax(draft logits + G_t)`` with the same noise the target uses at t,
+  and it is accepted iff it equals the target's ``argmax(target logits + G_t)``. So every
+  emitted token is the token plain decoding would sample with the same seeds: sampled output
+  is lossless token for token (not only in distribution), and a row's text depends on its
+  prompt, options and seed alone, never on the rows batched beside it, the replica, the
+  admission order or a resume. A draft is accepted with probability at least
+  (1 - TV(p, q)) / (1 + TV(p, q)).
+- ``rejection``: standard speculative rejection sampling (``engine/rejection.py``), which
+  accepts with probability 1 - TV(p, q) and emits tokens distributed as plain sampling, but
+  not plain sampling's tokens: they depend on where the rounds' drafts fell.
+
+Each purpose draws from its own stream of the row's noise (``stream``: the Gumbel noise of
+choices, rejection sampling's acceptance uniforms and its residual draws), all keyed by the
+same 64-bit (row, index) key.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ _GRID = 2.0 ** -52  # the uniforms' resolution: (k + 1/2) * 2^-52 is exact in fl
 # a candidate's perturbed logit can never win, which is what lets the choice skip its noise.
 G_MAX = float(-torch.log(-torch.log(torch.tensor(1 - 2.0 ** -53, dtype=torch.float64))))
 CANDIDATE_WIDTHS = (64, 1024)  # the top-k widths tried before the whole vocabulary
+METHODS = ("coupled", "rejection")  # how sampled drafts are verified (module docstring)
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,11 @@ class SamplingConfig:
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0
     seed: int | None = None
+    method: str = "coupled"  # one of METHODS; greedy decoding is the same under both
 
     def __post_init__(self):
+        if self.method not in METHODS:
+            raise UserError(f"sampling must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -60,6 +72,21 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def identical_to_plain(self) -> bool:
+        """Whether speculation emits plain decoding's very tokens (greedy, or coupled
+        sampling), not only tokens of its distribution (rejection sampling)."""
+        return self.greedy or self.method == "coupled"
+
+    @property
+    def label(self) -> str:
+        """``greedy``, or e.g. ``T 0.7, top-p 0.9, seed 0, rejection``: what reports print."""
+        if self.greedy:
+            return "greedy"
+        cuts = (f", top-k {self.top_k}" if self.top_k else "") + (
+            f", top-p {self.top_p:g}" if self.top_p < 1 else "")
+        return f"T {self.temperature:g}{cuts}, seed {self.seed}, {self.method}"
 
 
 def row_seed(seed: int | None, key: object) -> int:
@@ -97,13 +124,27 @@ def _token_hashes(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch
     return _mix(ids), _mix(ids ^ _SALT)
 
 
-def _keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _keys(seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The 64-bit key of each (row, output index), as two 32-bit halves [B, T]: two rows share
-    a whole noise vector only with probability 2^-64."""
-    lo, hi, t = seeds & _M32, (seeds >> 32) & _M32, steps & _M32
+    a whole noise vector only with probability 2^-64. ``stream`` (0-15) names the purpose: it
+    sets the index's top four bits, which no output index (< 2^28) has, so the streams of a row
+    never share a key."""
+    lo, hi, t = seeds & _M32, (seeds >> 32) & _M32, (steps & _M32) ^ (stream << 28)
     first = _mix(lo[:, None] ^ _mix(hi[:, None] ^ _mix(t)))
     second = _mix(hi[:, None] ^ _mix(lo[:, None] ^ _mix(t ^ _SALT)))
     return first, second
+
+
+def _bits52(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """52 bits (int64 in [0, 2^52)) of two 32-bit hash halves."""
+    return (first << 20) | (second >> 12)
+
+
+def uniform(seeds: torch.Tensor, steps: torch.Tensor, stream: int) -> torch.Tensor:
+    """One uniform (float64, strictly inside (0, 1), on a 2^-52 grid) per row with ``seeds``
+    [B] at output indices ``steps`` [B, T], from the key of ``stream`` (> 0: not the noise's)."""
+    return (_bits52(*_keys(seeds, steps, stream)).double() + 0.5) * _GRID
 
 
 def gumbel_of_bits(k: torch.Tensor) -> torch.Tensor:
@@ -118,13 +159,15 @@ def _noise(first: torch.Tensor, second: torch.Tensor, h1: torch.Tensor,
            h2: torch.Tensor) -> torch.Tensor:
     """Gumbel noise from the keys and the tokens' hashes (broadcast): 52 bits of their
     64-bit hash."""
-    return gumbel_of_bits((_mix(first ^ h1) << 20) | (_mix(second ^ h2) >> 12))
+    return gumbel_of_bits(_bits52(_mix(first ^ h1), _mix(second ^ h2)))
 
 
-def gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+def gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, stream: int = 0
+           ) -> torch.Tensor:
     """Gumbel noise [B, T, vocab] (fp32) for rows with ``seeds`` [B] at output indices
-    ``steps`` [B, T]: a pure function of (seed, step, token), the same on every device."""
-    first, second = _keys(seeds, steps)
+    ``steps`` [B, T]: a pure function of (seed, step, token, stream), the same on every
+    device. Stream 0 is the choices' noise."""
+    first, second = _keys(seeds, steps, stream)
     h1, h2 = _token_hashes(vocab, seeds.device)
     return _noise(first[..., None], second[..., None], h1, h2)
 

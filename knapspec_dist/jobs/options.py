@@ -37,6 +37,7 @@ class JobConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    sampling: str = "coupled"  # how sampled drafts are verified (SamplingConfig.method)
     truncate: bool = False
     max_model_len: int | None = None  # None: the model's context window
     baseline_fraction: float = 0.05
@@ -106,7 +107,7 @@ class JobConfig:
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(max_new_tokens=self.max_new_tokens,
                                    temperature=self.temperature, top_k=self.top_k,
-                                   top_p=self.top_p, seed=self.seed)
+                                   top_p=self.top_p, seed=self.seed, sampling=self.sampling)
 
     def fingerprint(self) -> dict:
         """What decides a row's output: a resumed job must agree on all of it.  The runner
@@ -131,6 +132,9 @@ class JobConfig:
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
+            # rejection sampling's tokens differ from coupled ones; absent for coupled, as
+            # before the option existed, so that earlier outputs resume
+            **({"sampling": self.sampling} if self.sampling != "coupled" else {}),
             "truncate": self.truncate,
             "max_model_len": self.max_model_len,
         }

@@ -255,6 +255,7 @@ class JobRun(GenerationPasses):
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
                "guarantee": guarantee(c.dtype, c.device),
                "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
+               "sampling": c.sampling,
                "input": c.input, "output": result.output, "input_files": len(self.scan.files),
                "max_model_len": self.max_len, "truncate": c.truncate,
                "baseline_fraction": c.baseline_fraction}

@@ -19,8 +19,9 @@ all its runs.  Definitions (all over rows without an error):
   ``ar``'s. ``decode_speedup`` leaves out the prefill time, which speculation does not
   change; ``strategy_mean_batch`` / ``ar_mean_batch`` say at which batch the two passes ran;
   ``row_speedup_*`` are per-row ratios between the passes; ``identical_tokens`` counts the
-  baseline rows whose tokens *in the job's output* equal ``ar``'s (with greedy decoding every
-  one must: the method is lossless).
+  baseline rows whose tokens *in the job's output* equal ``ar``'s (with greedy decoding or
+  coupled sampling every one must: the method is lossless; ``job.sampling`` ``rejection``
+  keeps plain sampling's distribution, not its tokens).
 * buckets: rows grouped by prompt length (``num_input_tokens``) at powers of two.
 * ``plans``: per plan the rows decoded with (``a3,m5@4``: skipped sublayers at draft length 4;
   ``ar``: plain decoding), summed over the ok rows: rounds, tokens, and the realized tokens

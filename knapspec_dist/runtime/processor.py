@@ -62,7 +62,7 @@ class ProcessorConfig:
     """One processor: the model, how many replicas (``concurrency``: a number, or a
     ``(min, max)`` range Ray Data scales within), the strategy and its options, the
     batching and the sampling (GenerationConfig.of's fields: max_new_tokens, temperature,
-    top_k, top_p, seed)."""
+    top_k, top_p, seed, sampling)."""
 
     model: str = "smollm2"
     tp: int = 1

@@ -241,7 +241,8 @@ class RayEngine:
                        "temperature": config.sampling.temperature, "top_k": config.sampling.top_k,
                        "top_p": config.sampling.top_p, "seed": config.sampling.seed}
             config = GenerationConfig.of(**{k: current[k] if v is None else v
-                                            for k, v in given.items()})
+                                            for k, v in given.items()},
+                                         sampling=config.sampling.method)
         ids = [self.encode(p, chat) for p in prompts]
         start = time.perf_counter()
         refs = [self.submit(i % self.num_replicas, p, config, key)

@@ -4,8 +4,9 @@ One round: draft up to gamma tokens with the sublayers in ``plan.skip`` skipped 
 writes K/V only for the attention sublayers it runs), stopping early once every row has drafted
 a token whose draft top-1 probability falls below ``tau_conf`` (the runner's ``early_exit``);
 verify the pending token and all drafts in one full forward (which overwrites every layer's K/V
-at those positions); keep the longest agreeing prefix plus one target token, and roll the cache
-back by moving its length. A ``Selector`` chooses the plan: fixed (``static``), or re-chosen
+at those positions); keep the longest accepted prefix plus one target token (sampled drafts:
+coupled or rejection sampling, engine/sampling.py), and roll the cache back by moving its
+length. A ``Selector`` chooses the plan: fixed (``static``), or re-chosen
 from the full model's hidden states (``knapspec``, ``clasp``).
 """
 
@@ -20,7 +21,8 @@ import torch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, PlanTally, finish
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.sampling import accept, choose, confidence
+from knapspec_dist.engine.rejection import accept_rejection
+from knapspec_dist.engine.sampling import SamplingConfig, accept, choose, confidence
 from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
@@ -112,12 +114,17 @@ class SelfSpeculative(Strategy):
         lengths = batch.lengths
         gamma = min(plan.gamma, max(r.limit - len(r.out) - 1 for r in rows))
         inputs = batch.inputs(dev)  # the round's one upload; drafts and verify share its noise
-        drafts, cap = self._draft(forward, cache, plan.skip, inputs, lengths, gamma, sampling)
+        drafts, cap, draft_logits = self._draft(forward, cache, plan.skip, inputs, lengths, gamma,
+                                                sampling)
         t2 = timer.mark()
         capture = Capture() if sel.wants_reference() else None
         logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
                          slice(0, size), capture=capture, starts_dev=inputs.starts)
-        n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.steps, cap)
+        if draft_logits is None:
+            n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.steps, cap)
+        else:
+            n, nxt = accept_rejection(drafts, draft_logits, logits, sampling, inputs.seeds,
+                                      inputs.steps, cap)
         before = [len(r.out) for r in rows]
         # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
         back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
@@ -154,10 +161,11 @@ class SelfSpeculative(Strategy):
             tally.add(len(row.out) - before[b], round_s, rate)
 
     def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], inputs: RoundInputs,
-               lengths: list[int], gamma: int, sampling):
+               lengths: list[int], gamma: int, sampling: SamplingConfig):
         """Up to ``gamma`` draft tokens per row [B, g], on the device (sampled ones with the
-        row's noise at their output index), and how many of each row's drafts to verify [B]:
-        all it drafted, up to its room. Every row drafts in the same forwards. With the
+        row's noise at their output index), how many of each row's drafts to verify [B]:
+        all it drafted, up to its room, and under rejection sampling the logits the drafts
+        were drawn from [B, g, V] (else None). Every row drafts in the same forwards. With the
         runner's ``early_exit``, drafting stops once every row has a draft whose top-1
         probability is below ``tau_conf`` (one read-back per draft token); without it all
         ``gamma`` are drafted and the round never waits on the host. Either way each row's
@@ -166,13 +174,16 @@ class SelfSpeculative(Strategy):
         model = forward.model
         dev, size = model.device, inputs.pending.shape[0]
         rows = slice(0, size)
-        tok, drafts = inputs.pending, []
+        tok, drafts, kept = inputs.pending, [], []
+        rejection = sampling.method == "rejection" and not sampling.greedy
         unsure = torch.zeros(size, dtype=torch.bool, device=dev)
         for i in range(gamma):
             logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip,
                              starts_dev=inputs.starts + i)[:, -1]
             d = choose(logits, sampling, inputs.seeds, inputs.steps + i)
             drafts.append(d)
+            if rejection:
+                kept.append(logits.clone())  # a captured graph's output is overwritten
             tok = d[:, None]
             if forward.early_exit:
                 unsure |= confidence(logits, sampling) < self.tau_conf
@@ -180,5 +191,6 @@ class SelfSpeculative(Strategy):
                     break
         if not drafts:
             return (torch.empty(size, 0, dtype=torch.long, device=dev),
-                    torch.zeros(size, dtype=torch.long, device=dev))
-        return torch.stack(drafts, dim=1).long(), inputs.room.clamp(max=len(drafts))
+                    torch.zeros(size, dtype=torch.long, device=dev), None)
+        return (torch.stack(drafts, dim=1).long(), inputs.room.clamp(max=len(drafts)),
+                torch.stack(kept, dim=1) if kept else None)

@@ -14,7 +14,7 @@ from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.precision import rule_ulps
 from knapspec_dist.tools.bench.prompts import Prompt
-from knapspec_dist.tools.ties import RunCheck, check_run, reference_logits
+from knapspec_dist.tools.ties import RunCheck, check_run, first_difference, reference_logits
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,17 @@ def compare_strategies(model: Transformer, strategies: dict[str, Strategy],
                              s.new_tokens, s.tokens_per_s, s.wall_s - s.prefill_s,
                              s.acceptance_rate)
                 reference = results["ar"].token_ids
+                compared = [label for label in labels
+                            if label == "ar" or config.sampling.identical_to_plain]
                 needed = rule_ulps(model.dtype, model.device) > 0 or any(
-                    r.token_ids != reference for r in results.values())
+                    results[label].token_ids != reference for label in compared)
                 if needed and (logits_of is None or logits_of[0] != reference):
                     logits_of = (reference, reference_logits(model, prompt.ids, reference))
                 for label in labels:
+                    if label not in compared:
+                        runs.append(_uncompared(n, prompt, label, rep, results[label],
+                                                reference))
+                        continue
                     check = check_run(model, prompt.ids, reference, results[label].token_ids,
                                       rerun(label), logits_of[1] if needed else None)
                     runs.append(_record(n, prompt, label, rep, results[label], check,
@@ -90,6 +96,16 @@ def _record(n: int, prompt: Prompt, label: str, rep: int, r, check: RunCheck,
             "stats": r.stats.to_dict()}
 
 
+def _uncompared(n: int, prompt: Prompt, label: str, rep: int, r, reference: list[int]) -> dict:
+    """A run not compared with ``ar`` (rejection sampling: plain sampling's tokens in
+    distribution only): ``matches_ar`` and ``check`` are None."""
+    return {"strategy": label, "context": n, "prompt": prompt.id, "repeat": rep,
+            "prompt_tokens": len(prompt.ids), "matches_ar": None,
+            "first_mismatch": first_difference(reference, r.token_ids), "divergence": None,
+            "check": None, "finish_reason": r.finish_reason, "token_ids": r.token_ids,
+            "stats": r.stats.to_dict()}
+
+
 def bugs(runs: list[dict]) -> list[dict]:
     """The runs with a difference from ``ar`` that is not a proven near-tie."""
-    return [r for r in runs if not r["check"]["correct"]]
+    return [r for r in runs if r["check"] is not None and not r["check"]["correct"]]

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from knapspec_dist.engine.generation import add_plans, ranked_plans
+from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.profiles.device import cpu_model_name
 
 PLANS_SHOWN = 4  # plans per context and strategy in results.md, the rest as "other"
@@ -62,8 +63,9 @@ def summarize(runs: list[dict]) -> list[dict]:
             "draft_s": sum(s["draft_s"] for s in mine),
             "verify_s": sum(s["verify_s"] for s in mine),
             "plans": plans_of(mine),
-            "matches_ar": all(r["matches_ar"] for r in runs
-                              if r["context"] == n and r["strategy"] == label),
+            # None: not compared (rejection sampling: the distribution, not the tokens)
+            "matches_ar": _all_match(r["matches_ar"] for r in runs
+                                     if r["context"] == n and r["strategy"] == label),
             "ties": sum(1 for r in runs if r["context"] == n and r["strategy"] == label
                         and _verdict(r) == "tie"),
             "bugs": sum(1 for r in runs if r["context"] == n and r["strategy"] == label
@@ -100,9 +102,11 @@ def _repeat_speedups(runs: list[dict], n: int, label: str) -> list[float]:
             ((rate(label, k), rate("ar", k)) for k in reps)]
 
 
-def _check_totals(checks: list[dict]) -> dict:
+def _check_totals(checks: list[dict | None]) -> dict:
     """The runs' checks against ar summed: tokens compared, near-ties (per 1,000 tokens) and
-    the bound's false-acceptance rate (the share of positions whose runner-up is inside it)."""
+    the bound's false-acceptance rate (the share of positions whose runner-up is inside it).
+    Runs not compared (None) add nothing."""
+    checks = [c for c in checks if c is not None]
     tokens = sum(c["tokens"] for c in checks)
     near = sum(c["ties"] for c in checks)
     return {"tokens_checked": tokens, "near_ties": near,
@@ -111,14 +115,22 @@ def _check_totals(checks: list[dict]) -> dict:
                                  if tokens else 0.0)}
 
 
+def _all_match(matches) -> bool | None:
+    values = list(matches)
+    return None if None in values else all(values)
+
+
 def _verdict(run: dict) -> str | None:
-    """None: same tokens as ar; "tie" when every divergence is a near-tie; else "BUG"."""
-    if not run["check"]["divergences"]:
+    """None: same tokens as ar, or not compared; "tie" when every divergence is a near-tie;
+    else "BUG"."""
+    if run["check"] is None or not run["check"]["divergences"]:
         return None
     return "tie" if run["check"]["correct"] else "BUG"
 
 
 def _same_tokens(row: dict) -> str:
+    if row["matches_ar"] is None:
+        return "not compared"
     if row["bugs"]:
         return f"**NO: {row['bugs']} BUG**"
     if row["ties"]:
@@ -146,9 +158,9 @@ def check_table(rows: list[dict]) -> list[str]:
 
 
 def divergence_table(runs: list[dict]) -> list[str]:
-    """Markdown lines: one row per divergence from ar (every one of every run), with its
-    margin and near-tie classification."""
-    bad = [(r, d) for r in runs for d in r["check"]["divergences"]]
+    """Markdown lines: one row per divergence from ar (every one of every run compared), with
+    its margin and near-tie classification."""
+    bad = [(r, d) for r in runs if r["check"] is not None for d in r["check"]["divergences"]]
     if not bad:
         return []
     lines = ["## divergences from ar", "",
@@ -176,6 +188,17 @@ def divergence_table(runs: list[dict]) -> list[str]:
             f"{_fmt(d['tolerance'], '.4g')} | {_fmt(margin, '.4g')} | "
             f"{'tie' if d['verdict'] == 'tie' else '**BUG**'} |")
     return lines + [""]
+
+
+def sampling_line(sampling: dict | None) -> str:
+    """How a run drew its tokens (``asdict`` of its SamplingConfig; None: greedy), and what
+    that says of its tokens against ``ar``'s."""
+    cfg = SamplingConfig(**(sampling or {}))
+    if cfg.greedy:
+        return "greedy"
+    return cfg.label + (" (the tokens of plain sampling: checked against ar)"
+                        if cfg.identical_to_plain else
+                        " (plain sampling's distribution, not its tokens: not compared with ar)")
 
 
 def machine(device: str) -> dict:
@@ -217,7 +240,8 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
         f"- machine: {machine_line}",
         f"- date: {header['date']}",
         f"- torch {header['torch']}, model {header['model']} ({header['dtype']}, "
-        f"{header['device']}), greedy, {header['new_tokens']} new tokens, "
+        f"{header['device']}), {sampling_line(header.get('sampling'))}, "
+        f"{header['new_tokens']} new tokens, "
         f"{header['prompts']} prompt(s) per context"
         + (f", {header['repeats']} repeats each (interleaved; rates over all)"
            if header.get("repeats", 1) > 1 else ""),
@@ -240,14 +264,15 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
         group = [r for r in rows if r["context"] == n]
         lines += [f"## context {n} (prompt {group[0]['prompt_tokens']:.0f} tokens)", "",
                   "| strategy | tok/s | speedup | decode tok/s | decode speedup | acceptance "
-                  "| attn skipped | MLP skipped | selection % | selections (fallbacks) "
-                  "| same tokens as ar |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+                  "| tokens/round | attn skipped | MLP skipped | selection % "
+                  "| selections (fallbacks) | same tokens as ar |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
         for r in group:
             lines.append(
                 f"| {r['strategy']} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | "
                 f"{r['decode_tokens_per_s']:.2f} | {r['decode_speedup']:.3f}x | "
-                f"{_fmt(r['acceptance'], '.3f')} | {r['attention_skipped']:.1f} | "
+                f"{_fmt(r['acceptance'], '.3f')} | {_fmt(r['tokens_per_round'], '.2f')} | "
+                f"{r['attention_skipped']:.1f} | "
                 f"{r['mlp_skipped']:.1f} | {r['selection_pct']:.1f} | "
                 f"{r.get('selections', 0)} ({r.get('fallbacks', 0)}) | "
                 f"{_same_tokens(r)} |")
