@@ -250,7 +250,31 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
         assert r["tokens_per_s"] in [x["tokens_per_s"] for x in r["repeats"]]
     assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
     assert (tmp_path / "throughput.png").stat().st_size > 0
-    assert "| 96 | ar | 3 | 2 |" in capsys.readouterr().out
+    assert "| 96 | ar | greedy | 3 | 2 |" in capsys.readouterr().out
+
+
+def test_sampled_throughput_is_priced_against_greedy_in_the_same_run(checkpoint, tmp_path,
+                                                                     capsys):
+    """A sampled `knapspec throughput` also runs greedy decoding, interleaved, and reports the
+    ratio; each draw's rows are checked against batch-1 ar drawing alike (coupled sampling
+    gives ar's tokens)."""
+    code = main(["throughput", "--model", str(checkpoint), "--contexts", "96", "--documents",
+                 "2", "--batch", "1,2", "--strategies", "ar,static:a1,m2@2", "--new-tokens", "6",
+                 "--temperature", "0.9", "--top-p", "0.95", "--out", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "throughput.json").read_text())
+    runs = {(r["strategy"], r["batch"], r["draw"]): r for r in doc["runs"]}
+    assert set(runs) == {(s, b, d) for s in ("ar", "static:a1,m2@2") for b in (1, 2)
+                         for d in ("greedy", "sampled")}
+    assert all(r["identical_rows"] == 2 and r["tokens"] == 12 for r in runs.values())
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 96 | ar | sampled | 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    greedy, sampled = runs[("ar", 2, "greedy")], runs[("ar", 2, "sampled")]
+    assert cells[10] == (f"{sampled['tokens_per_s'] / greedy['tokens_per_s']:.3f}x, "
+                         f"{sampled['decode_tokens_per_s'] / greedy['decode_tokens_per_s']:.3f}x")
+    assert [c.strip() for c in next(line for line in out.splitlines() if line.startswith(
+        "| 96 | ar | greedy | 2 |")).strip("|").split("|")][10] == "-"
 
 
 @pytest.mark.parametrize("method", ["coupled", "rejection"])

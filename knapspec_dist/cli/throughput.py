@@ -14,7 +14,7 @@ import argparse
 import datetime
 import functools
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -82,8 +82,12 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         return cmd_paged(args, parser, model, tokenizer, specs, config)
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
                     args.new_tokens)
+    # sampled runs are priced against greedy decoding in the same run
+    draws = ({"greedy": config} if config.sampling.greedy else
+             {"greedy": replace(config, sampling=replace(config.sampling, temperature=0.0)),
+              "sampled": config})
     runs = measure(model, lambda label: build_strategy(specs[label].options, model), list(specs),
-                   work, batches, config, args.repeats)
+                   work, batches, draws, args.repeats)
     header = {"command": command_line(args, parser), "machine": machine(args.device),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,

@@ -54,13 +54,17 @@ def plot_bench(out: Path, rows: list[dict]) -> None:
 
 
 def plot_throughput(path: Path, runs: list[dict]) -> None:
-    """``throughput.png``: tokens/s against max_num_seqs, one line per strategy and context."""
+    """``throughput.png``: tokens/s against max_num_seqs, one line per strategy, context and
+    draw (greedy or sampled)."""
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (label, n) in dict.fromkeys((r["strategy"], r["context"]) for r in runs):
-        pts = sorted((r for r in runs if r["strategy"] == label and r["context"] == n),
+    for key in dict.fromkeys((r["strategy"], r["context"], r.get("draw", "greedy"))
+                             for r in runs):
+        pts = sorted((r for r in runs
+                      if (r["strategy"], r["context"], r.get("draw", "greedy")) == key),
                      key=lambda r: r["batch"])
+        label, n, draw = key
         ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o",
-                label=f"{label}, context {n}")
+                label=f"{label}, context {n}, {draw}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max_num_seqs")
     ax.set_ylabel("tokens/s (prefill included)")

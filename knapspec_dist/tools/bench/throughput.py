@@ -62,33 +62,37 @@ def workload(tokenizer, contexts: list[int], count: int, window: int,
 
 def measure(model: Transformer, build_strategy: Callable[[str], Strategy], labels: list[str],
             work: dict[int, list[tuple[str, list[int]]]], batches: list[int],
-            config: GenerationConfig, repeats: int = 1) -> list[dict]:
-    """Every (context, strategy, batch) run ``repeats`` times, interleaved (the order rotates
-    each repeat, so a slow spell of the machine is shared out), each with a freshly built
-    strategy (a KnapSpec selector carries nothing from one run to the next, so every run pays
-    its own first selection); each row checked against batch-1 ar. One entry per
-    configuration: the median run's rates, every run's in ``repeats``."""
+            draws: dict[str, GenerationConfig], repeats: int = 1) -> list[dict]:
+    """Every (context, strategy, batch, draw) run ``repeats`` times, interleaved (the order
+    rotates each repeat, so a slow spell of the machine is shared out), each with a freshly
+    built strategy (a KnapSpec selector carries nothing from one run to the next, so every run
+    pays its own first selection); each row checked against batch-1 ar of the same draw.
+    ``draws``: how tokens are drawn, by name ("greedy", "sampled"), so that one run prices
+    sampling against greedy decoding. One entry per configuration: the median run's rates,
+    every run's in ``repeats``."""
     entries = []
+    longest = max(c.max_new_tokens for c in draws.values())
     for n, rows in work.items():
         ids = [p for _, p in rows]
-        capacity = max(row_capacity(len(p), config.max_new_tokens) for p in ids)
-        reference = Scheduler(Autoregressive(), model, config, 1, capacity).run(ids)
-        configs = [(label, b) for label in labels for b in batches]
-        done: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+        capacity = max(row_capacity(len(p), longest) for p in ids)
+        reference = {name: Scheduler(Autoregressive(), model, c, 1, capacity).run(ids)
+                     for name, c in draws.items()}
+        configs = [(label, b, d) for label in labels for b in batches for d in draws]
+        done: dict[tuple[str, int, str], list[dict]] = {c: [] for c in configs}
         for rep in range(repeats):
             k = rep % len(configs)
-            for label, b in configs[k:] + configs[:k]:
-                done[(label, b)].append(_one_run(model, build_strategy(label), config, b,
-                                                 capacity, rows, reference))
-                t = done[(label, b)][-1]
-                log.info("context %d %s batch %d (run %d of %d): %.1f tok/s, %.1f decode tok/s, "
-                         "mean batch %.1f", n, label, b, rep + 1, repeats, t["tokens_per_s"],
-                         t["decode_tokens_per_s"], t["mean_batch"])
-        for label, b in configs:
-            runs = done[(label, b)]
+            for label, b, d in configs[k:] + configs[:k]:
+                done[(label, b, d)].append(_one_run(model, build_strategy(label), draws[d], b,
+                                                    capacity, rows, reference[d]))
+                t = done[(label, b, d)][-1]
+                log.info("context %d %s batch %d %s (run %d of %d): %.1f tok/s, %.1f decode "
+                         "tok/s, mean batch %.1f", n, label, b, d, rep + 1, repeats,
+                         t["tokens_per_s"], t["decode_tokens_per_s"], t["mean_batch"])
+        for label, b, d in configs:
+            runs = done[(label, b, d)]
             median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
-            entries.append({"strategy": label, "batch": b, "context": n, "rows": len(rows),
-                            **median, "runs": len(runs),
+            entries.append({"strategy": label, "batch": b, "context": n, "draw": d,
+                            "rows": len(rows), **median, "runs": len(runs),
                             "identical_rows": min(r["identical_rows"] for r in runs),
                             "divergences": [d for r in runs for d in r["divergences"]],
                             "repeats": runs})
@@ -120,21 +124,30 @@ def _one_run(model: Transformer, strategy: Strategy, config: GenerationConfig, b
             "selections_spared": getattr(getattr(strategy, "selector", None), "skipped", 0)}
 
 
+def _ratio(a: dict | None, b: dict | None, key: str) -> str:
+    return f"{a[key] / b[key]:.3f}x" if a and b and b[key] else "-"
+
+
 def table(runs: list[dict]) -> list[str]:
-    """The Markdown table of the runs (also the command's report)."""
-    lines = ["| context | strategy | max_num_seqs | runs | mean batch | tok/s | decode tok/s | "
-             "vs batch-1 same strategy (tok/s, decode) | vs ar same batch (tok/s) | rows = ar |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    index = {(r["context"], r["strategy"], r["batch"]): r for r in runs}
+    """The Markdown table of the runs (also the command's report): each configuration against
+    batch 1, against ar at its batch and, when sampled, against greedy decoding of the same
+    strategy and batch (the cost of drawing tokens)."""
+    lines = ["| context | strategy | draw | max_num_seqs | runs | mean batch | tok/s | "
+             "decode tok/s | vs batch-1 same strategy (tok/s, decode) | vs ar same batch "
+             "(tok/s) | vs greedy (tok/s, decode) | rows = ar |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    index = {(r["context"], r["strategy"], r["batch"], r["draw"]): r for r in runs}
+    first = min(x["batch"] for x in runs)
     for r in runs:
-        one = index.get((r["context"], r["strategy"], min(x["batch"] for x in runs)))
-        ar = index.get((r["context"], "ar", r["batch"]))
+        n, label, b, d = r["context"], r["strategy"], r["batch"], r["draw"]
+        one, ar = index.get((n, label, first, d)), index.get((n, "ar", b, d))
+        greedy = index.get((n, label, b, "greedy")) if d != "greedy" else None
+        against_greedy = (f"{_ratio(r, greedy, 'tokens_per_s')}, "
+                          f"{_ratio(r, greedy, 'decode_tokens_per_s')}" if greedy else "-")
         lines.append(
-            f"| {r['context']} | {r['strategy']} | {r['batch']} | {r['runs']} | "
-            f"{r['mean_batch']:.2f} | "
+            f"| {n} | {label} | {d} | {b} | {r['runs']} | {r['mean_batch']:.2f} | "
             f"{r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | "
-            f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x, "
-            f"{r['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x | "
-            f"{(r['tokens_per_s'] / ar['tokens_per_s']) if ar else float('nan'):.3f}x | "
+            f"{_ratio(r, one, 'tokens_per_s')}, {_ratio(r, one, 'decode_tokens_per_s')} | "
+            f"{_ratio(r, ar, 'tokens_per_s')} | {against_greedy} | "
             f"{r['identical_rows']}/{r['rows']} |")
     return lines
