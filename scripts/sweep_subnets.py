@@ -19,20 +19,19 @@ from pathlib import Path
 
 import torch
 
-from knapspec_dist.tools.bench.prompts import build_prompts, resolve_tokenizer
-from knapspec_dist.model.cache import KVCache
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.model_runner import prefill
+from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.engine.sequence import MAX_GAMMA, Batch, Row
 from knapspec_dist.llm import load
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
 from knapspec_dist.profiles.store import resolve_profile
 from knapspec_dist.speculation import tpt
-from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.speculation.hidden_states import Reference
 from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.engine.model_runner import prefill
-from knapspec_dist.engine.sequence import MAX_GAMMA
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.tools.bench.prompts import build_prompts, resolve_tokenizer
 
 log = logging.getLogger("sweep")
 

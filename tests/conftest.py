@@ -97,8 +97,8 @@ def smollm2_hf(smollm2):
 @pytest.fixture(scope="session")
 def corpus_prompt(smollm2) -> list[int]:
     """About 1000 SmolLM2 tokens of a public-domain chapter (shared corpus or bundled)."""
-    from knapspec_dist.tools.corpus import document_of_tokens
     from knapspec_dist.model.tokenizer import encode
+    from knapspec_dist.tools.corpus import document_of_tokens
 
     ids = encode(smollm2.tokenizer, document_of_tokens(smollm2.tokenizer, 1000))
     assert 950 <= len(ids) <= 1050, len(ids)

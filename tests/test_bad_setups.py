@@ -19,10 +19,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import subprocess_env
 
 from knapspec_dist.cli.job import main as job_main
 from knapspec_dist.cli.main import main as knapspec_main
+
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 C = ["--strategy", "ar", "--max-new-tokens", "8", "--baseline-fraction", "0"]

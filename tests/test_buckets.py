@@ -4,7 +4,6 @@ with an integer batch (model/attention.py), through continuous batching on the C
 from __future__ import annotations
 
 import torch
-from conftest import random_prompt
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
@@ -16,6 +15,8 @@ from knapspec_dist.model import attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+
+from conftest import random_prompt
 
 NAME = "llama-gqa"
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompt
-from knapspec_dist.model.cache import KVCache
 from knapspec_dist.engine import model_runner as runner
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.cache import KVCache
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+
+from conftest import random_prompt
 
 NAME = "llama-gqa"  # 4 layers, GQA
 SENTINEL = 7.25

@@ -1,6 +1,6 @@
-"""Online self-calibration (speculation/calibration.py), fed by a simulated clock: a drifted cost model
-is detected and refitted and the selection follows the true costs; a clock that agrees with
-the profile refits nothing; the tokens stay ``ar``'s."""
+"""Online self-calibration (speculation/calibration.py), fed by a simulated clock: a drifted cost
+model is detected and refitted and the selection follows the true costs; a clock that agrees
+with the profile refits nothing; the tokens stay ``ar``'s."""
 
 from __future__ import annotations
 

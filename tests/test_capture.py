@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompt
-from synthetic import LINEAR_ATTENTION, synthetic_profile
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from knapspec_dist.engine import model_runner
@@ -21,6 +19,9 @@ from knapspec_dist.model import attention
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
+
+from conftest import random_prompt
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
 CONFIG = GenerationConfig(max_new_tokens=20, stop_at_eos=False)

@@ -24,6 +24,7 @@ from knapspec_dist.jobs.termination import JobTerminated
 from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.tools.corpus import document_of_tokens
+
 from models import make_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

@@ -9,7 +9,6 @@ import inspect
 
 import pytest
 import torch
-from conftest import random_prompt
 from torch.nn.attention.flex_attention import BlockMask
 
 from knapspec_dist.engine.generation import GenerationConfig
@@ -21,6 +20,8 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.step import block_mask_ops, length_block_mask
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+
+from conftest import random_prompt
 
 NAME = "llama-gqa"
 GREEDY = GenerationConfig(max_new_tokens=24, stop_at_eos=False)

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import random_prompt
-from faults import slow_measure
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import store
 from knapspec_dist.profiles.device import device_info
@@ -27,6 +25,8 @@ from knapspec_dist.runtime.coordinator import calibrates
 from knapspec_dist.speculation.factory import build_selector
 from knapspec_dist.speculation.options import parse_strategy
 
+from conftest import random_prompt
+from faults import slow_measure
 from models import make_checkpoint
 
 ray = pytest.importorskip("ray")

@@ -10,12 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import CONFIG_NAMES, random_prompt
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.speculation.options import format_skip
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.options import format_skip
+from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+
+from conftest import CONFIG_NAMES, random_prompt
 
 NO_EOS = dict(stop_at_eos=False)
 

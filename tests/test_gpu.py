@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompt
-from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 from knapspec_dist.cli.standalone import main
 from knapspec_dist.engine.generation import GenerationConfig
@@ -33,9 +31,12 @@ from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
-from knapspec_dist.tools.ties import TIE, check_divergence
 from knapspec_dist.tools.corpus import document_of_tokens
 from knapspec_dist.tools.gpucheck.correct import real_model
+from knapspec_dist.tools.ties import TIE, check_divergence
+
+from conftest import random_prompt
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@ from time import monotonic
 
 import pytest
 import torch
-from conftest import subprocess_env, without_ray
 
 from knapspec_dist.cli import gpu_check
 from knapspec_dist.cli.standalone import main
-from knapspec_dist.model.embedded import SmolLM2NotInstalledError
-from knapspec_dist.profiles.replay import ReplayTimer
 from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.model.embedded import SmolLM2NotInstalledError
 from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.profiles.replay import ReplayTimer
 from knapspec_dist.tools.gpucheck import batched, correct
 from knapspec_dist.tools.gpucheck import measure as M
 from knapspec_dist.tools.gpucheck import shapes as S
@@ -30,6 +29,8 @@ from knapspec_dist.tools.gpucheck.rows import (
     poisons,
     run_sections,
 )
+
+from conftest import subprocess_env, without_ray
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SECTIONS = ("decode", "verify", "draft", "backends", "pieces", "captures", "correctness",
@@ -222,7 +223,8 @@ def _check_doc(doc: dict) -> None:
     assert all(r["verdict"] != "BUG" for r in greedy)
     kind = doc["meta"]["device"]["kind"]
     assert {(r["dtype"], r["guarantee"]) for r in greedy} == {
-        ("fp32", "token-identical" if kind == "cpu" else "identical up to near-ties (fp32 on cuda)"),
+        ("fp32", "token-identical" if kind == "cpu"
+         else "identical up to near-ties (fp32 on cuda)"),
         ("bf16", f"identical up to near-ties (bf16 on {kind})")}
     spread = doc["correctness"]["spread"]  # bf16 decode / verify against one forward
     assert spread and all(r["status"] == "ok" and r["positions"] > 0 and

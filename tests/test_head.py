@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_prompt
 
 from knapspec_dist.model import decoder
 from knapspec_dist.model.decoder import LMHead, head_logits
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.parallel.layers import VocabParallelLMHead, layout
 from knapspec_dist.tools.ties import one_shot_logits
+
+from conftest import random_prompt
 
 BF16 = torch.bfloat16
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapspec_dist.engine.generation import GenerationConfig
@@ -18,6 +17,8 @@ from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+
+from conftest import random_prompt
 
 NAME = "llama-gqa"
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,

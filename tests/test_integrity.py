@@ -25,17 +25,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import fakes as t
-from conftest import subprocess_env
-
 from knapspec_dist.cli.job import add_job_args, config_from_args
 from knapspec_dist.errors import UserError
-from knapspec_dist.jobs import report
+from knapspec_dist.jobs import JobConfig, report, run_job
 from knapspec_dist.jobs.lease import LEASE_FILE, Lease, LeaseHeld
-from knapspec_dist.jobs import JobConfig, run_job
 from knapspec_dist.jobs.output import OutputDir, output_schema, result_row
 from knapspec_dist.runtime import backend as rb
 from knapspec_dist.runtime.dispatch import Dispatcher, Task
+
+import fakes as t
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 J = ["--model", "smollm2", "--max-new-tokens", "4", "--baseline-fraction", "0", "--strategy",

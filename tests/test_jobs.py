@@ -30,17 +30,16 @@ from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 from fakes import (
     BOS,
-    docs_of,
     FakeBackend,
     FakeEngines,
     FakeTokenizer,
+    ReplicaDied,
+    docs_of,
     job,
     read_rows,
-    ReplicaDied,
     run,
     write_input,
 )
-
 
 # ----------------------------------------------------------------------------- input: file level
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import fakes as t
-
 from knapspec_dist.errors import UserError
+
+import fakes as t
 
 
 def old_digest(ids, docs) -> str:

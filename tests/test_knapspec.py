@@ -30,8 +30,6 @@ from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 
-
-
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3-headdim", "llama-tied-llama3rope"])
 @pytest.mark.parametrize("variant", ["default", "coupled", "alpha", "once", "clasp"])
 def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):

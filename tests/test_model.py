@@ -11,10 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import CONFIG_NAMES, random_prompt
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, rope_frequencies
 from knapspec_dist.model.step import make_step
+
+from conftest import CONFIG_NAMES, random_prompt
 
 TOL = 1e-4
 # Long enough that positions run past original_max_position_embeddings=256 of the llama3

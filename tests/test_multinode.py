@@ -14,11 +14,12 @@ import dataclasses
 import pyarrow.parquet as pq
 import pytest
 import ray
-import fakes as t
 from ray.cluster_utils import Cluster
 
 from knapspec_dist.jobs import JobConfig, run_job
 from knapspec_dist.runtime.ray_engine import RayEngine
+
+import fakes as t
 
 ROWS = 24
 

@@ -8,11 +8,12 @@ import random
 
 import pytest
 import torch
+from test_generate import with_eos
+from test_scheduler import STRATEGIES
 
-from conftest import random_prompt
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.model_runner import ModelRunner, prefill
 from knapspec_dist.engine.memory import parse_size
+from knapspec_dist.engine.model_runner import ModelRunner, prefill
 from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import Scheduler
@@ -21,9 +22,9 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 from knapspec_dist.speculation.autoregressive import Autoregressive
-from test_generate import with_eos
+
+from conftest import random_prompt
 from synthetic import LINEAR_ATTENTION, synthetic_profile
-from test_scheduler import STRATEGIES
 
 NAME = "llama-gqa"
 LENGTHS = (9, 70, 23, 140, 4, 51, 33)

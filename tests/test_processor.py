@@ -10,8 +10,8 @@ import ray
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
-from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.processor import ProcessorConfig, build_processor
+from knapspec_dist.runtime.ray_engine import RayEngine
 
 DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich.",
         "A single man in possession of a good fortune."]

@@ -12,8 +12,7 @@ import pytest
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.weights import load_model
-from knapspec_dist.profiles import LatencyProfile
-from knapspec_dist.profiles import store
+from knapspec_dist.profiles import LatencyProfile, store
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.runtime.messages import ReplicaInfo
 

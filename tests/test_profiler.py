@@ -12,11 +12,11 @@ import torch
 import torch.multiprocessing as mp
 
 from knapspec_dist.cli.main import main
+from knapspec_dist.cli.profile import parse_contexts
+from knapspec_dist.errors import UserError
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import LatencyProfile
-from knapspec_dist.cli.profile import parse_contexts
 from knapspec_dist.profiles.profiler import fill_cache, measure, measure_allreduce
-from knapspec_dist.errors import UserError
 
 from models import make_checkpoint
 

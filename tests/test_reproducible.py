@@ -17,9 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import subprocess_env
 
 from knapspec_dist.cli.main import main
+
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLED = ["--temperature", "0.8", "--seed", "7", "--max-new-tokens", "12"]

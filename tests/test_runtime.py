@@ -16,13 +16,14 @@ import os
 
 import pytest
 
-from conftest import random_prompt
-from synthetic import drafting_profile
-from faults import RankOneDiesAtSetup
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.runtime import replica
 from knapspec_dist.runtime.messages import MeasureOptions
 from knapspec_dist.speculation.options import StrategyOptions
+
+from conftest import random_prompt
+from faults import RankOneDiesAtSetup
+from synthetic import drafting_profile
 
 ray = pytest.importorskip("ray")
 
@@ -78,8 +79,8 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
             if i:
                 engine.reconfigure(StrategyOptions(name=name, **options))
             if name == "ar":  # a bad row fails on every rank alike; the replica lives on
-                from knapspec_dist.errors import UserError
                 from knapspec_dist.engine.generation import GenerationConfig
+                from knapspec_dist.errors import UserError
 
                 too_long = [5] * model.cfg.max_position_embeddings
                 with pytest.raises(UserError, match="context window"):
@@ -108,10 +109,10 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
 
 
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
+    from knapspec_dist.engine.generation import GenerationConfig
     from knapspec_dist.errors import UserError
     from knapspec_dist.model.tokenizer import encode
     from knapspec_dist.runtime import RayEngine
-    from knapspec_dist.engine.generation import GenerationConfig
 
     texts = ["The capital of France is", "One, two, three,", "Water boils at",
              "The quick brown fox", "In the beginning"]

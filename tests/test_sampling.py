@@ -17,20 +17,33 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from knapspec_dist.model.cache import KVCache
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.sampling import (
+    G_MAX,
+    SamplingConfig,
+    accept,
+    choose,
+    confidence,
+    gumbel,
+    gumbel_of_bits,
+    probabilities,
+    row_seed,
+    sample,
+    sample_everywhere,
+)
+from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.weights import load_model
-from knapspec_dist.engine.sampling import (G_MAX, SamplingConfig, accept, choose, confidence,
-                                           gumbel, gumbel_of_bits, probabilities, row_seed,
-                                           sample, sample_everywhere)
 from knapspec_dist.speculation import selfspec
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.scheduler import generate
 
 ALPHA = 1e-3
 Z_ALPHA = 3.0902  # standard normal upper 1e-3 quantile

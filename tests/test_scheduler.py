@@ -8,20 +8,20 @@ import logging
 
 import pytest
 
-from conftest import random_prompt
-from knapspec_dist.model.cache import KVCache
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.sequence import Batch, Row, row_capacity
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
-from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.engine.sequence import Batch, Row
-from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.speculation import tpt
+from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
 from knapspec_dist.speculation.schedule import Frontier
-from knapspec_dist.engine.scheduler import Scheduler
-from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
+
+from conftest import random_prompt
 from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"

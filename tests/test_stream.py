@@ -20,12 +20,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from stub_engine import StubBackend, StubEngines
 
 from knapspec_dist.jobs import JobConfig, run_job
 from knapspec_dist.jobs.runner import LOCAL_ROWS
 from knapspec_dist.runtime.stages import Stage
 from knapspec_dist.runtime.stream import stream_batches
+
+from stub_engine import StubBackend, StubEngines
 
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stage class travels

@@ -14,8 +14,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import fakes as t
-
 from knapspec_dist.jobs.baseline import baseline_ids, choose_baseline
 from knapspec_dist.jobs.output import (
     BASELINE,
@@ -27,6 +25,8 @@ from knapspec_dist.jobs.output import (
 )
 from knapspec_dist.jobs.resume import read_done
 from knapspec_dist.jobs.summary import COLUMNS, summarize
+
+import fakes as t
 
 
 def _close(a, b, path="summary"):

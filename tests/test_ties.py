@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import random_prompt
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
@@ -36,6 +35,8 @@ from knapspec_dist.tools.ties import (
     spacing,
     tolerance,
 )
+
+from conftest import random_prompt
 
 BF16 = torch.bfloat16
 FP32 = torch.float32

@@ -19,11 +19,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import random_prompt
-from synthetic import drafting_profile
 from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.scheduler import generate
+
+from conftest import random_prompt
 from models import hf_model, make_checkpoint
+from synthetic import drafting_profile
 
 WORLD = 2
 NEW = 16
@@ -39,11 +40,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _strategies(model):
     """name -> strategy; self-speculative ones made SPMD-safe (plans broadcast from rank 0)."""
-    from knapspec_dist.speculation.spmd import spmd_strategy
     from knapspec_dist.speculation.autoregressive import Autoregressive
-    from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
     from knapspec_dist.speculation.factory import build_strategy
     from knapspec_dist.speculation.options import StrategyOptions
+    from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
+    from knapspec_dist.speculation.spmd import spmd_strategy
 
     knapspec = build_strategy(StrategyOptions(name="knapspec", interval=8, tau_conf=0.0),
                               model, [drafting_profile()])
@@ -55,9 +56,8 @@ def _strategies(model):
 
 def _run_model(model) -> dict:
     """Logits of a prefill + cached decode steps, and greedy tokens of every strategy."""
-    from knapspec_dist.model.cache import KVCache
-    from knapspec_dist.model.cache import kv_heads
     from knapspec_dist.engine.generation import GenerationConfig
+    from knapspec_dist.model.cache import KVCache, kv_heads
 
     out: dict = {}
     cache = KVCache(model.cfg, 1, 32, dtype=model.dtype, device="cpu", kv_heads=kv_heads(model))
@@ -232,8 +232,12 @@ def _memory_worker(rank: int, world: int, port: int, big: str, warm: str, out: s
     import gc
 
     torch.set_num_threads(1)
-    from knapspec_dist.parallel import (destroy_distributed, init_distributed, load_sharded,
-                                        parameter_bytes)
+    from knapspec_dist.parallel import (
+        destroy_distributed,
+        init_distributed,
+        load_sharded,
+        parameter_bytes,
+    )
 
     if world > 1:
         init_distributed(rank, world, "127.0.0.1", port)
@@ -283,7 +287,8 @@ def test_per_rank_memory_is_a_tp_share_of_the_weights(memory_reports):
             f"rank {rank} peaked at {rep['peak'] / mib:.0f} MiB, 1/tp is {share / mib:.0f} MiB"
     print(f"\nweights {total / mib:.0f} MiB; tp=1 rss +{single['rss'] / mib:.0f} MiB; tp=2 per "
           f"rank: params {reports[WORLD][0]['params'] / mib:.0f} MiB, rss "
-          f"+{reports[WORLD][0]['rss'] / mib:.0f} MiB, peak +{reports[WORLD][0]['peak'] / mib:.0f} MiB")
+          f"+{reports[WORLD][0]['rss'] / mib:.0f} MiB, "
+          f"peak +{reports[WORLD][0]['peak'] / mib:.0f} MiB")
 
 
 def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():

@@ -28,14 +28,16 @@ def test_search_equals_brute_force(seed: int) -> None:
     verify = lambda q: c0 + c1 * q  # noqa: E731
     max_gamma, allow_ar = rng.randint(1, 10), rng.random() < 0.7
     choice = search(alphas, draft_times, verify, max_gamma=max_gamma, allow_ar=allow_ar)
-    assert choice.tokens_per_time == pytest.approx(brute_force(alphas, draft_times, verify, max_gamma, allow_ar))
+    assert choice.tokens_per_time == pytest.approx(
+        brute_force(alphas, draft_times, verify, max_gamma, allow_ar))
     if choice.candidate is None:
         assert choice.gamma == 0 and allow_ar
     else:
         assert 1 <= choice.gamma <= max_gamma
         a, t = alphas[choice.candidate], draft_times[choice.candidate]
         g = choice.gamma
-        assert choice.tokens_per_time == pytest.approx(expected_tokens(a, g) / (g * t + verify(g + 1)))
+        assert choice.tokens_per_time == pytest.approx(
+            expected_tokens(a, g) / (g * t + verify(g + 1)))
 
 
 def test_autoregressive_wins_when_verification_is_expensive_and_alpha_low() -> None:

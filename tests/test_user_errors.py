@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent

@@ -33,7 +33,6 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.store import resolve_profile
 from knapspec_dist.speculation.factory import build_strategy
-from knapspec_dist.tools.ties import Divergence
 from knapspec_dist.tools.bench import findings
 from knapspec_dist.tools.bench.compare import bugs, compare_strategies
 from knapspec_dist.tools.bench.plots import plot_bench, plot_findings
@@ -46,6 +45,7 @@ from knapspec_dist.tools.bench.report import (
     write_markdown,
 )
 from knapspec_dist.tools.bench.specs import NamedStrategy, parse_strategies
+from knapspec_dist.tools.ties import Divergence
 
 log = logging.getLogger(__name__)
 

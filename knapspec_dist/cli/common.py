@@ -77,7 +77,8 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4, help="static / clasp draft length")
     p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
     p.add_argument("--profile", default=None, help="latency profile JSON (knapspec, clasp)")
-    p.add_argument("--interval", type=int, default=64, help="tokens between re-selections (knapspec:paper: rounds)")
+    p.add_argument("--interval", type=int, default=64,
+                   help="tokens between re-selections (knapspec:paper: rounds)")
     p.add_argument("--coupled", action="store_true", help="skip attention+MLP of a layer together")
     p.add_argument("--objective", default="tpt", choices=["tpt", "alpha"])
     p.add_argument("--select-once", action="store_true", help="select after prefill only")

@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from knapspec_dist.engine.buckets import padded_forward
-from knapspec_dist.model.attention import default_backend
 from knapspec_dist.engine.pages import Paging
+from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache
-from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.step import make_step
 from knapspec_dist.model.transfer import upload
 

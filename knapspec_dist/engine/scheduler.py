@@ -3,13 +3,13 @@ makes room for the next at once.
 
 Each ``step``: admit waiting rows into free slots and prefill them, one at a time at the slot
 after the decoding rows (with a paged cache, a row also waits until the free pages cover all it
-can need, engine/pages.py; first come, first served, so the order is the same every run), up to ``prefill_chunk`` prompt tokens per step (a long prompt is cut
-into chunks across steps, so it never stalls the decoding rows for its whole prefill; short
-ones are admitted several per step); then one round of the strategy over every decoding row;
-then retire the rows that finished. The chunks are the same whether or not other rows decode,
-so a row's prefill never depends on its neighbours, and a job's progress sees a long prompt's
-prefill chunk by chunk.
-Every strategy runs through this loop, batch 1 included.
+can need, engine/pages.py; first come, first served, so the order is the same every run), up to
+``prefill_chunk`` prompt tokens per step (a long prompt is cut into chunks across steps, so it
+never stalls the decoding rows for its whole prefill; short ones are admitted several per step);
+then one round of the strategy over every decoding row; then retire the rows that finished. The
+chunks are the same whether or not other rows decode, so a row's prefill never depends on its
+neighbours, and a job's progress sees a long prompt's prefill chunk by chunk. Every strategy
+runs through this loop, batch 1 included.
 
 Throughput (``Throughput``): tokens emitted over the wall time from the first admission to the
 last finish, and the same over the time spent in decoding rounds only (prefill excluded).

@@ -50,8 +50,8 @@ from knapspec_dist.jobs.termination import (
 from knapspec_dist.model.precision import guarantee
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
-from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.speculation.options import StrategyOptions
 
 __all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "load_text_tools",

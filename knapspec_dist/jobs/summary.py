@@ -70,7 +70,8 @@ def bucket_of(n: int) -> tuple[float, float]:
 
 #: Row errors by kind: the messages carry numbers (token counts, attempts), the kinds do not.
 _KINDS = [
-    (re.compile(r"prompt has \d+ tokens; with --max-new-tokens"), "prompt too long for the context window"),
+    (re.compile(r"prompt has \d+ tokens; with --max-new-tokens"),
+     "prompt too long for the context window"),
     (re.compile(r"prompt has \d+ tokens and cannot be cut"), "prompt too long to truncate"),
     (re.compile(r"replica failed \d+ time"), "replica failed while generating"),
     (re.compile(r"('[^']*') is (null|empty)$"), None),  # the message is its kind

@@ -21,8 +21,9 @@ Backends, one per device kind, pinned rather than left to a library default:
   Its shapes are static (all ``capacity`` keys, lengths in the block mask), so the same call
   is captured in CUDA graphs; the batch and head dims are integers in the compiled graph (the
   flex-decoding kernel needs them), and the runner pads the batch to a power of two
-  (engine/buckets.py), so continuous batching compiles a few kernels, not one per batch size. cuDNN attention, the CUDA default for bf16, rebuilt a plan for
-  every new key length: 2.75x slower decoding at 4k on an H200 (docs/gpu-measurements.md).
+  (engine/buckets.py), so continuous batching compiles a few kernels, not one per batch size.
+  cuDNN attention, the CUDA default for bf16, rebuilt a plan for every new key length: 2.75x
+  slower decoding at 4k on an H200 (docs/gpu-measurements.md).
 - ``sdpa`` also runs on CUDA (flash / memory-efficient kernels only, never cuDNN), as the
   fallback and the comparison that ``knapspec gpu-check`` measures.
 """

@@ -129,7 +129,8 @@ def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     backend = model.backend or default_backend(model.device)
     if isinstance(starts, torch.Tensor):
         if starts.dim() != 1:
-            raise ValueError(f"starts must be one position per row, got shape {tuple(starts.shape)}")
+            raise ValueError("starts must be one position per row, got shape "
+                             f"{tuple(starts.shape)}")
         starts_dev, kv_len, start, causal = starts, cache.capacity, None, False
     else:
         starts = list(starts)

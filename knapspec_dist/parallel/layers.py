@@ -13,8 +13,9 @@ its slice and all-reduces, the lm_head computes its slice of the logits and all-
 Loading (parallel/loading.py) goes through ``model.weights.load_model(dir, slicer=...,
 prepare=...)``: ``prepare`` (``shard_modules``) swaps the meta model's modules for their local
 shapes, the slicer reads only this rank's slice of each sharded tensor with safetensors
-``get_slice`` (never the whole tensor); norms are replicated. ``model.cfg`` keeps the GLOBAL shape (profiles are keyed by it); the local head
-counts live on each ``Attention`` and in ``model.tp``; caches take ``kv_heads=local_kv_heads``.
+``get_slice`` (never the whole tensor); norms are replicated. ``model.cfg`` keeps the GLOBAL
+shape (profiles are keyed by it); the local head counts live on each ``Attention`` and in
+``model.tp``; caches take ``kv_heads=local_kv_heads``.
 
 SPMD determinism: every rank starts from the same embedding (an all-reduce of one non-zero
 slice and zeros, exact) and every sublayer output is all-reduced, so the hidden states are the

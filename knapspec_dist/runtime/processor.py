@@ -41,8 +41,8 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome
-from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.prompts import TokenizeStage, load_text_tools, make_builder
+from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.stages import (
     RESULT_FIELDS,

@@ -67,7 +67,8 @@ class StageEvaluator(Protocol):
 
     def evaluate(self, item: int, sources: list[int], execute: bool) -> list[float]:
         """Value (e.g. mean cosine vs the full model after `item`) of the states obtained from the
-        stage-(item-1) states at budgets `sources` by executing (execute=True) or skipping item `item`.
+        stage-(item-1) states at budgets `sources` by executing (execute=True) or skipping item
+        `item`.
         One call per (item, execute) so the caller can run all budgets in one batched forward."""
         ...
 
@@ -121,7 +122,8 @@ def solve(
     for item, weight in enumerate(weights):
         if not values:
             return []  # no state can reach a useful budget: nothing left to evaluate
-        moves = _moves(item, weights, values, cap=cap, skippable=item not in forced, coupled=coupled)
+        moves = _moves(item, weights, values, cap=cap, skippable=item not in forced,
+                       coupled=coupled)
         scored = _score(item, moves, evaluator)
         chosen, values = _select(moves, scored, tau)
         for s in [s for s in chosen if _reach(s, item, weights, ahead) < useful_from]:
@@ -160,7 +162,8 @@ def _reach(state: int, item: int, weights: list[int], ahead: list[int]) -> int:
     return -state - 1 + weights[item] + ahead[item + 1]
 
 
-def _check(weights: list[int], max_skip_fraction: float, always_execute: Collection[int], coupled: bool) -> None:
+def _check(weights: list[int], max_skip_fraction: float, always_execute: Collection[int],
+           coupled: bool) -> None:
     """Reject inputs the DP cannot represent (a zero weight would make skip and execute collide)."""
     if any(w < 1 for w in weights):
         raise ValueError(f"weights must be integers >= 1, got {weights}")
@@ -174,7 +177,8 @@ def _check(weights: list[int], max_skip_fraction: float, always_execute: Collect
 
 
 def _moves(
-    item: int, weights: list[int], values: dict[int, float], *, cap: int, skippable: bool, coupled: bool
+    item: int, weights: list[int], values: dict[int, float], *, cap: int, skippable: bool,
+    coupled: bool
 ) -> list[_Move]:
     """All transitions out of the previous stage's states into stage `item`."""
     w = weights[item]
@@ -196,7 +200,8 @@ def _moves(
     return moves
 
 
-def _score(item: int, moves: list[_Move], evaluator: StageEvaluator) -> dict[tuple[int, bool], float]:
+def _score(item: int, moves: list[_Move],
+           evaluator: StageEvaluator) -> dict[tuple[int, bool], float]:
     """One evaluate call per (item, execute) with every source batched."""
     scored: dict[tuple[int, bool], float] = {}
     for execute in (True, False):
@@ -205,7 +210,8 @@ def _score(item: int, moves: list[_Move], evaluator: StageEvaluator) -> dict[tup
             continue
         out = list(evaluator.evaluate(item, sources, execute))
         if len(out) != len(sources):
-            raise ValueError(f"evaluate(item={item}) returned {len(out)} values for {len(sources)} sources")
+            raise ValueError(f"evaluate(item={item}) returned {len(out)} values for "
+                             f"{len(sources)} sources")
         for s, v in zip(sources, out):
             v = float(v)
             scored[(s, execute)] = -math.inf if math.isnan(v) else v

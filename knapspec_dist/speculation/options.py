@@ -40,7 +40,8 @@ def parse_skip(text: str, num_layers: int) -> frozenset[int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"([am])(\d+)", part)
         if not m:
-            raise UserError(f"invalid skip entry {part!r}: expected a<layer> or m<layer>, e.g. a3,m7")
+            raise UserError(f"invalid skip entry {part!r}: expected a<layer> or m<layer>, "
+                            "e.g. a3,m7")
         layer = int(m.group(2))
         if layer >= num_layers:
             raise UserError(f"skip entry {part!r}: the model has layers 0..{num_layers - 1}")
@@ -66,7 +67,8 @@ def check_options(options: StrategyOptions, cfg) -> None:
     if options.calibrate is not None and options.name != "knapspec":
         raise UserError(f"calibration is a knapspec option, not one of {options.name}")
     if options.paper and options.name != "knapspec":
-        raise UserError(f"'paper' is a knapspec variant (knapspec:paper), not one of {options.name}")
+        raise UserError("'paper' is a knapspec variant (knapspec:paper), not one of "
+                        f"{options.name}")
     if options.paper and options.interval < PAPER_MIN_INTERVAL:
         raise UserError(f"knapspec:paper re-selects every interval rounds, gathering rounds 2-6 "
                         f"of each: the interval must be >= {PAPER_MIN_INTERVAL}, got "

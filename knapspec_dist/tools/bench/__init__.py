@@ -12,8 +12,8 @@ compared, and each divergence classified by the full model's logit gap
 ``ar``'s token, untimed, and the comparison goes on): a near-tie (bf16 kernels flipping an
 argmax between two nearly equal logits) is reported and recorded with its margin; anything
 else, and any mismatch in fp32 on a CPU, is a BUG (reported, recorded in the results, exit
-status 1). The report gives near-ties per 1,000 tokens and the bound's false-acceptance rate. ``ar`` is always run, as the
-reference, even when not listed.
+status 1). The report gives near-ties per 1,000 tokens and the bound's false-acceptance rate.
+``ar`` is always run, as the reference, even when not listed.
 
 Strategy specs (comma-separated in ``--strategies``):
 

@@ -202,7 +202,8 @@ def sampling_line(sampling: dict | None) -> str:
 
 
 def machine(device: str) -> dict:
-    info = {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "device": device}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()

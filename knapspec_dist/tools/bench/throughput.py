@@ -32,8 +32,8 @@ from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.tools.ties import check_divergence
 from knapspec_dist.tools.bench.prompts import build_prompts
+from knapspec_dist.tools.ties import check_divergence
 
 log = logging.getLogger(__name__)
 
