@@ -71,6 +71,7 @@ def test_ar_greedy_equals_transformers_generate(name, engine_model, hf_reference
         assert got.token_ids == hf_greedy(ref, prompt, NEW), (name, len(prompt))
 
 
+@pytest.mark.e2e
 def test_ar_greedy_equals_transformers_generate_smollm2(smollm2, smollm2_hf, corpus_prompt):
     got = ar(smollm2.model, [corpus_prompt], NEW, **NO_EOS)[0]
     assert got.token_ids == hf_greedy(smollm2_hf, corpus_prompt, NEW)

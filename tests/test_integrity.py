@@ -329,6 +329,7 @@ def two_jobs(twelve_rows, tmp_path_factory):
     return out, first, (stdout, stderr), second
 
 
+@pytest.mark.e2e
 def test_two_jobs_into_one_output_write_every_row_once(two_jobs):
     out, first, (stdout, stderr), second = two_jobs
     assert first.returncode == 0, stderr[-3000:]
@@ -343,6 +344,7 @@ def test_two_jobs_into_one_output_write_every_row_once(two_jobs):
     assert not (out / LEASE_FILE).exists()  # released at the end
 
 
+@pytest.mark.e2e
 def test_a_rerun_counts_a_copied_part_once_and_takes_over_a_dead_processs_lease(
         two_jobs, twelve_rows, tmp_path):
     """The finished output with a copy of one part file and the lease of a process that is
@@ -366,6 +368,7 @@ def test_a_rerun_counts_a_copied_part_once_and_takes_over_a_dead_processs_lease(
     assert not (out / LEASE_FILE).exists()
 
 
+@pytest.mark.e2e
 def test_max_num_seqs_beyond_memory_is_refused_before_any_replica_starts(twelve_rows, tmp_path):
     small = tmp_path / "two.parquet"
     pq.write_table(pq.read_table(twelve_rows).slice(0, 2), small)

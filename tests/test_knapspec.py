@@ -60,6 +60,7 @@ def test_knapspec_greedy_equals_ar_on_test_models(engine_model, name, variant):
         assert selector.fallbacks == 0
 
 
+@pytest.mark.e2e
 def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
     model = smollm2.model
     # A full forward priced far above its sublayers: drafting pays clearly, so the test does

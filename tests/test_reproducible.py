@@ -51,6 +51,7 @@ def docs(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.e2e
 def test_seeded_job_rows_do_not_depend_on_batching_replicas_or_resume(docs, tmp_path):
     """The same seeded job two ways, the same rows: one row at a time over two replicas, and
     four rows batched on one replica, stopped after two rows and resumed."""

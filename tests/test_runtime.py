@@ -108,6 +108,7 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
     assert leftovers() == []
 
 
+@pytest.mark.e2e
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
     from knapspec_dist.engine.generation import GenerationConfig
     from knapspec_dist.errors import UserError

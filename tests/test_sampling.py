@@ -205,6 +205,7 @@ def test_sampling_at_a_152k_vocabulary_fits_the_warped_distribution():
     assert_fits(tokens, support, "152k vocabulary, top-p 0.9")
 
 
+@pytest.mark.e2e
 def test_a_million_draws_stay_inside_the_support():
     """10^6 draws at a 512-token vocabulary, a third each with top-p, top-k and both: not one
     outside the support (a 2^-24-per-token leak gives ~30 here)."""
