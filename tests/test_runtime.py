@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.runtime import cluster as ray_cluster
 from knapspec_dist.runtime import replica
 from knapspec_dist.runtime.messages import MeasureOptions
 from knapspec_dist.speculation.options import StrategyOptions
@@ -199,3 +201,17 @@ def test_cli_profile_tp2_measures_the_allreduce(cluster, checkpoints, tmp_path, 
     assert profile.tp == 2 and profile.allreduce > 0 and profile.samples["allreduce"]
     assert "all-reduce per sublayer" in capsys.readouterr().out
     assert leftovers() == []
+
+
+@pytest.mark.parametrize("message, level", [
+    ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...",
+     logging.INFO),
+    ("Token authentication is disabled for this Ray cluster. Anyone with network ...",
+     logging.WARNING),
+])
+def test_rays_token_auth_default_is_info_and_its_disabled_warning_stays(message, level):
+    """The demo printed Ray's "Token authentication is enabled" as its one WARNING line."""
+    record = logging.LogRecord(ray_cluster.RAY_AUTH_LOG, logging.WARNING, __file__, 1, message,
+                               None, None)
+    ray_cluster._AUTH_FILTER.filter(record)
+    assert record.levelno == level and record.levelname == logging.getLevelName(level)

@@ -36,6 +36,27 @@ _HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.d
                torch.ops.aten.is_nonzero.default}
 
 
+class EagerGraph:
+    """A graph stand-in: records the forward and re-runs it on replay (CPU tests). It runs the
+    forward while "capturing", unlike CUDA: tests of capture order use ``EmulatedGraph``."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> None:
+        out = self.fn()
+        _copy_into(self.output, out)
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    else:
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
 class CaptureError(RuntimeError):
     """Something CUDA does not allow inside a graph capture."""
 

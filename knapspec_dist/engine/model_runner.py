@@ -22,9 +22,9 @@ use runs the forward eagerly once (warm-up: it writes the same K/V the replay th
 captures, then replays.
 
 On a CPU there are no graphs and the runner calls the model (``graphs=False``); tests run the
-same static-shape path on a CPU through ``EagerGraph``, which re-runs the recorded forward on
-replay (fast), or ``engine.capture.EmulatedGraph``, which captures as CUDA does: nothing runs
-during a capture and its outputs hold poison until the first replay.
+same static-shape path on a CPU through ``engine.capture.EagerGraph``, which re-runs the
+recorded forward on replay (fast), or ``engine.capture.EmulatedGraph``, which captures as CUDA
+does: nothing runs during a capture and its outputs hold poison until the first replay.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from knapspec_dist.engine.buckets import padded_forward
+from knapspec_dist.engine.capture import EagerGraph
 from knapspec_dist.engine.pages import Paging
 from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache
@@ -48,27 +49,6 @@ log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 256
 CAPACITY_STEP = 256  # capacities round up to this (two flex key blocks), not to powers of two
-
-
-class EagerGraph:
-    """A graph stand-in: records the forward and re-runs it on replay (CPU tests). It runs the
-    forward while "capturing", unlike CUDA: tests of capture order use ``EmulatedGraph``."""
-
-    def __init__(self, fn: Callable[[], object]):
-        self.fn = fn
-        self.output = fn()
-
-    def replay(self) -> None:
-        out = self.fn()
-        _copy_into(self.output, out)
-
-
-def _copy_into(dst, src) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    else:
-        for d, s in zip(dst, src):
-            _copy_into(d, s)
 
 
 class CudaGraph:

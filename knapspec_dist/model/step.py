@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapspec_dist.model.attention import FLEX_BLOCK, canonical, default_backend
 from knapspec_dist.model.transfer import upload
 
 # Torch 2.11 and later can skip the backward (q) indices of a BlockMask, which inference never
-# reads: about a third of the ops of building one (``block_mask_ops``).
+# reads: about a third of the ops of building one (gpu-check's ``block_mask_ops``).
 SKIP_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -65,7 +64,8 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
     last key is visible to the block's first query, ``(kb+1)*BS - 1 <= start + qb*BS``; the
     blocks from there up to the one holding the block's last visible key
     ``start + min((qb+1)*BS, T) - 1`` are partial (mask_mod decides); later blocks are skipped.
-    ``q_blocks``: also build the backward's indices (only ``block_mask_ops`` asks, to compare).
+    ``q_blocks``: also build the backward's indices (only gpu-check's ``block_mask_ops`` asks,
+    to compare).
     """
     starts = canonical(starts)  # a view into a round's packed upload: one stride, one guard
     q_blocks_n, kv_blocks = -(-t // block), -(-kv_len // block)
@@ -89,31 +89,6 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
         partial[:, None].to(i32), partial_idx[:, None].to(i32),
         full[:, None].to(i32), full_idx[:, None].to(i32),
         BLOCK_SIZE=block, mask_mod=causal_to_end, seq_lengths=(t, kv_len), **skip)
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched under it (each one a kernel launch on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def block_mask_ops(device: torch.device | str, batch: int = 4, t: int = 1,
-                   kv_len: int = 4096) -> dict:
-    """Aten ops of one ``length_block_mask`` with and without the backward (q) indices: what
-    ``compute_q_blocks=False`` saves per forward (gpu-check reports it on the GPU)."""
-    starts = torch.arange(batch, device=device) * 37 % max(1, kv_len - t)
-    counts = {}
-    for name, q_blocks in (("with_q_blocks", True), ("without_q_blocks", not SKIP_Q_BLOCKS)):
-        with torch.inference_mode(), _OpCounter() as counter:
-            length_block_mask(starts, t, kv_len, q_blocks=q_blocks)
-        counts[name] = counter.ops
-    return {**counts, "compute_q_blocks_supported": SKIP_Q_BLOCKS}
 
 
 def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,

@@ -15,12 +15,38 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapspec_dist.model.attention import BACKENDS, default_backend
-from knapspec_dist.model.step import SKIP_Q_BLOCKS, block_mask_ops, length_block_mask
+from knapspec_dist.model.step import SKIP_Q_BLOCKS, length_block_mask
 from knapspec_dist.tools.gpucheck import shapes as S
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import ShapeCheck, release
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (each one a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def block_mask_ops(device: torch.device | str, batch: int = 4, t: int = 1,
+                   kv_len: int = 4096) -> dict:
+    """Aten ops of one ``length_block_mask`` with and without the backward (q) indices: what
+    ``compute_q_blocks=False`` saves per forward (gpu-check reports it on the GPU)."""
+    starts = torch.arange(batch, device=device) * 37 % max(1, kv_len - t)
+    counts = {}
+    for name, q_blocks in (("with_q_blocks", True), ("without_q_blocks", not SKIP_Q_BLOCKS)):
+        with torch.inference_mode(), _OpCounter() as counter:
+            length_block_mask(starts, t, kv_len, q_blocks=q_blocks)
+        counts[name] = counter.ops
+    return {**counts, "compute_q_blocks_supported": SKIP_Q_BLOCKS}
 
 
 def backends(check: ShapeCheck, section: Section) -> None:
