@@ -32,7 +32,7 @@ def dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("KNAPSPEC_PROFILES", str(tmp_path / "repo-profiles"))
     monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "cache"))
     # Timings of a tiny model on a shared CI machine disagree between repeats; these tests
-    # are about where profiles are kept, not about the busy-machine rule (test_presentation).
+    # are about where profiles are kept, not about the busy-machine rule (test_profile_checks).
     monkeypatch.setenv("KNAPSPEC_PROFILE_MAX_SPREAD", "inf")
     return tmp_path / "repo-profiles", tmp_path / "cache"
 

@@ -1,8 +1,8 @@
 """User-facing behaviours, run as the user runs them (``knapspec job`` / ``knapspec
 generate`` in a fresh process, as tests/test_bad_setups.py does): SIGTERM and SIGINT to a
 running job, a non-UTF-8 prompt file.  Invalid UTF-8 in an input row is checked by
-tests/test_bad_setups.py's job (one job for both); the unit tests of profile validation and of the
-demo's presentation are in tests/test_presentation.py.
+tests/test_bad_setups.py's job (one job for both); the unit tests of profile validation are
+in tests/test_profile_checks.py, those of a job's report in tests/test_job_report.py.
 """
 
 from __future__ import annotations
