@@ -78,6 +78,7 @@ def rows_on_disk(out: Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- jobs
 
+@pytest.mark.e2e
 def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, capsys):
     """Cases 2, 1 and 8: a failed start (bad --model, --gamma 0) blocks nothing; the corrected
     job runs; the same output folder then refuses another input and stays untouched; the
@@ -153,6 +154,7 @@ def corrupt_model(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.e2e
 def test_corrupt_weights_are_one_error_line_naming_the_file(tmp_path, corrupt_model):
     """Case 6, from ``knapspec generate`` and from the job (before any Ray starts)."""
     name = str(corrupt_model / "model.safetensors")
@@ -165,6 +167,7 @@ def test_corrupt_weights_are_one_error_line_naming_the_file(tmp_path, corrupt_mo
     assert not (out / "job.json").exists()
 
 
+@pytest.mark.e2e
 def test_cuda_on_a_cluster_without_gpus_fails_in_seconds(tmp_path):
     """Case 7: the job checks the cluster's GPUs before waiting for a placement group."""
     import torch
@@ -208,6 +211,7 @@ def test_a_malformed_profile_is_one_error_line(tmp_path, capsys, edit, message):
               "is malformed", message)
 
 
+@pytest.mark.e2e
 def test_a_profile_of_another_model_shape_is_refused(tmp_path):
     """Case 5: the committed profile edited to 4 layers cannot price the 30-layer SmolLM2."""
     path = _edited_profile(tmp_path, lambda d: {**d, "model": {**d["model"], "layers": 4}})

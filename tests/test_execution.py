@@ -164,6 +164,7 @@ def test_block_mask_skips_the_backward_indices_where_torch_can():
     assert length_block_mask(torch.tensor([4]), 2, 512, q_blocks=True).q_indices is not None
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_flex_backend_matches_sdpa_on_cpu(engine_model):
     """The CUDA backend's program (compiled flex_attention with the length block mask, all

@@ -130,6 +130,7 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.mark.e2e
 def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_out(
         dirs, cluster, checkpoint, model, monkeypatch):
     """The start must not measure (the shards' measurement outlasts the start-up timeout:

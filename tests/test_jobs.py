@@ -447,6 +447,7 @@ except JobTerminated:
 """
 
 
+@pytest.mark.e2e
 def test_sigterm_writes_the_finished_rows_before_exiting(tmp_path):
     import signal
     import subprocess

@@ -79,6 +79,7 @@ def test_knapspec_greedy_equals_ar_on_smollm2(smollm2, corpus_prompt):
     assert sum(r.stats.drafted for r in results) > 0
 
 
+@pytest.mark.e2e
 def test_reselection_skips_more_attention_as_context_grows(smollm2, corpus_prompt, monkeypatch):
     """Attention nearly free at the first selection (m tokens after the prompt), ten times an
     MLP 130 tokens later: the first selection skips MLPs, later ones skip attention."""

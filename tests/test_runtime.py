@@ -152,6 +152,7 @@ def _dead_actor(exc: BaseException) -> bool:
     return False
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["indivisible", "missing", "rank-dies", "unplaceable"])
 def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case,
                                                monkeypatch):

@@ -65,6 +65,7 @@ def stream(paths, batch_rows=16):
                           batch_rows=batch_rows, block_bytes=1 << 10)
 
 
+@pytest.mark.e2e
 def test_every_row_once_in_tables_of_at_most_batch_rows(cluster, tmp_path):
     paths = files(tmp_path / "in", 3, 150)
     tables = list(stream(paths))
@@ -73,6 +74,7 @@ def test_every_row_once_in_tables_of_at_most_batch_rows(cluster, tmp_path):
     assert sorted(ids) == sorted(f"{f}-{i}" for f in range(3) for i in range(150))
 
 
+@pytest.mark.e2e
 def test_an_early_stop_leaves_no_thread_of_the_iteration_running(cluster, tmp_path):
     paths = files(tmp_path / "in", 3, 300)
     list(stream(paths[:1]))  # Ray Data's own lasting threads, if any, start here

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import subprocess_env
 
@@ -96,6 +97,7 @@ def test_sigint_and_sigterm_stop_a_job_with_its_rows_kept(tmp_path):
     assert all(e is None for e in table.column("error").to_pylist())
 
 
+@pytest.mark.e2e
 def test_a_non_utf8_prompt_file_is_one_error_line(tmp_path):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(b"\xff\xfe bad")
