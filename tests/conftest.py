@@ -24,8 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import models` under any runner
+
+from knapspec_dist.model import attention  # noqa: E402
 
 from models import CONFIGS, hf_model, make_checkpoint  # noqa: E402
 
@@ -125,3 +128,14 @@ def without_ray(env: dict) -> dict:
     neither (tests/without_ray/sitecustomize.py)."""
     hide = str(Path(__file__).resolve().parent / "without_ray")
     return {**env, "PYTHONPATH": hide + os.pathsep + env.get("PYTHONPATH", "")}
+
+
+@pytest.fixture
+def flex_compiles(monkeypatch) -> CompileCounterWithBackend:
+    """Compiled flex through dynamo's counting backend (eager kernels), from a clean dynamo
+    cache: the count of flex graphs a test makes."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    real = attention.compiled_flex
+    monkeypatch.setattr(attention, "compiled_flex", lambda: real(counter))
+    return counter

@@ -11,7 +11,6 @@ from knapspec_dist.engine.buckets import bucket, buckets, pad_starts, padded_for
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import Scheduler, generate
-from knapspec_dist.model import attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
@@ -81,7 +80,8 @@ def _graph_batches(counter: CompileCounterWithBackend) -> list:
             for b in [n.meta["example_value"].shape[0]]]
 
 
-def test_continuous_batching_compiles_one_flex_kernel_per_bucket(engine_model, monkeypatch):
+def test_continuous_batching_compiles_one_flex_kernel_per_bucket(engine_model, monkeypatch,
+                                                                 flex_compiles):
     """A continuous-batching run through batch sizes 1..4 and back on the flex backend
     (compiled by dynamo on the CPU, counted), speculative rounds (T = 1 drafts, T = 4
     verifies) replayed through the runner's graphs: every compiled graph has an integer batch
@@ -97,10 +97,7 @@ def test_continuous_batching_compiles_one_flex_kernel_per_bucket(engine_model, m
 
     want = [r.token_ids for r in generate(make(), model, seqs, config,
                                           runner=ModelRunner(model, graphs=False))]
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    real = attention.compiled_flex
-    monkeypatch.setattr(attention, "compiled_flex", lambda: real(counter))
+    counter = flex_compiles
     model.backend = "flex"
     try:
         # Prompts prefilled 16 tokens per step: a row mid-prefill is often a padded row.
@@ -126,15 +123,12 @@ def test_continuous_batching_compiles_one_flex_kernel_per_bucket(engine_model, m
     assert counter.frame_count <= 2 * len(buckets(rows)), counter.frame_count
 
 
-def test_flex_compiles_once_per_query_kind_whatever_the_capacity(engine_model, monkeypatch):
+def test_flex_compiles_once_per_query_kind_whatever_the_capacity(engine_model, flex_compiles):
     """T and the cache capacity are dynamic from the first compile: forwards of T = 1, 3 and
     5 over caches of three capacities compile two graphs (T = 1, T > 1), not a static graph
     per first value and a dynamic one after; each gives SDPA's logits."""
     model = engine_model(NAME)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    real = attention.compiled_flex
-    monkeypatch.setattr(attention, "compiled_flex", lambda: real(counter))
+    counter = flex_compiles
     try:
         with torch.inference_mode():
             for capacity in (256, 512, 1280):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from knapspec_dist.engine import model_runner
 from knapspec_dist.engine.capture import CaptureError, EmulatedGraph
@@ -15,7 +14,6 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import Scheduler, generate
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.model import attention
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
@@ -87,8 +85,9 @@ def test_emulated_capture_gives_the_tokens_of_eager_ar(engine_model, name, draft
 
 
 @pytest.mark.parametrize("name,draft_graphs", [("ar", "plan"), ("static", "pieces")])
-def test_emulated_capture_of_compiled_flex_with_batch_buckets(engine_model, monkeypatch, name,
-                                                              draft_graphs):
+def test_emulated_capture_of_compiled_flex_with_batch_buckets(engine_model, monkeypatch,
+                                                             flex_compiles, name,
+                                                             draft_graphs):
     """The CUDA default path: flex attention compiled by dynamo (a counting backend on the
     CPU), its graphs captured as CUDA captures them, batches padded to their buckets while
     rows join 16 prompt tokens a step (batch 1, 2, 3 padded to 4, 4, and back): eager SDPA
@@ -106,10 +105,7 @@ def test_emulated_capture_of_compiled_flex_with_batch_buckets(engine_model, monk
         return out
 
     monkeypatch.setattr(model_runner, "padded_forward", counted)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    real_flex = attention.compiled_flex
-    monkeypatch.setattr(attention, "compiled_flex", lambda: real_flex(counter))
+    counter = flex_compiles
     model.backend = "flex"
     try:
         runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)
