@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from knapspec_dist.cli.main import main
+from knapspec_dist.cli import standalone
+from knapspec_dist.cli.main import main, parser
 from knapspec_dist.engine.memory import kv_bytes_per_token_of
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -15,7 +16,7 @@ from knapspec_dist.model.config import load_config
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
-from knapspec_dist.tools.bench.report import summarize, write_markdown
+from knapspec_dist.tools.bench.report import command_line, summarize, write_markdown
 from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.tools.ties import Divergence, RunCheck, classify
 
@@ -234,6 +235,17 @@ def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_pat
                               str(sum(2 * (3 + k) for k in rest))]
 
 
+@pytest.mark.parametrize("entry", [parser, standalone.parser])
+@pytest.mark.parametrize("command", ["bench", "throughput"])
+def test_the_recorded_command_names_the_command_that_ran(entry, command):
+    """results/throughput files record the command that repeats the run: its own subcommand,
+    under the entry point it ran from."""
+    args = entry().parse_args([command, "--model", "m", "--out", "o"])
+    line = command_line(args, args.func.keywords["parser"])
+    prog = "knapspec" if entry is parser else standalone.PROG
+    assert line.startswith(f"{prog} {command} ") and "--model m" in line and "--out o" in line
+
+
 def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, tmp_path, capsys):
     """`knapspec throughput`: mixed-length documents through the scheduler at two batch sizes;
     every row equals batch-1 ar, the batched run decodes more than one row per round."""
@@ -242,6 +254,7 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
                  "--repeats", "2", "--out", str(tmp_path)])
     assert code == 0
     doc = json.loads((tmp_path / "throughput.json").read_text())
+    assert doc["command"].startswith("knapspec throughput --model")
     runs = {(r["strategy"], r["batch"]): r for r in doc["runs"]}
     assert set(runs) == {(s, b) for s in ("ar", "static:a1,m2@2") for b in (1, 3)}
     for r in runs.values():

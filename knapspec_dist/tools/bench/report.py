@@ -211,8 +211,9 @@ def machine(device: str) -> dict:
 
 
 def command_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """The command that repeats this run, every option spelled out."""
-    words = ["knapspec", "bench"]
+    """The command that repeats this run, every option spelled out: the subcommand's own
+    program name (``knapspec bench``, ``knapspec throughput``, or the standalone entry's)."""
+    words = shlex.split(parser.prog)
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help",):
             continue
