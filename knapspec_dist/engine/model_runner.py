@@ -92,7 +92,10 @@ class ModelRunner:
         # drafted with no host wait (``knapspec gpu-check`` times both).
         self.early_exit = True
         self.captures = 0  # graphs captured so far (stats, gpu-check)
-        self.draft_graphs = "plan"  # or "pieces": see the module docstring
+        # "plan" (the default) or "pieces" (see the module docstring). Only gpu-check (its
+        # ``pieces`` table, tools/gpucheck/late.py) and tests set "pieces": it stays while the
+        # A/B of the two on a GPU is still to be read; no strategy or command chooses it.
+        self.draft_graphs = "plan"
         self._piece_sets: dict[tuple, tuple] = {}
 
     def new_cache(self, batch: int, capacity: int, kv_heads: int,
