@@ -92,7 +92,7 @@ def ranked_plans(sums: dict[str, dict], shown: int) -> list[dict]:
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
-    steps: int = 0  # full-model forwards after prefill (decode or verify rounds)
+    rounds: int = 0  # decoding rounds it took part in: one full-model forward each, after prefill
     drafted: int = 0
     accepted: int = 0
     wall_s: float = 0.0

@@ -202,7 +202,7 @@ class Scheduler:
             tp.row_rounds += size
             tp.decode_s += elapsed
             for r in b.rows:
-                r.stats.steps += 1
+                r.stats.rounds += 1
                 r.stats.mean_batch += size
             done = [r for r in b.rows if r.reason is not None]
             if done:
@@ -260,7 +260,7 @@ def result(row: Row) -> GenerationResult:
     s = row.stats
     s.prompt_tokens, s.new_tokens = len(row.prompt), len(row.out)
     s.wall_s = row.finished_s - row.admitted_s
-    s.mean_batch = s.mean_batch / s.steps if s.steps else 0.0
+    s.mean_batch = s.mean_batch / s.rounds if s.rounds else 0.0
     if s.drafted:  # summed per judged draft by the round: now the mean per draft
         s.attention_skipped /= s.drafted
         s.mlp_skipped /= s.drafted

@@ -51,8 +51,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "decode_tokens_per_s": (new - len(mine)) / decode if decode else 0.0,
             "acceptance": sum(s["accepted"] for s in mine) / drafted if drafted else None,
             # tokens per decode or verify round (the first token comes from the prefill)
-            "tokens_per_round": ((new - len(mine)) / steps
-                                 if (steps := sum(s.get("steps", 0) for s in mine)) else None),
+            "tokens_per_round": ((new - len(mine)) / rounds
+                                 if (rounds := sum(s["rounds"] for s in mine)) else None),
             "attention_skipped": (sum(s["attention_skipped"] * s["drafted"] for s in mine)
                                   / drafted if drafted else 0.0),
             "mlp_skipped": (sum(s["mlp_skipped"] * s["drafted"] for s in mine) / drafted
