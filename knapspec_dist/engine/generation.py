@@ -89,6 +89,24 @@ def ranked_plans(sums: dict[str, dict], shown: int) -> list[dict]:
 
 
 @dataclass
+class Split:
+    """Where a row's time went when the Ray engine served it (runtime/accounting.py): its
+    share of each shard call it took part in, plus its Ray round trips; the seconds sum to
+    the coordinator-observed time of the request. Zero when run in-process."""
+
+    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
+    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
+    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, the coordinator's calls)
+    other_s: float = 0.0  # Python of the decode loop outside the above
+    comm_calls: float = 0.0  # collective calls (a row's share of a call's: fractional)
+
+    def add(self, other: Split, rows: int = 1) -> None:
+        """Add ``other`` shared among ``rows`` (a shard call's split, to each of its rows)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name) / rows)
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -104,13 +122,7 @@ class GenerationStats:
     fallbacks: int = 0  # speculative plans dropped for plain decoding by KnapSpec's guard
     attention_skipped: float = 0.0  # mean attention sublayers skipped per drafted token
     mlp_skipped: float = 0.0
-    # Time split of a request served by the Ray engine (runtime/accounting.py); they sum to
-    # the coordinator-observed time of the request. Zero when run in-process.
-    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
-    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
-    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, the coordinator's calls)
-    other_s: float = 0.0  # Python of the decode loop outside the above
-    comm_calls: int = 0
+    split: Split = field(default_factory=Split)  # served by the Ray engine: where time went
     # Batching (engine/scheduler.py): when the row was admitted and finished (epoch
     # seconds, comparable across a job's replicas) and the mean number of rows decoding with
     # it per round. Its wall_s spans admission to finish, shared with the rows beside it.
