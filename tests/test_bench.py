@@ -258,8 +258,8 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
     runs = {(r["strategy"], r["batch"]): r for r in doc["runs"]}
     assert set(runs) == {(s, b) for s in ("ar", "static:a1,m2@2") for b in (1, 3)}
     for r in runs.values():
-        assert r["identical_rows"] == 3 and r["tokens"] == 18 and r["tokens_per_s"] > 0
-        assert r["runs"] == 2 and [x["tokens"] for x in r["repeats"]] == [18, 18]
+        assert r["identical_rows"] == 3 and r["finished"] == 18 and r["tokens_per_s"] > 0
+        assert r["runs"] == 2 and [x["finished"] for x in r["repeats"]] == [18, 18]
         assert r["tokens_per_s"] in [x["tokens_per_s"] for x in r["repeats"]]
     assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
     assert (tmp_path / "throughput.png").stat().st_size > 0
@@ -279,7 +279,7 @@ def test_sampled_throughput_is_priced_against_greedy_in_the_same_run(checkpoint,
     runs = {(r["strategy"], r["batch"], r["draw"]): r for r in doc["runs"]}
     assert set(runs) == {(s, b, d) for s in ("ar", "static:a1,m2@2") for b in (1, 2)
                          for d in ("greedy", "sampled")}
-    assert all(r["identical_rows"] == 2 and r["tokens"] == 12 for r in runs.values())
+    assert all(r["identical_rows"] == 2 and r["finished"] == 12 for r in runs.values())
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 96 | ar | sampled | 2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -370,7 +370,7 @@ def test_throughput_under_a_kv_budget_compares_pages_with_fixed_slots(checkpoint
         assert fixed["max_num_seqs"] == 2 and fixed["mean_batch"] <= 2
         assert paged["pool_tokens"] == budget // kv_bytes_per_token_of(config, 1, torch.float32)
         assert paged["mean_batch"] > 2.5 and paged["identical_rows"] == 6
-        assert paged["tokens"] == fixed["tokens"] == 30
+        assert paged["finished"] == fixed["finished"] == 30
     assert "| ar | paged | 16 |" in capsys.readouterr().out
     assert main(["throughput", "--model", str(checkpoint), "--kv-cache-memory", "1KB",
                  "--out", str(tmp_path)]) != 0

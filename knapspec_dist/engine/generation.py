@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.ratio import ratio
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,6 @@ def ranked_plans(sums: dict[str, dict], shown: int) -> list[dict]:
             for k in rest:
                 rest[k] += acc[k]
         ranked = ranked[:shown] + [("other", rest)]
-
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
-
     return [{"plan": label, "rows": acc["rows"], "rounds": acc["rounds"], "tokens": acc["tokens"],
              "tokens_per_s": ratio(acc["tokens"], acc["seconds"]),
              "predicted_tokens_per_s": ratio(acc["predicted_tokens"], acc["priced_s"])}
@@ -128,16 +125,16 @@ class GenerationStats:
     # it per round. Its wall_s spans admission to finish, shared with the rows beside it.
     admitted_at: float = 0.0
     finished_at: float = 0.0
-    mean_batch: float = 0.0
+    mean_batch: float | None = 0.0  # summed per round while it decodes; None: no round
     plans: dict[str, PlanTally] = field(default_factory=dict)  # Plan.label -> its rounds
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float | None:
+        return ratio(self.accepted, self.drafted)
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+    def tokens_per_s(self) -> float | None:
+        return ratio(self.new_tokens, self.wall_s)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "acceptance_rate": self.acceptance_rate,

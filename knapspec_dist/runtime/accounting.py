@@ -23,6 +23,7 @@ import time
 from dataclasses import fields
 
 from knapspec_dist.engine.generation import Split
+from knapspec_dist.ratio import ratio
 
 
 class Meter:
@@ -88,7 +89,7 @@ def job_summary(results, wall_s: float, replicas: int) -> dict:
     tokens = sum(r.stats.new_tokens for r in results)
     return {"wall_s": wall_s, "replicas_used": used, "requests": len(results),
             "new_tokens": tokens, **total, "idle_s": idle,
-            "control_plane_share": control / available if available else 0.0,
-            "comm_share": total["comm_s"] / available if available else 0.0,
-            "compute_share": total["compute_s"] / available if available else 0.0,
+            "control_plane_share": ratio(control, available),
+            "comm_share": ratio(total["comm_s"], available),
+            "compute_share": ratio(total["compute_s"], available),
             "comm_calls": round(summed.comm_calls)}
