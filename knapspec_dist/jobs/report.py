@@ -15,13 +15,14 @@ def report(result: JobResult) -> str:
         f"(of {rows['input']}; this run generated {result.generated}, "
         f"skipped {result.skipped} already written)",
     ]
-    tp = s["throughput"]
-    if tp["tokens_per_s"]:
+    throughput = s["throughput"]
+    if throughput["tokens_per_s"]:
         acc = s["acceptance"]["acceptance_rate"]
         lines.append(f"tokens: {s['tokens']['generated']} generated, "
-                     f"{tp['tokens_per_s']:.1f} tok/s ({shown(tp['decode_tokens_per_s'], '.1f')} "
-                     f"without prefill), mean batch {shown(tp['mean_batch'], '.1f')} of "
-                     f"{tp['max_num_seqs']}"
+                     f"{throughput['tokens_per_s']:.1f} tok/s "
+                     f"({shown(throughput['decode_tokens_per_s'], '.1f')} without prefill), "
+                     f"mean batch {shown(throughput['mean_batch'], '.1f')} of "
+                     f"{throughput['max_num_seqs']}"
                      + (f", acceptance {acc:.2f}" if acc is not None else ""))
     if s["acceptance"].get("note"):
         lines.append(s["acceptance"]["note"])
