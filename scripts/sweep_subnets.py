@@ -88,9 +88,9 @@ def sweep(loaded, profile, n: int, args) -> list[str]:
             predicted = tpt.tokens_per_time(alpha, gamma, draft_t, verify) * verify(1)
             lines.append(
                 f"| {k} | {attn}/{len(c.skipped) - attn} | {c.value:.3f} | {alpha:.2f} | {gamma} "
-                f"| {predicted:.2f}x | {s.acceptance_rate:.2f} | "
+                f"| {predicted:.2f}x | {s.acceptance_rate or 0.0:.2f} | "
                 f"{1e3 * s.draft_s / max(s.drafted, 1):.1f} ({1e3 * draft_t:.1f}) | "
-                f"{1e3 * s.verify_s / max(s.steps, 1):.1f} | {rate(s) / ar_rate:.2f}x |")
+                f"{1e3 * s.verify_s / max(s.rounds, 1):.1f} | {rate(s) / ar_rate:.2f}x |")
             log.info(lines[-1])
     return lines + [""]
 

@@ -106,7 +106,7 @@ class FakeBackend:
         wall = n / self.speed[e.strategy]
         spec = e.strategy != "ar"
         e.clock += wall  # rows one after another on a made-up clock
-        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=n, steps=n, wall_s=wall,
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=n, rounds=n, wall_s=wall,
                                 admitted_at=e.clock - wall, finished_at=e.clock,
                                 prefill_s=0.0, drafted=2 * n if spec else 0,
                                 accepted=n if spec else 0, attention_skipped=3.0 if spec else 0,

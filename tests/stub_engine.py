@@ -69,7 +69,7 @@ class StubBackend:
         n_prompt, start, n = self.rows.pop(h)
         end = time.time()
         self.emitted += n
-        stats = GenerationStats(prompt_tokens=n_prompt, new_tokens=n, steps=n, wall_s=end - start,
+        stats = GenerationStats(prompt_tokens=n_prompt, new_tokens=n, rounds=n, wall_s=end - start,
                                 admitted_at=start, finished_at=end, prefill_s=0.0)
         return GenerationResult(list(range(1, n + 1)), stats, "length", text="stub")
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from knapspec_dist.cli.main import main
+from knapspec_dist.cli import standalone
+from knapspec_dist.cli.main import main, parser
 from knapspec_dist.engine.memory import kv_bytes_per_token_of
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -15,7 +16,7 @@ from knapspec_dist.model.config import load_config
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
-from knapspec_dist.tools.bench.report import summarize, write_markdown
+from knapspec_dist.tools.bench.report import command_line, summarize, write_markdown
 from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.tools.ties import Divergence, RunCheck, classify
 
@@ -234,6 +235,17 @@ def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_pat
                               str(sum(2 * (3 + k) for k in rest))]
 
 
+@pytest.mark.parametrize("entry", [parser, standalone.parser])
+@pytest.mark.parametrize("command", ["bench", "throughput"])
+def test_the_recorded_command_names_the_command_that_ran(entry, command):
+    """results/throughput files record the command that repeats the run: its own subcommand,
+    under the entry point it ran from."""
+    args = entry().parse_args([command, "--model", "m", "--out", "o"])
+    line = command_line(args, args.func.keywords["parser"])
+    prog = "knapspec" if entry is parser else standalone.PROG
+    assert line.startswith(f"{prog} {command} ") and "--model m" in line and "--out o" in line
+
+
 def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, tmp_path, capsys):
     """`knapspec throughput`: mixed-length documents through the scheduler at two batch sizes;
     every row equals batch-1 ar, the batched run decodes more than one row per round."""
@@ -242,11 +254,12 @@ def test_throughput_command_batches_rows_and_checks_them_against_ar(checkpoint, 
                  "--repeats", "2", "--out", str(tmp_path)])
     assert code == 0
     doc = json.loads((tmp_path / "throughput.json").read_text())
+    assert doc["command"].startswith("knapspec throughput --model")
     runs = {(r["strategy"], r["batch"]): r for r in doc["runs"]}
     assert set(runs) == {(s, b) for s in ("ar", "static:a1,m2@2") for b in (1, 3)}
     for r in runs.values():
-        assert r["identical_rows"] == 3 and r["tokens"] == 18 and r["tokens_per_s"] > 0
-        assert r["runs"] == 2 and [x["tokens"] for x in r["repeats"]] == [18, 18]
+        assert r["identical_rows"] == 3 and r["finished"] == 18 and r["tokens_per_s"] > 0
+        assert r["runs"] == 2 and [x["finished"] for x in r["repeats"]] == [18, 18]
         assert r["tokens_per_s"] in [x["tokens_per_s"] for x in r["repeats"]]
     assert runs[("ar", 1)]["mean_batch"] == 1.0 and runs[("ar", 3)]["mean_batch"] > 1.0
     assert (tmp_path / "throughput.png").stat().st_size > 0
@@ -266,7 +279,7 @@ def test_sampled_throughput_is_priced_against_greedy_in_the_same_run(checkpoint,
     runs = {(r["strategy"], r["batch"], r["draw"]): r for r in doc["runs"]}
     assert set(runs) == {(s, b, d) for s in ("ar", "static:a1,m2@2") for b in (1, 2)
                          for d in ("greedy", "sampled")}
-    assert all(r["identical_rows"] == 2 and r["tokens"] == 12 for r in runs.values())
+    assert all(r["identical_rows"] == 2 and r["finished"] == 12 for r in runs.values())
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 96 | ar | sampled | 2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -357,7 +370,7 @@ def test_throughput_under_a_kv_budget_compares_pages_with_fixed_slots(checkpoint
         assert fixed["max_num_seqs"] == 2 and fixed["mean_batch"] <= 2
         assert paged["pool_tokens"] == budget // kv_bytes_per_token_of(config, 1, torch.float32)
         assert paged["mean_batch"] > 2.5 and paged["identical_rows"] == 6
-        assert paged["tokens"] == fixed["tokens"] == 30
+        assert paged["finished"] == fixed["finished"] == 30
     assert "| ar | paged | 16 |" in capsys.readouterr().out
     assert main(["throughput", "--model", str(checkpoint), "--kv-cache-memory", "1KB",
                  "--out", str(tmp_path)]) != 0

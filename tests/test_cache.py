@@ -125,13 +125,13 @@ class RecordingCache(KVCache):
         self.moved = False
         RecordingCache.made.append(self)
 
-    def write(self, layer, step, k, v):
+    def write(self, layer, meta, k, v):
         if pointers(self) != self.ptrs:
             self.moved = True
-        rows = range(*step.rows.indices(self.batch))
+        rows = range(*meta.rows.indices(self.batch))
         for b, row in enumerate(rows):
-            self.written[row] = max(self.written[row], int(step.positions[b].max()) + 1)
-        return super().write(layer, step, k, v)
+            self.written[row] = max(self.written[row], int(meta.positions[b].max()) + 1)
+        return super().write(layer, meta, k, v)
 
     def commit(self, row, length):
         self.commits.append((row, length, self.written[row]))

@@ -30,9 +30,10 @@ HEAD = 2e-4
 
 
 def cost_model(attention_scale: float = 1.0, layers: int = LAYERS, shape=None,
-               spread: float = 0.02) -> LatencyProfile:
+               spread: float = 0.02, qs=range(1, 12)) -> LatencyProfile:
     """A profile from made-up samples: attention 1e-4 + 1.5e-7 n (x ``attention_scale``),
-    MLP 7e-4, verify the sum of its sublayers growing 10 % per query token. Tests only."""
+    MLP 7e-4, verify (measured at ``qs``) the sum of its sublayers growing 10 % per query
+    token. Tests only."""
     ns = [256, 1024, 4096]
 
     def attn(n):
@@ -40,19 +41,19 @@ def cost_model(attention_scale: float = 1.0, layers: int = LAYERS, shape=None,
 
     samples = {"attention": [[n, attn(n)] for n in ns], "mlp": [MLP] * 3, "head": [HEAD] * 3,
                "verify": [[q, n, (layers * (attn(n) + MLP) + HEAD) * (1 + 0.1 * (q - 1))]
-                          for q in range(1, 12) for n in ns],
+                          for q in qs for n in ns],
                "spread": {"mlp": [[n, spread] for n in ns]}}
     return fit_profile(samples, device={"name": "synthetic", "threads": 1},
                        model=shape or {"layers": layers}, dtype="fp32", batch=1, tp=1,
                        torch_version=torch.__version__)
 
 
-def timed(true: LatencyProfile, skip: frozenset[int], steps: int, n: int, batch: int = 1,
+def timed(true: LatencyProfile, skip: frozenset[int], drafts: int, n: int, batch: int = 1,
           noise: float = 0.0) -> RoundTiming:
     """A round as a clock that runs at ``true``'s costs reads it (``noise``: relative)."""
-    return RoundTiming(batch, n, skip, steps,
-                       steps * true.draft_time(skip, n, LAYERS) * (1 + noise),
-                       true.verify_time(steps + 1, n) * (1 - noise))
+    return RoundTiming(batch, n, skip, drafts,
+                       drafts * true.draft_time(skip, n, LAYERS) * (1 + noise),
+                       true.verify_time(drafts + 1, n) * (1 - noise))
 
 
 ATTENTIONS = frozenset({2, 4})  # a draft that skips two attention sublayers
@@ -63,8 +64,8 @@ def rounds(true: LatencyProfile, count: int, noise: float = 0.0):
     """Plain and drafting rounds at contexts growing from 500 (as a run's do)."""
     plans = [(frozenset(), 0), (ATTENTIONS, 4), (MLPS, 3)]
     for i in range(count):
-        skip, steps = plans[i % 3]
-        yield timed(true, skip, steps, 500 + 40 * i, noise=noise * (-1) ** i)
+        skip, drafts = plans[i % 3]
+        yield timed(true, skip, drafts, 500 + 40 * i, noise=noise * (-1) ** i)
 
 
 def choice(profile: LatencyProfile, n: int) -> tpt.Choice:
@@ -186,11 +187,36 @@ def test_the_fit_is_robust_and_keeps_unseparable_costs_in_proportion():
     f = calibration.fit(slow, lambda b: stored, LAYERS)
     assert f.attention == pytest.approx(f.mlp) == pytest.approx(2.0, rel=1e-3)
     # a tenth of the rounds hit by a 10x stall moves the Huber fit by little
-    stalled = [RoundTiming(1, t.context, t.skip, t.steps, t.draft_s * 10, t.verify_s * 10)
+    stalled = [RoundTiming(1, t.context, t.skip, t.drafts, t.draft_s * 10, t.verify_s * 10)
                if i % 10 == 0 else t for i, t in enumerate(rounds(stored, 100))]
     f = calibration.fit(stalled, lambda b: stored, LAYERS)
     assert max(abs(k - 1) for k in (f.attention, f.mlp, f.head)) < 0.15
     assert max(abs(k - 1) for k in f.verify_at(1)) < 0.15
+
+
+def test_the_prices_in_force_are_the_fitted_model_where_q_was_not_measured():
+    """The refitted profile prices a round as the fitted model does, draft forwards at the
+    sublayer factors and the verify at its own q's factors, also at a q the stored profile
+    did not measure (between measured ones, or past them): the drift test and the selection
+    price a round one way."""
+    stored = cost_model(qs=(1, 5))
+    f = calibration.Factors(attention=1.3, mlp=0.8, head=1.1,
+                            verify={0: (2.0, 1.5), 3: (3.0, 0.5), 5: (0.7, 2.5)})
+    cal = Calibration(lambda b: stored, LAYERS)
+    cal.fits = {None: f}
+    n, skip = 1500, frozenset({2, 5})
+    attn, v1, v5 = stored.attention_time(n), stored.verify[1], stored.verify[5]
+    for drafts in range(8):
+        q = drafts + 1
+        w = min(q - 1, 4) / 4  # the stored line at q: between q 1 and 5, q 5's past it
+        slope = (1 - w) * v1.slope + w * v5.slope
+        intercept = (1 - w) * v1.intercept + w * v5.intercept
+        ks, ki = f.verify.get(q, f.verify[0])
+        draft = (f.attention * (LAYERS - 1) * attn + f.mlp * (LAYERS - 1) * MLP
+                 + f.head * stored.head)
+        t = RoundTiming(1, n, skip, drafts, 0.0, 0.0)
+        assert cal.predicted(t) == pytest.approx(
+            drafts * draft + ks * slope * n + ki * intercept, rel=1e-9), q
 
 
 def test_factors_per_batch_size():

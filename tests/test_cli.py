@@ -135,7 +135,7 @@ def test_json_output_static_equals_ar_smollm2(capsys, smollm2):
     assert 1 <= len(ids) <= 12 and all(isinstance(t, int) for t in ids)
     assert data["text"] == smollm2.tokenizer.decode(ids, skip_special_tokens=True)
     stats = data["stats"]
-    for key in ("steps", "drafted", "accepted", "acceptance_rate", "wall_s", "draft_s",
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "wall_s", "draft_s",
                 "verify_s", "prompt_tokens", "new_tokens"):
         assert key in stats, key
     assert stats["new_tokens"] == len(ids) and stats["drafted"] > 0

@@ -17,7 +17,7 @@ from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.cache import KVCache
-from knapspec_dist.model.step import length_block_mask
+from knapspec_dist.model.forward_meta import length_block_mask
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.tools.gpucheck.late import block_mask_ops
@@ -112,7 +112,7 @@ def test_drafting_without_early_exit_gives_the_same_tokens(engine_model, samplin
             assert [r.token_ids for r in runs[early]] == want
         if tau == 1.0:
             accepted = {e: sum(r.stats.accepted for r in runs[e]) for e in runs}
-            assert all(r.stats.drafted <= r.stats.steps for r in runs[True])
+            assert all(r.stats.drafted <= r.stats.rounds for r in runs[True])
             assert accepted[False] > accepted[True], \
                 "without early exit acceptance stopped at the first unsure draft"
 

@@ -137,7 +137,7 @@ def check_stats(r, limit_reached: bool) -> None:
     assert s.acceptance_rate == (s.accepted / s.drafted if s.drafted else 0.0)
     assert s.draft_s >= 0 and s.verify_s > 0 and s.draft_s + s.verify_s <= s.wall_s
     if limit_reached:  # one token after prefill, then accepted + 1 per verify round
-        assert s.new_tokens == 1 + s.accepted + s.steps
+        assert s.new_tokens == 1 + s.accepted + s.rounds
 
 
 # The random test models are flat (the top-1 probability rarely exceeds 0.3), so at the
@@ -166,7 +166,7 @@ def test_static_equals_ar(name, tau, engine_model):
         check_stats(r, limit_reached=True)
         drafted += r.stats.drafted
         rejected += r.stats.drafted - r.stats.accepted
-        full_drafts += r.stats.steps * gamma
+        full_drafts += r.stats.rounds * gamma
         if not skip and tau == 0:  # drafting with the full model: everything accepted
             assert r.stats.acceptance_rate == 1.0
     if tau == 0 or tau >= 0.5:
@@ -248,7 +248,7 @@ def test_static_equals_ar_smollm2(smollm2, smol_prompts):
         rejected += r.stats.drafted - r.stats.accepted
         drafted_at[tau] += r.stats.drafted
         accepted_at[tau] += r.stats.accepted
-        full_at[tau] += r.stats.steps * gamma
+        full_at[tau] += r.stats.rounds * gamma
         if not skip:
             assert r.stats.acceptance_rate >= 0.9
     # Not vacuous: drafts were made, accepted and rejected, at both confidence thresholds.

@@ -25,7 +25,7 @@ def row(i: int, n: int, tps: float, drafted: int = 0, strategy: str = "knapspec"
     return {"id": f"r{i}", "generated_text": "x", "generated_tokens": [1] * tokens,
             "num_input_tokens": n, "num_generated_tokens": tokens, "finish_reason": "length",
             "strategy": strategy, "time_taken_llm": wall, "prefill_s": 0.01,
-            "tokens_per_s": tps, "steps": tokens, "drafted": drafted,
+            "tokens_per_s": tps, "rounds": tokens, "drafted": drafted,
             "accepted": drafted // 2, "acceptance_rate": 0.5 if drafted else None,
             "attention_skipped": None, "mlp_skipped": None, "selections": 0,
             "truncated": False, "replica": 0, "attempts": 1, "finished_at": T0,

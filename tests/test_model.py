@@ -13,7 +13,7 @@ import torch
 
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, rope_frequencies
-from knapspec_dist.model.step import make_step
+from knapspec_dist.model.forward_meta import forward_meta
 
 from conftest import CONFIG_NAMES, random_prompt
 
@@ -111,13 +111,13 @@ def manual_composition(model, tokens: list[int], skip: set[int]) -> torch.Tensor
     """Call the sublayers one by one, leaving out those in ``skip`` (identity)."""
     cache = new_cache(model, capacity=len(tokens) + 1)
     with torch.inference_mode():
-        step = make_step(model, cache.lengths[0:1], len(tokens), cache, slice(0, 1))
+        meta = forward_meta(model, cache.lengths[0:1], len(tokens), cache, slice(0, 1))
         h = model.embed(torch.tensor([tokens]))
         for item in range(model.cfg.num_items):
             if item in skip:
                 continue
             layer = model.layers[item // 2]
-            h = layer.attention(h, step, cache, item // 2) if item % 2 == 0 else layer.mlp(h)
+            h = layer.attention(h, meta, cache, item // 2) if item % 2 == 0 else layer.mlp(h)
         return model.logits(h)[0]
 
 
@@ -189,7 +189,7 @@ def test_batched_rows_at_different_positions(name, engine_model):
                   cache, rows)
             cache.commit(b, len(s) - extra)
         everyone = slice(0, len(seqs))
-        for j in range(extra - 2):  # one token per row per step, rows at different positions
+        for j in range(extra - 2):  # one token per row per forward, rows at different positions
             tok = torch.tensor([[s[-extra + j]] for s in seqs])
             logits = model(tok, cache.lengths[everyone], cache, everyone)
             for b in range(len(seqs)):

@@ -54,7 +54,7 @@ class Recording(PaperSelector):
         super().start(model)
         self.rounds: list[tuple[int, object, list[int]]] = []
 
-    def record(self, steps, verified, accepted):
+    def record(self, drafts, verified, accepted):
         self.rounds.append((self.round, self.plan_now, [a + 1 for a in accepted]))
 
 

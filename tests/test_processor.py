@@ -32,7 +32,7 @@ def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tm
         preprocess=lambda row: {**row, "messages": [{"role": "user", "content": row["text"]}]},
         postprocess=lambda row: {"id": row["id"], "summary": row["generated_text"],
                                  "tokens": row["generated_tokens"], "n": row["num_input_tokens"],
-                                 "error": row["error"], "steps": row["steps"]})
+                                 "error": row["error"], "rounds": row["rounds"]})
     too_long = " ".join(["word"] * 9000)  # past the model's window: that row's error
     items = [{"id": i, "text": t} for i, t in enumerate(DOCS + [too_long])]
     before = ray.data.from_items(items).map(lambda r: {**r, "text": r["text"].upper()})

@@ -138,11 +138,11 @@ def test_the_draws_are_a_pure_function_of_the_seed():
     first, again, other = draw(NEAR, cfg), draw(NEAR, cfg), draw(NEAR, cfg, seed=2)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[2], other[2])
-    seeds, steps = seeds_of(64), torch.arange(6).expand(64, 6)
-    u = uniform(seeds, steps, ACCEPT)
-    assert ((u > 0) & (u < 1)).all() and torch.equal(u, uniform(seeds, steps, ACCEPT))
-    assert not torch.equal(u, uniform(seeds, steps, RESIDUAL))
-    assert not torch.equal(gumbel(seeds, steps, 50, RESIDUAL), gumbel(seeds, steps, 50))
+    seeds, index = seeds_of(64), torch.arange(6).expand(64, 6)
+    u = uniform(seeds, index, ACCEPT)
+    assert ((u > 0) & (u < 1)).all() and torch.equal(u, uniform(seeds, index, ACCEPT))
+    assert not torch.equal(u, uniform(seeds, index, RESIDUAL))
+    assert not torch.equal(gumbel(seeds, index, 50, RESIDUAL), gumbel(seeds, index, 50))
 
 
 def test_greedy_is_unaffected():

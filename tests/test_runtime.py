@@ -91,9 +91,9 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
             expected = local_tokens(model, name, prompts, **options)
             assert [r.token_ids for r in results] == expected, name
             for r in results:
-                s = r.stats
-                assert r.replica == 0 and s.comm_calls > 0 and s.comm_s > 0 and s.ray_s > 0
-                assert s.compute_s > 0 and s.other_s >= 0
+                p = r.stats.split
+                assert r.replica == 0 and p.comm_calls > 0 and p.comm_s > 0 and p.ray_s > 0
+                assert p.compute_s > 0 and p.other_s >= 0
             if name == "knapspec":
                 assert all(r.stats.selections >= 1 for r in results)
                 assert sum(r.stats.drafted for r in results) > 0

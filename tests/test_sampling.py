@@ -149,10 +149,10 @@ def test_choice_is_distributed_as_the_warped_target(cfg):
 
 def test_noise_is_a_pure_function_of_seed_index_and_token():
     seeds = seeds_of(3)
-    steps = torch.tensor([[0, 1], [5, 6], [0, 1]])
-    g = gumbel(seeds, steps, 50)
-    assert torch.equal(g, gumbel(seeds, steps, 50))
-    assert torch.equal(g[1:2], gumbel(seeds[1:2], steps[1:2], 50))  # batch-independent
+    index = torch.tensor([[0, 1], [5, 6], [0, 1]])
+    g = gumbel(seeds, index, 50)
+    assert torch.equal(g, gumbel(seeds, index, 50))
+    assert torch.equal(g[1:2], gumbel(seeds[1:2], index[1:2], 50))  # batch-independent
     assert not torch.equal(g[0, 0], g[0, 1]) and not torch.equal(g[0], g[2])
     assert torch.isfinite(g).all()
     assert row_seed(7, "a") == row_seed(7, "a") != row_seed(7, "b") != row_seed(8, "a")
@@ -238,10 +238,10 @@ def test_the_choice_among_candidates_is_the_whole_vocabulary_choice(vocab):
     logits[3, 2, :] = 0.0  # a flat row: every token ties
     logits[4, 1, 7:12] = logits[4, 1].max()  # a tie at the top
     seeds = torch.tensor([row_seed(3, i) for i in range(rows)], dtype=torch.int64)
-    steps = torch.arange(t).repeat(rows, 1) + 11
+    index = torch.arange(t).repeat(rows, 1) + 11
     for cfg in WIDE:
-        want = sample_everywhere(logits, cfg, seeds, steps)
-        assert torch.equal(sample(logits, cfg, seeds, steps), want), cfg
+        want = sample_everywhere(logits, cfg, seeds, index)
+        assert torch.equal(sample(logits, cfg, seeds, index), want), cfg
 
 
 def test_confidence_is_the_top_probability():

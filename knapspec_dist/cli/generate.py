@@ -99,6 +99,8 @@ def print_result(result: GenerationResult, strategy: str, as_json: bool,
                           "stats": s.to_dict()}))
         return
     print(result.text)
+    rate, acceptance = s.tokens_per_s, s.acceptance_rate
     print(f"\n[{strategy}, {sampling}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
-          f"({s.tokens_per_s:.1f} tok/s), prompt {s.prompt_tokens} tokens, "
-          f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})", file=sys.stderr)
+          f"({'-' if rate is None else f'{rate:.1f}'} tok/s), prompt {s.prompt_tokens} tokens, "
+          f"acceptance {'-' if acceptance is None else f'{acceptance:.2f}'} "
+          f"({s.accepted}/{s.drafted})", file=sys.stderr)

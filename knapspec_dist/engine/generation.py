@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.ratio import ratio
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,6 @@ def ranked_plans(sums: dict[str, dict], shown: int) -> list[dict]:
             for k in rest:
                 rest[k] += acc[k]
         ranked = ranked[:shown] + [("other", rest)]
-
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
-
     return [{"plan": label, "rows": acc["rows"], "rounds": acc["rounds"], "tokens": acc["tokens"],
              "tokens_per_s": ratio(acc["tokens"], acc["seconds"]),
              "predicted_tokens_per_s": ratio(acc["predicted_tokens"], acc["priced_s"])}
@@ -89,10 +86,28 @@ def ranked_plans(sums: dict[str, dict], shown: int) -> list[dict]:
 
 
 @dataclass
+class Split:
+    """Where a row's time went when the Ray engine served it (runtime/accounting.py): its
+    share of each shard call it took part in, plus its Ray round trips; the seconds sum to
+    the coordinator-observed time of the request. Zero when run in-process."""
+
+    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
+    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
+    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, the coordinator's calls)
+    other_s: float = 0.0  # Python of the decode loop outside the above
+    comm_calls: float = 0.0  # collective calls (a row's share of a call's: fractional)
+
+    def add(self, other: Split, rows: int = 1) -> None:
+        """Add ``other`` shared among ``rows`` (a shard call's split, to each of its rows)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name) / rows)
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
-    steps: int = 0  # full-model forwards after prefill (decode or verify rounds)
+    rounds: int = 0  # decoding rounds it took part in: one full-model forward each, after prefill
     drafted: int = 0
     accepted: int = 0
     wall_s: float = 0.0
@@ -104,28 +119,22 @@ class GenerationStats:
     fallbacks: int = 0  # speculative plans dropped for plain decoding by KnapSpec's guard
     attention_skipped: float = 0.0  # mean attention sublayers skipped per drafted token
     mlp_skipped: float = 0.0
-    # Time split of a request served by the Ray engine (runtime/accounting.py); they sum to
-    # the coordinator-observed time of the request. Zero when run in-process.
-    compute_s: float = 0.0  # model forwards and the KnapSpec DP, without communication
-    comm_s: float = 0.0  # inside torch.distributed collectives (all-reduce, all-gather, ...)
-    ray_s: float = 0.0  # Ray round trips (dispatch to the shards, the coordinator's calls)
-    other_s: float = 0.0  # Python of the decode loop outside the above
-    comm_calls: int = 0
+    split: Split = field(default_factory=Split)  # served by the Ray engine: where time went
     # Batching (engine/scheduler.py): when the row was admitted and finished (epoch
     # seconds, comparable across a job's replicas) and the mean number of rows decoding with
     # it per round. Its wall_s spans admission to finish, shared with the rows beside it.
     admitted_at: float = 0.0
     finished_at: float = 0.0
-    mean_batch: float = 0.0
+    mean_batch: float | None = 0.0  # summed per round while it decodes; None: no round
     plans: dict[str, PlanTally] = field(default_factory=dict)  # Plan.label -> its rounds
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float | None:
+        return ratio(self.accepted, self.drafted)
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+    def tokens_per_s(self) -> float | None:
+        return ratio(self.new_tokens, self.wall_s)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "acceptance_rate": self.acceptance_rate,

@@ -41,8 +41,8 @@ from knapspec_dist.engine.pages import Paging
 from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.model.forward_meta import forward_meta
 from knapspec_dist.model.paged_cache import PagedKVCache
-from knapspec_dist.model.step import make_step
 from knapspec_dist.model.transfer import upload
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,10 @@ class ModelRunner:
         # drafted with no host wait (``knapspec gpu-check`` times both).
         self.early_exit = True
         self.captures = 0  # graphs captured so far (stats, gpu-check)
-        self.draft_graphs = "plan"  # or "pieces": see the module docstring
+        # "plan" (the default) or "pieces" (see the module docstring). Only gpu-check (its
+        # ``pieces`` table, tools/gpucheck/late.py) and tests set "pieces": it stays while the
+        # A/B of the two on a GPU is still to be read; no strategy or command chooses it.
+        self.draft_graphs = "plan"
         self._piece_sets: dict[tuple, tuple] = {}
 
     def new_cache(self, batch: int, capacity: int, kv_heads: int,
@@ -205,7 +208,7 @@ class ModelRunner:
         shared: dict = {}
 
         def prologue():
-            shared["step"] = make_step(model, static_starts, static_tokens.shape[1], cache, rows)
+            shared["meta"] = forward_meta(model, static_starts, static_tokens.shape[1], cache, rows)
             h = model.embed(static_tokens)
             if "h" not in shared:
                 shared["h"] = h
@@ -218,15 +221,15 @@ class ModelRunner:
 
             def run():
                 h = shared["h"]
-                out = layer.attention(h, shared["step"], cache, i // 2) if i % 2 == 0 \
+                out = layer.attention(h, shared["meta"], cache, i // 2) if i % 2 == 0 \
                     else layer.mlp(h)
                 h.copy_(out)
                 return h
             return run
 
         first = self._factory(prologue)
-        # A capture runs nothing: the step's tensors and h hold garbage until the prologue is
-        # replayed, and each piece's warm-up reads them (out-of-range cache writes otherwise).
+        # A capture runs nothing: the forward meta's tensors and h hold garbage until the prologue
+        # is replayed, and each piece's warm-up reads them (out-of-range cache writes otherwise).
         first.replay()
         items = [self._factory(piece(i)) for i in range(model.cfg.num_items)]
         last = self._factory(lambda: model.logits(shared["h"]))

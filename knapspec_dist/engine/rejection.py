@@ -30,24 +30,24 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def accept_rejection(drafts: torch.Tensor, draft_logits: torch.Tensor,
                      target_logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
-                     steps: torch.Tensor, limit: torch.Tensor | None = None
+                     index: torch.Tensor, limit: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``accept``'s contract under rejection sampling: per row, how many of ``drafts`` [B, g]
     are kept (at most ``limit`` [B]) and the token after them, two [B] tensors on the device.
 
     ``draft_logits`` [B, g, V] are the logits each draft was sampled from, ``target_logits``
-    [B, g+1, V] the full model's at the pending token and each draft, ``steps`` [B] the output
+    [B, g+1, V] the full model's at the pending token and each draft, ``index`` [B] the output
     index of each row's first draft. Greedy decoding, or a round without drafts, is ``accept``.
     """
     g = drafts.shape[1]
     if cfg.greedy or not g:
-        return accept(drafts, target_logits, cfg, seeds, steps, limit)
-    index = steps[:, None] + torch.arange(g + 1, device=steps.device)
+        return accept(drafts, target_logits, cfg, seeds, index, limit)
+    indices = index[:, None] + torch.arange(g + 1, device=index.device)
     p = probabilities(target_logits, cfg)  # [B, g+1, V]
     q = probabilities(draft_logits, cfg)  # [B, g, V]
     px = p[:, :g].gather(-1, drafts[..., None])[..., 0].double()
     qx = q.gather(-1, drafts[..., None])[..., 0].double()  # > 0: x was drawn from q
-    kept = uniform(seeds, index[:, :g], ACCEPT) * qx < px  # probability min(1, p(x) / q(x))
+    kept = uniform(seeds, indices[:, :g], ACCEPT) * qx < px  # probability min(1, p(x) / q(x))
     count = kept.long().cumprod(1).sum(1)
     n = count if limit is None else torch.minimum(count, limit)
     rejected = count < (g if limit is None else limit.clamp(max=g))
@@ -56,7 +56,7 @@ def accept_rejection(drafts: torch.Tensor, draft_logits: torch.Tensor,
     # A rejection leaves residual mass (q(x) > p(x)); an all-zero one is rounding: p is left.
     residual = torch.where((residual.sum(-1, keepdim=True) > 0), residual, p_n)
     weights = torch.where(rejected[:, None], residual, p_n)
-    at = (steps + n)[:, None]
+    at = (index + n)[:, None]
     vocab = p.shape[-1]
     noise = torch.where(rejected[:, None], gumbel(seeds, at, vocab, RESIDUAL)[:, 0],
                         gumbel(seeds, at, vocab)[:, 0])

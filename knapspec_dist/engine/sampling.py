@@ -124,13 +124,13 @@ def _token_hashes(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch
     return _mix(ids), _mix(ids ^ _SALT)
 
 
-def _keys(seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0
+def _keys(seeds: torch.Tensor, index: torch.Tensor, stream: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The 64-bit key of each (row, output index), as two 32-bit halves [B, T]: two rows share
     a whole noise vector only with probability 2^-64. ``stream`` (0-15) names the purpose: it
     sets the index's top four bits, which no output index (< 2^28) has, so the streams of a row
     never share a key."""
-    lo, hi, t = seeds & _M32, (seeds >> 32) & _M32, (steps & _M32) ^ (stream << 28)
+    lo, hi, t = seeds & _M32, (seeds >> 32) & _M32, (index & _M32) ^ (stream << 28)
     first = _mix(lo[:, None] ^ _mix(hi[:, None] ^ _mix(t)))
     second = _mix(hi[:, None] ^ _mix(lo[:, None] ^ _mix(t ^ _SALT)))
     return first, second
@@ -141,10 +141,10 @@ def _bits52(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return (first << 20) | (second >> 12)
 
 
-def uniform(seeds: torch.Tensor, steps: torch.Tensor, stream: int) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
     """One uniform (float64, strictly inside (0, 1), on a 2^-52 grid) per row with ``seeds``
-    [B] at output indices ``steps`` [B, T], from the key of ``stream`` (> 0: not the noise's)."""
-    return (_bits52(*_keys(seeds, steps, stream)).double() + 0.5) * _GRID
+    [B] at output indices ``index`` [B, T], from the key of ``stream`` (> 0: not the noise's)."""
+    return (_bits52(*_keys(seeds, index, stream)).double() + 0.5) * _GRID
 
 
 def gumbel_of_bits(k: torch.Tensor) -> torch.Tensor:
@@ -162,19 +162,19 @@ def _noise(first: torch.Tensor, second: torch.Tensor, h1: torch.Tensor,
     return gumbel_of_bits(_bits52(_mix(first ^ h1), _mix(second ^ h2)))
 
 
-def gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, stream: int = 0
+def gumbel(seeds: torch.Tensor, index: torch.Tensor, vocab: int, stream: int = 0
            ) -> torch.Tensor:
     """Gumbel noise [B, T, vocab] (fp32) for rows with ``seeds`` [B] at output indices
-    ``steps`` [B, T]: a pure function of (seed, step, token, stream), the same on every
+    ``index`` [B, T]: a pure function of (seed, index, token, stream), the same on every
     device. Stream 0 is the choices' noise."""
-    first, second = _keys(seeds, steps, stream)
+    first, second = _keys(seeds, index, stream)
     h1, h2 = _token_hashes(vocab, seeds.device)
     return _noise(first[..., None], second[..., None], h1, h2)
 
 
-def _noise_at(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``gumbel(seeds, steps, V)`` gathered at token ``ids`` [B, T, K], without the rest."""
-    first, second = _keys(seeds, steps)
+def _noise_at(seeds: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``gumbel(seeds, index, V)`` gathered at token ``ids`` [B, T, K], without the rest."""
+    first, second = _keys(seeds, index)
     return _noise(first[..., None], second[..., None], _mix(ids), _mix(ids ^ _SALT))
 
 
@@ -242,13 +242,13 @@ def _first_best(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def sample_everywhere(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
-                      steps: torch.Tensor) -> torch.Tensor:
+                      index: torch.Tensor) -> torch.Tensor:
     """The reference choice [B, T]: argmax of the warped logits plus the noise over every token."""
-    return (warped(logits, cfg) + gumbel(seeds, steps, logits.shape[-1])).argmax(dim=-1)
+    return (warped(logits, cfg) + gumbel(seeds, index, logits.shape[-1])).argmax(dim=-1)
 
 
 def _choose_among_candidates(z: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
-                             steps: torch.Tensor, width: int
+                             index: torch.Tensor, width: int
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference choice from the ``width`` largest logits only: the token [B, T] and
     whether it is proven to be the reference's [B, T].
@@ -285,16 +285,16 @@ def _choose_among_candidates(z: torch.Tensor, cfg: SamplingConfig, seeds: torch.
         reached = torch.cumsum(p, dim=-1)[..., -1] >= cfg.top_p  # the first outside token drops
         inside = inside & (above < cfg.top_p)
         complete = complete | reached
-    scores = (v + _noise_at(seeds, steps, ids)).masked_fill(~inside, float("-inf"))
+    scores = (v + _noise_at(seeds, index, ids)).masked_fill(~inside, float("-inf"))
     best = scores.amax(dim=-1)
     proven = decidable & (complete | (b[..., 0] + G_MAX < best))
     return _first_best(scores, ids), proven
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
-           steps: torch.Tensor) -> torch.Tensor:
-    """The token [B, T] each row samples at output indices ``steps`` [B, T] from ``logits``
-    [B, T, V] (greedy: the argmax; no seeds or steps needed).
+           index: torch.Tensor) -> torch.Tensor:
+    """The token [B, T] each row samples at output indices ``index`` [B, T] from ``logits``
+    [B, T, V] (greedy: the argmax; no seeds or indices needed).
 
     The sampled token is ``argmax(warped + G)`` over the vocabulary. On a CPU it is found from
     the largest logits (``_choose_among_candidates``), widening until proven, since noise and
@@ -305,10 +305,10 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
     if cfg.greedy:
         return logits.argmax(dim=-1)
     if logits.device.type != "cpu":
-        return sample_everywhere(logits, cfg, seeds, steps)
+        return sample_everywhere(logits, cfg, seeds, index)
     b, t, vocab = logits.shape
     flat_logits = logits.reshape(b * t, 1, vocab)
-    flat_z, flat_steps = flat_logits.float() / cfg.temperature, steps.reshape(b * t, 1)
+    flat_z, flat_index = flat_logits.float() / cfg.temperature, index.reshape(b * t, 1)
     flat_seeds = seeds[:, None].expand(b, t).reshape(b * t)
     out = torch.empty(b * t, dtype=torch.int64)
     todo = torch.arange(b * t)
@@ -320,41 +320,41 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
         every = len(todo) == b * t  # no copy of the logits while every row is left
         tokens, proven = _choose_among_candidates(
             flat_z if every else flat_z[todo], cfg, flat_seeds if every else flat_seeds[todo],
-            flat_steps if every else flat_steps[todo], width)
+            flat_index if every else flat_index[todo], width)
         proven = proven[:, 0]
         out[todo[proven]] = tokens[proven, 0]
         todo = todo[~proven]
     if len(todo):
         out[todo] = sample_everywhere(flat_logits[todo], cfg, flat_seeds[todo],
-                                      flat_steps[todo])[:, 0]
+                                      flat_index[todo])[:, 0]
     return out.reshape(b, t)
 
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, seeds: torch.Tensor,
-           steps: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``logits`` [B, V], row b at output index ``steps[b]`` (greedy:
-    no seeds or steps needed)."""
+           index: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V], row b at output index ``index[b]`` (greedy:
+    no seeds or indices needed)."""
     if cfg.greedy:
         return logits.argmax(dim=-1)
-    return sample(logits[:, None], cfg, seeds, steps[:, None])[:, 0]
+    return sample(logits[:, None], cfg, seeds, index[:, None])[:, 0]
 
 
 def accept(drafts: torch.Tensor, target_logits: torch.Tensor, cfg: SamplingConfig,
-           seeds: torch.Tensor, steps: torch.Tensor, limit: torch.Tensor | None = None
+           seeds: torch.Tensor, index: torch.Tensor, limit: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the longest prefix of ``drafts`` [B, g] that the target also chooses (at most
     ``limit`` [B] long) and the target's token after it: two [B] tensors on the device.
 
     ``target_logits`` [B, g+1, V] are the full model's logits at the pending token and each
-    draft; ``steps`` [B] is the output index of each row's first draft. Drafts past a row's
+    draft; ``index`` [B] is the output index of each row's first draft. Drafts past a row's
     limit were never meant to be verified: the token there is the target's own choice.
     """
     g = drafts.shape[1]
     if cfg.greedy:
         target = target_logits.argmax(dim=-1)
     else:
-        index = steps[:, None] + torch.arange(g + 1, device=steps.device)
-        target = sample(target_logits, cfg, seeds, index)
+        indices = index[:, None] + torch.arange(g + 1, device=index.device)
+        target = sample(target_logits, cfg, seeds, indices)
     n = (drafts == target[:, :g]).long().cumprod(1).sum(1)
     if limit is not None:
         n = torch.minimum(n, limit)

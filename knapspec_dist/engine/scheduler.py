@@ -11,8 +11,9 @@ chunks are the same whether or not other rows decode, so a row's prefill never d
 neighbours, and a job's progress sees a long prompt's prefill chunk by chunk. Every strategy
 runs through this loop, batch 1 included.
 
-Throughput (``Throughput``): tokens emitted over the wall time from the first admission to the
-last finish, and the same over the time spent in decoding rounds only (prefill excluded).
+Throughput (``Work``): the finished rows' tokens over the wall time from the first admission
+to the last finish, and the same over the time spent in decoding rounds only (prefill
+excluded).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.cache import kv_heads
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.transfer import upload
+from knapspec_dist.ratio import ratio
 
 log = logging.getLogger(__name__)
 
@@ -48,47 +50,39 @@ PREFILL_CHUNK = 2048  # prompt tokens per step while rows decode (vLLM: max_num_
 
 
 @dataclass
-class Throughput:
-    tokens: int = 0  # generated tokens of finished rows
-    wall_s: float = 0.0  # first admission to last finish
-    prefill_s: float = 0.0  # time in prefill forwards
-    decode_s: float = 0.0  # time in decoding rounds
-    rounds: int = 0
-    row_rounds: int = 0  # decoding rows summed over rounds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.tokens / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def mean_batch(self) -> float:
-        return self.row_rounds / self.rounds if self.rounds else 0.0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
-                "decode_tokens_per_s": self.decode_tokens_per_s, "mean_batch": self.mean_batch}
-
-
-
-@dataclass
 class Work:
-    """What a scheduler has done so far, for a job's live progress and ETA: tokens emitted by
-    every row (finished or not), prompt tokens prefilled, and the seconds each took; and the
+    """What a scheduler has done so far: tokens emitted by every row (finished or not, for a
+    job's live progress and ETA), prompt tokens prefilled, and the seconds each took; the
     decoding rounds, with the rows that decoded in each summed (``row_rounds``), so that one
-    row's rate is known however few rows decode at once. Deltas and sums over calls and
-    replicas are field by field."""
+    row's rate is known however few rows decode at once; and its throughput, the finished
+    rows' tokens over the wall time from the first admission to the last finish. Deltas and
+    sums over calls and replicas are field by field."""
 
     emitted: int = 0  # by prefills (a row's first token) and rounds
     prefilled: int = 0
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # time in decoding rounds
     decoded: int = 0  # emitted by rounds only
     rounds: int = 0
     row_rounds: int = 0  # decoding rows summed over rounds
+    finished: int = 0  # generated tokens of the finished rows
+    wall_s: float = 0.0  # first admission to last finish (summed: the replicas' together)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return ratio(self.finished, self.wall_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return ratio(self.finished, self.decode_s)
+
+    @property
+    def mean_batch(self) -> float | None:
+        return ratio(self.row_rounds, self.rounds)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "mean_batch": self.mean_batch}
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -118,8 +112,7 @@ class Scheduler:
         self.capacity = self.batch.cache.capacity
         self.waiting: deque[Row] = deque()
         self.timer = clock if clock is not None else Clock(model.device)
-        self.throughput = Throughput()
-        self.work = Work()  # emitted and prefilled so far, finished rows or not (progress)
+        self.work = Work()  # so far, finished rows or not (progress), and the throughput
         self._first: float | None = None
         strategy.start(model)
 
@@ -197,12 +190,8 @@ class Scheduler:
             w.decode_s += elapsed
             w.rounds += 1
             w.row_rounds += size
-            tp = self.throughput
-            tp.rounds += 1
-            tp.row_rounds += size
-            tp.decode_s += elapsed
             for r in b.rows:
-                r.stats.steps += 1
+                r.stats.rounds += 1
                 r.stats.mean_batch += size
             done = [r for r in b.rows if r.reason is not None]
             if done:
@@ -212,8 +201,8 @@ class Scheduler:
         for row in finished:
             row.finished_s = now
             row.stats.finished_at = time.time()
-            self.throughput.tokens += len(row.out)
-            self.throughput.wall_s = now - self._first
+            self.work.finished += len(row.out)
+            self.work.wall_s = now - self._first
             self.strategy.retired(row.rid)
         return finished
 
@@ -250,7 +239,6 @@ class Scheduler:
             joined = row
         elapsed = timer.now() - start
         row.stats.prefill_s += elapsed
-        self.throughput.prefill_s += elapsed
         self.work.prefilled += n
         self.work.prefill_s += elapsed
         return joined
@@ -260,7 +248,7 @@ def result(row: Row) -> GenerationResult:
     s = row.stats
     s.prompt_tokens, s.new_tokens = len(row.prompt), len(row.out)
     s.wall_s = row.finished_s - row.admitted_s
-    s.mean_batch = s.mean_batch / s.steps if s.steps else 0.0
+    s.mean_batch = ratio(s.mean_batch, s.rounds)
     if s.drafted:  # summed per judged draft by the round: now the mean per draft
         s.attention_skipped /= s.drafted
         s.mlp_skipped /= s.drafted

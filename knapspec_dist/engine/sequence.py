@@ -54,7 +54,7 @@ class RoundInputs:
     pending: torch.Tensor  # [B, 1] the last emitted token, not yet in the cache
     starts: torch.Tensor  # the cache length: where the pending token goes
     seeds: torch.Tensor  # the row's randomness (sampling.row_seed)
-    steps: torch.Tensor  # the output index of the row's next token
+    index: torch.Tensor  # the output index of the row's next token
     room: torch.Tensor  # drafts the row can still use before its limit
 
 

@@ -19,6 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from knapspec_dist.runtime.stages import FORMER_NAMES
+
 log = logging.getLogger(__name__)
 
 
@@ -107,13 +109,16 @@ def _part_paths(out, sub: str) -> list[str]:
     return paths
 
 def _read_part(out, sub: str, path: str, schema: pa.Schema) -> pa.Table | None:
-    """One part's ``schema`` columns (nulls where it lacks one); None when it cannot be
-    read (then it is moved aside and its rows computed again)."""
+    """One part's ``schema`` columns (a renamed one from its former name, ``FORMER_NAMES``;
+    nulls where it lacks one); None when it cannot be read (then it is moved aside and its
+    rows computed again)."""
     try:
         with out.fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
-            table = pf.read(columns=[n for n in schema.names
-                                     if n in pf.schema_arrow.names])
+            have = pf.schema_arrow.names
+            names = {n: n if n in have else FORMER_NAMES.get(n) for n in schema.names}
+            names = {n: old for n, old in names.items() if old in have}
+            table = pf.read(columns=list(names.values())).rename_columns(list(names))
         for field_ in schema:
             if field_.name not in table.column_names and field_.nullable:
                 table = table.append_column(field_.name, pa.nulls(len(table), field_.type))

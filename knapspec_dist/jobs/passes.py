@@ -2,8 +2,10 @@
 baseline passes; each a stream of prompt batches (the processor's tokenize stage) fed to
 the replicas by the Dispatcher, every finished row to a part writer.
 
-A base class of :class:`~knapspec_dist.jobs.runner.JobRun`: the job's lifecycle (checks,
-lease, resume, summary) is there, the passes over the rows here.
+:class:`GenerationPasses` owns what streaming the rows needs (the rows in flight, the input
+errors held until an engine started, the part writers) and is given what the job's checks
+found (jobs/runner.py ``JobRun``: options, input, output, the rows done, the lease); it
+counts what it did into the run's :class:`~knapspec_dist.jobs.result.JobResult`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from knapspec_dist.jobs.baseline import baseline_ids
-from knapspec_dist.jobs.inputs import iter_texts
+from knapspec_dist.jobs.inputs import InputScan, iter_texts
+from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
-from knapspec_dist.jobs.output import PartWriter, result_row
+from knapspec_dist.jobs.output import OutputDir, PartWriter, result_row
 from knapspec_dist.jobs.progress import Progress
+from knapspec_dist.jobs.result import JobResult
+from knapspec_dist.jobs.resume import Done
 from knapspec_dist.jobs.termination import check_terminate
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome, Task
 from knapspec_dist.runtime.prompts import TokenizeStage, make_builder
@@ -54,8 +59,39 @@ class Pass:
     on_row: Callable[[dict], None] | None = None
 
 
+@dataclass
+class Writers:
+    """The part writers of a job's three passes."""
+
+    rows: PartWriter  # the main pass
+    baseline: PartWriter  # the baseline rows with ar
+    again: PartWriter  # the baseline rows with the job's strategy, batched as ar's
+
+    def __iter__(self) -> Iterator[PartWriter]:
+        return iter((self.rows, self.baseline, self.again))
+
+
 class GenerationPasses:
-    """The passes of :class:`~knapspec_dist.jobs.runner.JobRun` (its state: see there)."""
+    """A job's passes over its rows, and what streaming them needs."""
+
+    def __init__(self, config: JobConfig, *, scan: InputScan, out: OutputDir,
+                 schema: pa.Schema, done: Done, max_len: int, ray_data: bool,
+                 text_tools: Callable, engine_factory: Callable, backend_factory: Callable,
+                 lease: Lease, writers: Writers, result: JobResult,
+                 on_row: Callable[[dict], None] | None):
+        """``done``: what earlier runs wrote (the main pass skips those rows, the baseline
+        passes run what they lack); ``ray_data``: tokenize on the cluster (else here);
+        ``result``: where the passes count what they did."""
+        self.config, self.scan, self.out, self.schema, self.done = config, scan, out, schema, done
+        self.max_len, self.ray_data, self.text_tools = max_len, ray_data, text_tools
+        self.engine_factory, self.backend_factory = engine_factory, backend_factory
+        self.lease, self.writers, self.result, self.on_row = lease, writers, result, on_row
+        self.pending = done.pending
+        self.skip = done.rows.cast(scan.id_type)
+        self.meta: dict = {}  # row id -> (num_input_tokens, truncated) of the rows in flight
+        self.held: list[dict] = []  # error rows met before the engine started
+        self.seen = (0, 0)  # rows with a prompt streamed so far, and their prompt tokens
+        self.hold_errors = True
 
     def tokenize_stage(self, skip: pa.Array | None = None,
                        keep: pa.Array | None = None) -> Stage:
@@ -117,7 +153,7 @@ class GenerationPasses:
             self.held.append(row)
             return
         if c.stop_after is None or self._written() < c.stop_after:
-            self.writer.add(row)
+            self.writers.rows.add(row)
             if self.on_row:
                 self.on_row(row)
 
@@ -152,14 +188,14 @@ class GenerationPasses:
                     log.info("generating %d row(s) with %s on %d replica(s) x tp=%d",
                              self.pending - self._written(), c.strategy.name, c.replicas,
                              c.tp)
-                    rows = Pass("rows", c.strategy.name, self.writer, self._count_generated,
+                    rows = Pass("rows", c.strategy.name, self.writers.rows, self._count_generated,
                                 c.stop_after, self.on_row)
                     self.generate(engine, rows, itertools.chain([first], todo),
                                   self.pending - self._written())
         finally:
             stream.close()
         self.result.stopped_early = self._written() < self.pending
-        self.writer.flush()
+        self.writers.rows.flush()
 
     def start_engine(self, stack: contextlib.ExitStack):
         """The main pass's engine, stopped when ``stack`` closes."""
@@ -179,7 +215,7 @@ class GenerationPasses:
             self.write_error(row[self.config.id_column], row["error"], row["num_input_tokens"])
 
     def _written(self) -> int:
-        return self.writer.written + len(self.writer.buffer)
+        return self.writers.rows.written + len(self.writers.rows.buffer)
 
     def baseline_left(self) -> bool:
         """Whether a baseline pass has rows left to run (a complete job resumed)."""
@@ -197,9 +233,10 @@ class GenerationPasses:
         check_terminate()
         if c.strategy.name != "ar" and c.baseline_fraction > 0 and not self.result.stopped_early:
             ready = baseline_ids(self.out, self.schema, c.baseline_fraction)
-            for strategy, pass_writer, passed in ((c.strategy, self.again_writer,
+            for strategy, pass_writer, passed in ((c.strategy, self.writers.again,
                                                    self.done.again),
-                                                  (AR, self.base_writer, self.done.baseline)):
+                                                  (AR, self.writers.baseline,
+                                                   self.done.baseline)):
                 left = _missing(ready, passed)
                 if not left:
                     continue
@@ -215,8 +252,8 @@ class GenerationPasses:
                 finally:
                     stream.close()
                 check_terminate()
-        self.base_writer.flush()
-        self.again_writer.flush()
+        self.writers.baseline.flush()
+        self.writers.again.flush()
 
     def _count_generated(self) -> None:
         self.result.generated += 1

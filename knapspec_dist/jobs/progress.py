@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from knapspec_dist.engine.scheduler import Work
+from knapspec_dist.ratio import ratio, shown
 from knapspec_dist.runtime.dispatch import Outcome
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Progress:
             self.finished_tokens += outcome.result.stats.new_tokens
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(tok_s=f"{self.tokens_per_s:.1f}", failed=self.failed)
+            self.bar.set_postfix(tok_s=shown(self.tokens_per_s, ".1f", "?"), failed=self.failed)
         self.tick()
 
     @property
@@ -87,9 +88,8 @@ class Progress:
         return max(self.work.emitted, self.finished_tokens)
 
     @property
-    def tokens_per_s(self) -> float:
-        elapsed = self.clock() - self.start
-        return self.tokens / elapsed if elapsed > 0 else 0.0
+    def tokens_per_s(self) -> float | None:
+        return ratio(self.tokens, self.clock() - self.start)
 
     def eta(self) -> float | None:
         """Seconds left (None until the rates are known): see the module docstring."""
@@ -102,7 +102,7 @@ class Progress:
             rate = w.decoded / (w.decode_s / self.replicas)  # over all rows, replicas together
             return prefill + self._decoding_s(rate, row_rate)
         rate = self.tokens_per_s
-        if self.live is not None or rate <= 0 or self.tokens < min(self.slots or 1, self.total):
+        if self.live is not None or not rate or self.tokens < min(self.slots or 1, self.total):
             return None
         # the wall-clock rate, with every slot assumed busy
         return self._decoding_s(rate, rate / min(self.slots or 1, self.total))
@@ -139,12 +139,13 @@ class Progress:
         eta, w = self.eta(), self.work
         prefill = ""
         if self.prompt_tokens and w.prefilled < self.prompt_tokens:  # a prefill-heavy job's rate
-            rate = w.prefilled / (w.prefill_s / self.replicas) if w.prefill_s else 0.0
+            rate = ratio(w.prefilled, w.prefill_s / self.replicas)
             prefill = (f"prefilled {w.prefilled}/{self.prompt_tokens} prompt tokens "
-                       f"({rate:.0f} tok/s), ")
-        log.info("%s: %d/%d rows (%d failed), %s%d tokens, %.1f tok/s, elapsed %s, ETA %s",
+                       f"({shown(rate, '.0f', '?')} tok/s), ")
+        log.info("%s: %d/%d rows (%d failed), %s%d tokens, %s tok/s, elapsed %s, ETA %s",
                  self.label, self.done, self.total, self.failed, prefill, self.tokens,
-                 self.tokens_per_s, _hms(now - self.start), _hms(eta) if eta is not None else "?")
+                 shown(self.tokens_per_s, ".1f", "?"), _hms(now - self.start),
+                 _hms(eta) if eta is not None else "?")
 
     def close(self) -> None:
         if self.bar is not None:

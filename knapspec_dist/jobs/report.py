@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from knapspec_dist.jobs.runner import JobResult
+from knapspec_dist.ratio import shown
 
 
 def report(result: JobResult) -> str:
@@ -14,13 +15,14 @@ def report(result: JobResult) -> str:
         f"(of {rows['input']}; this run generated {result.generated}, "
         f"skipped {result.skipped} already written)",
     ]
-    tp = s["throughput"]
-    if tp["tokens_per_s"]:
+    throughput = s["throughput"]
+    if throughput["tokens_per_s"]:
         acc = s["acceptance"]["acceptance_rate"]
         lines.append(f"tokens: {s['tokens']['generated']} generated, "
-                     f"{tp['tokens_per_s']:.1f} tok/s ({tp['decode_tokens_per_s'] or 0:.1f} "
-                     f"without prefill), mean batch {tp['mean_batch'] or 0:.1f} of "
-                     f"{tp['max_num_seqs']}"
+                     f"{throughput['tokens_per_s']:.1f} tok/s "
+                     f"({shown(throughput['decode_tokens_per_s'], '.1f')} without prefill), "
+                     f"mean batch {shown(throughput['mean_batch'], '.1f')} of "
+                     f"{throughput['max_num_seqs']}"
                      + (f", acceptance {acc:.2f}" if acc is not None else ""))
     if s["acceptance"].get("note"):
         lines.append(s["acceptance"]["note"])
@@ -28,7 +30,8 @@ def report(result: JobResult) -> str:
         note = f" ({base['note']})" if base.get("note") else ""
         lines.append(f"speedup vs ar: {base['speedup']:.2f}x{note}, measured on {base['rows']} "
                      f"baseline row(s), both passes at mean batch "
-                     f"{base['strategy_mean_batch'] or 0:.1f} / {base['ar_mean_batch'] or 0:.1f} "
+                     f"{shown(base['strategy_mean_batch'], '.1f')} / "
+                     f"{shown(base['ar_mean_batch'], '.1f')} "
                      f"(identical tokens: {base['identical_tokens']}/{base['rows']})")
     if result.replicas_lost:
         lines.append(f"{result.replicas_lost} replica(s) lost (they could not restart: a node "

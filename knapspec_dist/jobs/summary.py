@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from knapspec_dist.engine.generation import add_plans, ranked_plans
+from knapspec_dist.ratio import ratio
 
 log = logging.getLogger(__name__)
 
@@ -181,24 +182,23 @@ class Totals:
         return float(np.sum(np.where(ends > before, ends - np.maximum(starts, before), 0.0)))
 
     def row_tokens_per_s(self) -> float | None:
-        return self.tokens / self.wall if self.rows and self.wall > 0 else None
+        return ratio(self.tokens, self.wall)
 
     def throughput(self, max_num_seqs=None) -> dict:
         """Job-level throughput of the ok rows (see the module docstring)."""
         busy = self.busy_seconds()
         prefill = self.prefill / (len(self.replicas) or 1)
-        return {"tokens_per_s": self.tokens / busy if busy > 0 else None,
-                "decode_tokens_per_s": (self.tokens / (busy - prefill) if busy > prefill
-                                        else None),
+        return {"tokens_per_s": ratio(self.tokens, busy),
+                "decode_tokens_per_s": ratio(self.tokens, busy - prefill),
                 "max_num_seqs": max_num_seqs,
-                "mean_batch": self.batch_sum / self.batch_weight if self.batch_weight else None}
+                "mean_batch": ratio(self.batch_sum, self.batch_weight)}
 
     def acceptance(self) -> dict:
         d = self.drafted
         return {"drafted": d, "accepted": self.accepted,
-                "acceptance_rate": self.accepted / d if d else None,
-                "attention_skipped": self.attention / d if d else None,
-                "mlp_skipped": self.mlp / d if d else None, "selections": self.selections}
+                "acceptance_rate": ratio(self.accepted, d),
+                "attention_skipped": ratio(self.attention, d),
+                "mlp_skipped": ratio(self.mlp, d), "selections": self.selections}
 
 
 def _table(rows: list[dict]) -> pa.Table:
@@ -208,10 +208,6 @@ def _table(rows: list[dict]) -> pa.Table:
 def throughput(rows: list[dict], max_num_seqs=None) -> dict:
     """:meth:`Totals.throughput` of ok rows given as dicts."""
     return Totals().add(_table(rows)).throughput(max_num_seqs)
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
 
 
 PLANS_SHOWN = 12
@@ -242,16 +238,15 @@ def _speedup(pairs: list[tuple[dict, dict]], lossless: list[tuple[dict, dict]]) 
                 "identical_tokens": identical}
     spec = Totals().add(_table([p[0] for p in pairs])).throughput()
     ar = Totals().add(_table([p[1] for p in pairs])).throughput()
-    per_row = [s["tokens_per_s"] / a["tokens_per_s"] for s, a in pairs
-               if s["tokens_per_s"] and a["tokens_per_s"]]
-    speedup = _ratio(spec["tokens_per_s"], ar["tokens_per_s"])
+    per_row = [r for s, a in pairs if (r := ratio(s["tokens_per_s"], a["tokens_per_s"]))]
+    speedup = ratio(spec["tokens_per_s"], ar["tokens_per_s"])
     noise = {"note": NOISE_NOTE} if speedup is not None and not any(
         p[0]["drafted"] for p in pairs) else {}
     return {
         "rows": len(pairs),
         "speedup": speedup,
         **noise,
-        "decode_speedup": _ratio(spec["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
+        "decode_speedup": ratio(spec["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
         "strategy_tokens_per_s": spec["tokens_per_s"],
         "ar_tokens_per_s": ar["tokens_per_s"],
         "strategy_mean_batch": spec["mean_batch"],

@@ -1,2 +1,2 @@
-"""The model: config, decoder with skippable sublayers, per-forward step, attention backends,
+"""The model: config, decoder with skippable sublayers, per-forward metadata, attention backends,
 KV cache, weights, tokenizer."""

@@ -118,30 +118,30 @@ def canonical(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta) -> torch.Tensor:
     """q [B, H, T, hd] against keys / values [B, KV, S, hd] -> [B, T, H*hd]."""
     b, h, t, hd = q.shape
     kv = keys.shape[1]
-    if step.backend == "flex" and not step.causal:
+    if meta.backend == "flex" and not meta.causal:
         q = canonical(q)
-        dynamic_lengths(q, keys, values, step.block_mask)
-        o = compiled_flex()(q, keys, values, step.block_mask, h != kv)
+        dynamic_lengths(q, keys, values, meta.block_mask)
+        o = compiled_flex()(q, keys, values, meta.block_mask, h != kv)
     elif q.device.type == "cuda":
         with _sdpa_backends():
-            o = _sdpa(q, keys, values, step)
+            o = _sdpa(q, keys, values, meta)
     else:
-        o = _sdpa(q, keys, values, step)
+        o = _sdpa(q, keys, values, meta)
     return o.transpose(1, 2).reshape(b, t, h * hd)
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta) -> torch.Tensor:
     b, h, t, hd = q.shape
     kv = keys.shape[1]
-    if step.causal:  # fresh prefill: the kernel's causal path, KV heads shared by GQA
+    if meta.causal:  # fresh prefill: the kernel's causal path, KV heads shared by GQA
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True,
                                               enable_gqa=h != kv)
     g = h // kv
-    mask = step.mask()
+    mask = meta.mask()
     if mask is not None:
         mask = mask.repeat(1, 1, g, 1)
     o = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, hd), keys, values, attn_mask=mask)

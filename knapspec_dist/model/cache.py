@@ -28,19 +28,19 @@ class KVCache:
     def batch(self) -> int:
         return len(self.lengths)
 
-    def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, T, KV, hd] at ``step.positions``; return the keys/values to attend to
-        (the first ``step.kv_len`` of each row: the longest row's length, or the capacity)."""
-        kc, vc = self.k[layer][step.rows], self.v[layer][step.rows]
-        if step.start is not None:
+    def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, T, KV, hd] at ``meta.positions``; return the keys/values to attend to
+        (the first ``meta.kv_len`` of each row: the longest row's length, or the capacity)."""
+        kc, vc = self.k[layer][meta.rows], self.v[layer][meta.rows]
+        if meta.start is not None:
             t = k.shape[1]
-            kc[:, :, step.start:step.start + t] = k.transpose(1, 2)
-            vc[:, :, step.start:step.start + t] = v.transpose(1, 2)
+            kc[:, :, meta.start:meta.start + t] = k.transpose(1, 2)
+            vc[:, :, meta.start:meta.start + t] = v.transpose(1, 2)
         else:  # index writes from device positions: no host sync, capturable
             b = torch.arange(k.shape[0], device=k.device)[:, None]
-            kc[b, :, step.positions] = k
-            vc[b, :, step.positions] = v
-        return kc[:, :, :step.kv_len], vc[:, :, :step.kv_len]
+            kc[b, :, meta.positions] = k
+            vc[b, :, meta.positions] = v
+        return kc[:, :, :meta.kv_len], vc[:, :, :meta.kv_len]
 
     def commit(self, row: int, length: int) -> None:
         """Set a row's valid length: append after a forward, or roll back a rejected draft."""

@@ -4,9 +4,9 @@ Sublayer ``item`` 2l is the Attention of layer l, 2l+1 its MLP; each is ``h + f(
 skipping one is the identity. Sequences in a batch keep their own positions (no padding): a
 forward feeds T new tokens per sequence at positions ``start[b] .. start[b]+T-1`` and writes
 their K/V into the preallocated cache (see cache.py); attention over the cache, per device, is
-attention.py, and the per-forward metadata step.py. Tensor parallelism is applied from outside
-(parallel/layers.py): a sublayer calls ``self.reduce`` on its partial output, and the embedding and
-lm_head modules are swapped for vocab-parallel ones.
+attention.py, and the per-forward metadata forward_meta.py. Tensor parallelism is applied from
+outside (parallel/layers.py): a sublayer calls ``self.reduce`` on its partial output, and the
+embedding and lm_head modules are swapped for vocab-parallel ones.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from knapspec_dist.model.attention import attend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.step import Step, make_step
+from knapspec_dist.model.forward_meta import ForwardMeta, forward_meta
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.reduce = identity
 
-    def qkv(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, meta: ForwardMeta
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed input -> rotated q [B,H,T,hd], k and v [B,T,KV,hd]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
@@ -96,14 +97,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * step.cos + rotate_half(q) * step.sin
-        k = k * step.cos + rotate_half(k) * step.sin
+        q = q * meta.cos + rotate_half(q) * meta.sin
+        k = k * meta.cos + rotate_half(k) * meta.sin
         return q, k.transpose(1, 2), v
 
-    def forward(self, h: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm(h), step)
-        keys, values = cache.write(layer, step, k, v)
-        return h + self.reduce(self.o_proj(attend(q, keys, values, step)))
+    def forward(self, h: torch.Tensor, meta: ForwardMeta, cache: KVCache, layer: int
+                ) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(h), meta)
+        keys, values = cache.write(layer, meta, k, v)
+        return h + self.reduce(self.o_proj(attend(q, keys, values, meta)))
 
 
 class MLP(nn.Module):
@@ -185,7 +187,7 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def forward_items(self, h: torch.Tensor, step: Step, cache: KVCache,
+    def forward_items(self, h: torch.Tensor, meta: ForwardMeta, cache: KVCache,
                       skip: frozenset[int] = frozenset(),
                       capture: Capture | None = None) -> torch.Tensor:
         """Run every sublayer not in ``skip``.
@@ -196,7 +198,7 @@ class Transformer(nn.Module):
             capture.add(h)
         for i, layer in enumerate(self.layers):
             if 2 * i not in skip:
-                h = layer.attention(h, step, cache, i)
+                h = layer.attention(h, meta, cache, i)
             if capture is not None:
                 capture.add(h)
             if 2 * i + 1 not in skip:
@@ -214,10 +216,10 @@ class Transformer(nn.Module):
                 last_only: bool = False, capture: Capture | None = None,
                 starts_dev: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (fp32) for ``tokens`` [B, T] at positions ``starts[b] ..``, writing their K/V
-        (``starts_dev``: host ``starts`` already on the device, see ``make_step``)."""
+        (``starts_dev``: host ``starts`` already on the device, see ``forward_meta``)."""
         rows = rows if rows is not None else slice(0, tokens.shape[0])
-        step = make_step(self, starts, tokens.shape[1], cache, rows, starts_dev)
-        h = self.forward_items(self.embed(tokens), step, cache, skip, capture)
+        meta = forward_meta(self, starts, tokens.shape[1], cache, rows, starts_dev)
+        h = self.forward_items(self.embed(tokens), meta, cache, skip, capture)
         if last_only:
             h = h[:, -1:]
         return self.logits(h)

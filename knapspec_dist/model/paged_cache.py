@@ -9,7 +9,7 @@ row writes there and never into a live row's pages. Which pages a row gets is de
 The interface is ``KVCache``'s: ``write`` / ``commit`` / ``lengths``. Rolling back a rejected
 draft moves the length back (the pages stay the row's); retiring a row moves its block-table
 row, never its keys and values. A forward's physical indices (``locate``) are made once, in
-the step every layer shares; attention then reads a contiguous copy of the rows' keys
+the ``ForwardMeta`` every layer shares; attention then reads a contiguous copy of the rows' keys
 (``index_select``), the same values in the same shapes as the fixed cache's slice, so SDPA
 gives the same bits.
 """
@@ -99,16 +99,16 @@ class PagedKVCache:
         gather = table[:, keys // self.page] * self.page + keys % self.page
         return slots, gather.reshape(-1)
 
-    def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, T, KV, hd] at ``step.slots``; the rows' first ``step.kv_len`` keys and
+    def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, T, KV, hd] at ``meta.slots``; the rows' first ``meta.kv_len`` keys and
         values, [B, KV, kv_len, hd]."""
         kp, vp = self.k[layer], self.v[layer]
-        kp[:, step.slots] = k.permute(2, 0, 1, 3)
-        vp[:, step.slots] = v.permute(2, 0, 1, 3)
+        kp[:, meta.slots] = k.permute(2, 0, 1, 3)
+        vp[:, meta.slots] = v.permute(2, 0, 1, 3)
         b, kv = k.shape[0], kp.shape[0]
-        shape = (kv, b, step.kv_len, kp.shape[-1])
-        return (kp.index_select(1, step.gather).view(shape).transpose(0, 1),
-                vp.index_select(1, step.gather).view(shape).transpose(0, 1))
+        shape = (kv, b, meta.kv_len, kp.shape[-1])
+        return (kp.index_select(1, meta.gather).view(shape).transpose(0, 1),
+                vp.index_select(1, meta.gather).view(shape).transpose(0, 1))
 
     def row_kv(self, layer: int, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` keys and values of one row, [1, KV, n, hd] each (a copy)."""

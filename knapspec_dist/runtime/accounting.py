@@ -20,7 +20,10 @@ asynchronously: compute is then launch time unless the Comm synchronizes (``time
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import fields
+
+from knapspec_dist.engine.generation import Split
+from knapspec_dist.ratio import ratio
 
 
 class Meter:
@@ -58,20 +61,12 @@ class Meter:
         self.wrap(model, "logits")
 
 
-@dataclass
-class Split:
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    ray_s: float = 0.0
-    other_s: float = 0.0
-
-
-def split(wall_s: float, metered_s: float, comm_s: float) -> Split:
+def split(wall_s: float, metered_s: float, comm_s: float, comm_calls: int) -> Split:
     """Partition one shard's wall time (the Ray round trips around it are the coordinator's to
     add: a shard makes no Ray calls of its own during a round)."""
     compute = max(0.0, metered_s - comm_s)
     other = max(0.0, wall_s - compute - comm_s)
-    return Split(compute, comm_s, 0.0, other)
+    return Split(compute, comm_s, 0.0, other, comm_calls)
 
 
 def job_summary(results, wall_s: float, replicas: int) -> dict:
@@ -84,15 +79,17 @@ def job_summary(results, wall_s: float, replicas: int) -> dict:
     plus driver/replica idle time (``idle_s``).
     """
     used = len({r.replica for r in results}) or 1
-    total = {k: sum(getattr(r.stats, k) for r in results)
-             for k in ("compute_s", "comm_s", "ray_s", "other_s")}
+    summed = Split()
+    for r in results:
+        summed.add(r.stats.split)
+    total = {f.name: getattr(summed, f.name) for f in fields(Split) if f.name != "comm_calls"}
     available = wall_s * min(used, replicas)
     idle = max(0.0, available - sum(total.values()))
     control = total["ray_s"] + total["other_s"] + idle
     tokens = sum(r.stats.new_tokens for r in results)
     return {"wall_s": wall_s, "replicas_used": used, "requests": len(results),
             "new_tokens": tokens, **total, "idle_s": idle,
-            "control_plane_share": control / available if available else 0.0,
-            "comm_share": total["comm_s"] / available if available else 0.0,
-            "compute_share": total["compute_s"] / available if available else 0.0,
-            "comm_calls": sum(r.stats.comm_calls for r in results)}
+            "control_plane_share": ratio(control, available),
+            "comm_share": ratio(total["comm_s"], available),
+            "compute_share": ratio(total["compute_s"], available),
+            "comm_calls": round(summed.comm_calls)}

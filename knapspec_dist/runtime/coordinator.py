@@ -261,7 +261,7 @@ class Coordinator:
                     future.set_exception(UserError(message))
             for rid, result in finished:
                 future = self._active.pop(rid, None)
-                result.stats.ray_s += self._ray.pop(rid, 0.0)
+                result.stats.split.ray_s += self._ray.pop(rid, 0.0)
                 if future is not None and not future.done():
                     future.set_result(result)
 

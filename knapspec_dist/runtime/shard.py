@@ -14,12 +14,12 @@ import copy
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import ray
 import torch
 import torch.distributed as dist
 
+from knapspec_dist.engine.generation import Split
 from knapspec_dist.engine.memory import fitting_max_num_seqs, max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import Scheduler, result
@@ -35,32 +35,13 @@ from knapspec_dist.parallel import (
 from knapspec_dist.profiles import profiler
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
-from knapspec_dist.runtime.accounting import Meter, Split, split
+from knapspec_dist.runtime.accounting import Meter, split
 from knapspec_dist.runtime.messages import Admission, ReplicaBudget, ShardInfo, StepResult
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.speculation.spmd import spmd_strategy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RowShare:
-    """A row's share of the shard calls it took part in: each call's time split and
-    collective calls, divided among the rows in that call."""
-
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    ray_s: float = 0.0
-    other_s: float = 0.0
-    comm_calls: float = 0.0
-
-    def add(self, parts: Split, comm_calls: int, rows: int) -> None:
-        self.compute_s += parts.compute_s / rows
-        self.comm_s += parts.comm_s / rows
-        self.ray_s += parts.ray_s / rows
-        self.other_s += parts.other_s / rows
-        self.comm_calls += comm_calls / rows
 
 
 class Shard:
@@ -149,13 +130,13 @@ class Shard:
             self.scheduler = Scheduler(self.strategy, self.model, config,
                                        min(max_num_seqs, self.max_num_seqs), self.capacity,
                                        runner=self.runner)
-            self.shares: dict[int, RowShare] = {}
+            self.shares: dict[int, Split] = {}  # per row: its share of the calls so far
         sched = self.scheduler
         refused = []
         for row in admit:
             try:
                 sched.add(row.rid, list(row.prompt_ids), row.key)
-                self.shares[row.rid] = RowShare()
+                self.shares[row.rid] = Split()
             except UserError as e:
                 refused.append((row.rid, str(e)))
         comm = self.model.tp.comm
@@ -172,16 +153,12 @@ class Shard:
             if finished:
                 break
         elapsed = time.perf_counter() - start
-        parts = split(elapsed, self.meter.seconds, comm.seconds)
+        parts = split(elapsed, self.meter.seconds, comm.seconds, comm.calls)
         for share in self.shares.values():  # rows waiting, prefilling, decoding or just done
-            share.add(parts, comm.calls, len(self.shares))
+            share.add(parts, len(self.shares))
         out = []
         for row in finished:
             r = result(row)
-            share = self.shares.pop(row.rid)
-            s = r.stats
-            s.compute_s, s.comm_s, s.ray_s, s.other_s = (share.compute_s, share.comm_s,
-                                                         share.ray_s, share.other_s)
-            s.comm_calls = round(share.comm_calls)
+            r.stats.split = self.shares.pop(row.rid)
             out.append((row.rid, r))
         return StepResult(out, refused, elapsed, sched.busy, sched.work - before, steps)

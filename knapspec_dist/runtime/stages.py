@@ -28,7 +28,8 @@ import ray
 
 from knapspec_dist.runtime.dispatch import Outcome, Task
 
-__all__ = ["PLANS", "RESULT_FIELDS", "Stage", "batch_tasks", "outcome_columns", "result_columns"]
+__all__ = ["FORMER_NAMES", "PLANS", "RESULT_FIELDS", "Stage", "batch_tasks", "outcome_columns",
+           "result_columns"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def result_columns(result) -> dict:
     return {"generated_text": result.text, "generated_tokens": list(result.token_ids),
             "num_input_tokens": s.prompt_tokens, "num_generated_tokens": s.new_tokens,
             "finish_reason": result.finish_reason, "time_taken_llm": s.wall_s,
-            "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "steps": s.steps,
+            "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "rounds": s.rounds,
             "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
             "selections": s.selections, "mean_batch": s.mean_batch,
@@ -89,7 +90,7 @@ RESULT_FIELDS = [
     ("num_input_tokens", pa.int64()), ("num_generated_tokens", pa.int64()),
     ("finish_reason", pa.string()),  # "eos" | "length"
     ("time_taken_llm", pa.float64()),  # wall seconds of this row's generation
-    ("prefill_s", pa.float64()), ("tokens_per_s", pa.float64()), ("steps", pa.int64()),
+    ("prefill_s", pa.float64()), ("tokens_per_s", pa.float64()), ("rounds", pa.int64()),
     ("drafted", pa.int64()), ("accepted", pa.int64()), ("acceptance_rate", pa.float64()),
     # mean attention / MLP sublayers skipped per draft token
     ("attention_skipped", pa.float64()), ("mlp_skipped", pa.float64()),
@@ -104,6 +105,11 @@ RESULT_FIELDS = [
     ("error", pa.string()),  # null when the row succeeded
     ("error_kind", pa.string()),  # input | row | oom | replica | timeout (null: ok)
 ]
+
+#: Result columns renamed since outputs were first written: the name now -> the name in older
+#: parts, read in its place where a part has only the older (jobs/parts.py), so a job resumes
+#: and summarizes over the rows of earlier versions.
+FORMER_NAMES = {"rounds": "steps"}
 
 
 def outcome_columns(outcome: Outcome) -> dict:

@@ -26,7 +26,7 @@ class Autoregressive(Strategy):
         logits = forward(inputs.pending, lengths, cache, slice(0, len(rows)),
                          starts_dev=inputs.starts)
         nxt = choose(logits[:, 0], config.sampling, inputs.seeds,
-                     inputs.steps).tolist()  # the one read-back
+                     inputs.index).tolist()  # the one read-back
         end = timer.mark()
         timer.sync()  # after the read-back: free
         elapsed = timer.seconds(start, end)

@@ -10,16 +10,19 @@ clock marks (speculation/selfspec.py: CUDA events read after the round's one rea
 ``perf_counter`` on a CPU; no host sync is added). The model refitted is the profile's own,
 scaled:
 
-    draft step (S, n) = kA * attention(n) * attentions run + kM * mlp * MLPs run + kH * head
-    verify (q, n)     = kV[q] * verify(q, n)
+    draft forward (S, n) = kA * attention(n) * attentions run + kM * mlp * MLPs run + kH * head
+    verify (q, n)        = kV[q] * verify(q, n)
 
-A plain round (q = 1) is also a full step (nothing skipped, scaled to the profile's verify(1,
-n)), so plain decoding alone separates attention from MLP wherever the context varies
-(attention grows with n, MLP does not). The sublayer factors are a Huber regression on relative
-residuals with a weak prior toward the samples' common ratio: what the samples cannot tell apart
-stays priced in the profile's proportions. kV[q] is the median ratio of q's samples (the
-nearest measured q's where q has none). Factors are fitted per batch size with enough samples
-(the batch-size dependence), else pooled.
+and a round's seconds are its draft forwards plus its verify, priced one way only: through the
+scaled profile (``scaled``, ``round_seconds``), for the drift test, the comparison of two fits
+and the next selection alike. A plain round (q = 1) is also a full forward (nothing skipped,
+scaled to the profile's verify(1, n)), so plain decoding alone separates attention from MLP
+wherever the context varies (attention grows with n, MLP does not). The sublayer factors are a
+Huber regression on relative residuals with a weak prior toward the samples' common ratio: what
+the samples cannot tell apart stays priced in the profile's proportions. kV[q] (a context part
+and a rest) is the same fit over q's samples where there are ``SUSTAIN`` of them, else over
+every q's. Factors are fitted per batch size with enough samples (the batch-size dependence),
+else pooled.
 
 Drift: a round off its prediction by more than the profile's band (its stated noise,
 ``LatencyProfile.spread``, at least ``MIN_BAND`` and at most ``MAX_BAND``: a spread past the
@@ -68,19 +71,19 @@ IRLS_STEPS = 10  # reweightings of the Huber fit at most (it settles in a few)
 
 @dataclass(frozen=True)
 class RoundTiming:
-    """One timed round: ``steps`` draft forwards with ``skip`` skipped (0: a plain step) and
-    their ``draft_s``, then one verify of ``steps + 1`` tokens in ``verify_s``."""
+    """One timed round: ``drafts`` draft forwards with ``skip`` skipped (0: a plain round) and
+    their ``draft_s``, then one verify of ``drafts + 1`` tokens in ``verify_s``."""
 
     batch: int
     context: int
     skip: frozenset[int]
-    steps: int
+    drafts: int
     draft_s: float
     verify_s: float
 
     def row(self) -> list:
-        """As saved with an online profile: [batch, context, steps, draft_s, verify_s, skip]."""
-        return [self.batch, self.context, self.steps, self.draft_s, self.verify_s,
+        """As saved with an online profile: [batch, context, drafts, draft_s, verify_s, skip]."""
+        return [self.batch, self.context, self.drafts, self.draft_s, self.verify_s,
                 sorted(self.skip)]
 
 
@@ -106,20 +109,31 @@ class Factors:
 
 
 def scaled(profile: LatencyProfile, f: Factors) -> LatencyProfile:
-    """The profile with every cost scaled by its factor (its offline samples unchanged)."""
+    """The profile with every cost scaled by its factor (its offline samples unchanged): the
+    one price of the refitted model (``round_seconds``). Its verify has a line at every q
+    from 1 to one past the last q measured or fitted alone, each the stored line at q (as it
+    interpolates) times q's factors, so a q between measured ones, or past them, is priced
+    at its own factors, not its neighbours'."""
     a = profile.attention
 
-    def line(q: int, v: LinearFit) -> LinearFit:
-        ks, ki = f.verify_at(q)
+    def line(q: int) -> LinearFit:
+        v, (ks, ki) = verify_line(profile, q), f.verify_at(q)
         return LinearFit(v.slope * ks, v.intercept * ki)
 
+    last = max(max(profile.verify), max(f.verify, default=0) + 1)
     out = replace(profile, attention=LinearFit(a.slope * f.attention, a.intercept * f.attention),
                   mlp=profile.mlp * f.mlp, head=profile.head * f.head,
-                  verify={q: line(q, v) for q, v in profile.verify.items()})
+                  verify={q: line(q) for q in range(1, last + 1)})
     # the floor (the fastest attention measured, ``attention_time``) scales too
     out.__dict__["_fastest_attention"] = min(
         s for _, s in profile.samples["attention"]) * f.attention
     return out
+
+
+def round_seconds(profile: LatencyProfile, t: RoundTiming, num_layers: int) -> float:
+    """The seconds ``profile`` prices round ``t`` at: its draft forwards, then its verify."""
+    return (t.drafts * profile.draft_time(t.skip, t.context, num_layers)
+            + profile.verify_time(t.drafts + 1, t.context))
 
 
 def verify_line(profile: LatencyProfile, q: int) -> LinearFit:
@@ -130,13 +144,13 @@ def verify_line(profile: LatencyProfile, q: int) -> LinearFit:
 
 def sublayer_features(profile: LatencyProfile, t: RoundTiming, num_layers: int
                       ) -> tuple[list[float], float]:
-    """(attention, MLP, head seconds the profile prices in one step of ``t``, the measured
-    step): a draft step, or for a plain round the verify step in the profile's proportions."""
+    """(attention, MLP, head seconds the profile prices in one forward of ``t``, the measured
+    forward): a draft forward, or for a plain round the verify in the profile's proportions."""
     attn, mlp = profile.attention_time(t.context), profile.mlp_time()
-    if t.steps:
+    if t.drafts:
         ran_a = sum(1 for i in range(0, 2 * num_layers, 2) if i not in t.skip)
         ran_m = sum(1 for i in range(1, 2 * num_layers, 2) if i not in t.skip)
-        return [ran_a * attn, ran_m * mlp, profile.head], t.draft_s / t.steps
+        return [ran_a * attn, ran_m * mlp, profile.head], t.draft_s / t.drafts
     full = [num_layers * attn, num_layers * mlp, profile.head]
     ratio = profile.verify_time(1, t.context) / sum(full)
     return [x * ratio for x in full], t.verify_s
@@ -176,17 +190,8 @@ def features(t: RoundTiming, price: Callable[[int], LatencyProfile], num_layers:
     step (``sublayer_features``), and its verify line's context and constant parts at t."""
     p = price(t.batch)
     xs, y = sublayer_features(p, t, num_layers)
-    v = verify_line(p, t.steps + 1)
+    v = verify_line(p, t.drafts + 1)
     return xs, y, [v.slope * t.context, v.intercept]
-
-
-def priced(f: Factors, t: RoundTiming, feats: Features) -> float:
-    """The seconds of round ``t`` as ``f`` prices it (``feats``: its ``features``): how far two
-    fits differ is judged in the rounds' time, where a cost's share weighs its factor."""
-    xs, _, v = feats
-    ks, ki = f.verify_at(t.steps + 1)
-    draft = f.attention * xs[0] + f.mlp * xs[1] + f.head * xs[2]
-    return t.steps * draft + ks * v[0] + ki * v[1]
 
 
 def fit(samples: list[RoundTiming], price: Callable[[int], LatencyProfile],
@@ -202,7 +207,7 @@ def fit(samples: list[RoundTiming], price: Callable[[int], LatencyProfile],
             f = memo[t] = features(t, price, num_layers)
         rows.append(f[0])
         ys.append(f[1])
-        by_q.setdefault(t.steps + 1, []).append((f[2], t.verify_s))
+        by_q.setdefault(t.drafts + 1, []).append((f[2], t.verify_s))
     attention, mlp, head = huber_fit(rows, ys)
     verify = {0: tuple(huber_fit([x for xs in by_q.values() for x, _ in xs],
                                  [y for xs in by_q.values() for _, y in xs]))}
@@ -249,9 +254,8 @@ class Calibration:
         return min(max(self.price(batch).spread() or 0.0, MIN_BAND), MAX_BAND)
 
     def predicted(self, t: RoundTiming) -> float:
-        p = self.profile(t.batch)
-        return (t.steps * p.draft_time(t.skip, t.context, self.num_layers)
-                + p.verify_time(t.steps + 1, t.context))
+        """The seconds the prices in force give round ``t`` (what the drift test compares)."""
+        return round_seconds(self.profile(t.batch), t, self.num_layers)
 
     def observe(self, t: RoundTiming, report: bool = True) -> bool:
         """One timed round; whether the prices were refitted from it. ``report``: whether a
@@ -294,8 +298,7 @@ class Calibration:
         self.refits += 1
         pooled = fits[None]
         band = min(map(self.band, self.regimes))
-        departs = max(abs(priced(pooled, t, memo[t]) / priced(self.reported, t, memo[t]) - 1)
-                      for t in samples)  # the largest relative difference of a round
+        departs = self.departure(pooled, samples)
         due = (self.reported_at is None or self.rounds - self.reported_at >= REPORT_EVERY
                or departs > LARGE * band)
         if not (settled and departs > band and due):
@@ -311,6 +314,20 @@ class Calibration:
         if self.save is not None:
             self.save(self.online_profile(max(self.regimes, key=lambda b: len(self.regimes[b]))))
 
+    def departure(self, f: Factors, samples: list[RoundTiming]) -> float:
+        """The largest relative difference of a round's seconds between ``f`` and the last
+        refit reported: two fits are compared in the rounds' time, where a cost's share
+        weighs its factor."""
+        profiles: dict[tuple[int, int], LatencyProfile] = {}  # (batch, id of factors) ->
+
+        def seconds(factors: Factors, t: RoundTiming) -> float:
+            key = (t.batch, id(factors))
+            if key not in profiles:
+                profiles[key] = scaled(self.price(t.batch), factors)
+            return round_seconds(profiles[key], t, self.num_layers)
+
+        return max(abs(seconds(f, t) / seconds(self.reported, t) - 1) for t in samples)
+
     def online_profile(self, batch: int) -> LatencyProfile:
         """The refitted profile at ``batch``, its raw online samples and factors kept, origin
         "online"."""
@@ -318,7 +335,7 @@ class Calibration:
         out = scaled(base, f)
         out.samples = {**base.samples, "online": {
             "rounds": [t.row() for t in self.regimes.get(batch, self.samples)],
-            "columns": ["batch", "context", "steps", "draft_s", "verify_s", "skip"],
+            "columns": ["batch", "context", "drafts", "draft_s", "verify_s", "skip"],
             "factors": {"attention": f.attention, "mlp": f.mlp, "head": f.head,
                         "verify": {str(q): list(k) for q, k in sorted(f.verify.items())}}}}
         out.origin = "online"

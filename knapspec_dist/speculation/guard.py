@@ -64,16 +64,16 @@ class PlanGuard:
         """The plan now in force (None: plain decoding, nothing to guard)."""
         self.run = run
 
-    def record(self, steps: int, verified: list[int], accepted: list[int],
+    def record(self, drafts: int, verified: list[int], accepted: list[int],
                profile: LatencyProfile) -> None:
-        """One round of the plan in force: ``steps`` draft forwards; row b had ``verified[b]``
+        """One round of the plan in force: ``drafts`` draft forwards; row b had ``verified[b]``
         drafts judged and kept ``accepted[b]``."""
         run = self.run
-        if run is None or not steps:
+        if run is None or not drafts:
             return
         run.rounds += 1
         run.tokens += (sum(accepted) + len(accepted)) / len(accepted)
-        run.modeled_s += steps * run.draft_time + profile.verify_time(steps + 1, run.context)
+        run.modeled_s += drafts * run.draft_time + profile.verify_time(drafts + 1, run.context)
         self.accepted += sum(accepted)
         self.expected += run.alpha * sum(verified)
 

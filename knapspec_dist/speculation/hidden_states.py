@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from knapspec_dist.model.attention import prefix_attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Attention, Transformer
-from knapspec_dist.model.step import make_step
+from knapspec_dist.model.forward_meta import forward_meta
 
 
 @dataclass
@@ -36,13 +36,13 @@ class HiddenStateEvaluator:
     def __init__(self, model: Transformer, cache: KVCache, references: list[Reference]):
         self.model, self.cache = model, cache
         self.reference = torch.cat([r.states for r in references], dim=1)  # [2L + 1, M, d]
-        self.blocks = []  # (cache row, prefix length, rotary step, causal mask, positions)
+        self.blocks = []  # (cache row, prefix length, forward meta, causal mask, positions)
         offset = 0
         for r in references:
             m = r.states.shape[1]
-            step = make_step(model, [r.start], m, cache, slice(r.slot, r.slot + 1))
+            meta = forward_meta(model, [r.start], m, cache, slice(r.slot, r.slot + 1))
             causal = torch.ones(m, m, dtype=torch.bool, device=r.states.device).tril()
-            self.blocks.append((r.slot, r.start, step, causal, slice(offset, offset + m)))
+            self.blocks.append((r.slot, r.start, meta, causal, slice(offset, offset + m)))
             offset += m
         self.current: dict[int, torch.Tensor] = {0: self.reference[0]}
         self.pending: dict[tuple[int, bool], torch.Tensor] = {}
@@ -65,18 +65,18 @@ class HiddenStateEvaluator:
     def _attention(self, attn: Attention, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Attention sublayer of N candidate states [N, M, d], each reference row's positions
         against that row's cache."""
-        out = torch.cat([self._row_attention(attn, layer, x[:, positions], slot, prefix, step,
+        out = torch.cat([self._row_attention(attn, layer, x[:, positions], slot, prefix, meta,
                                              causal)
-                         for slot, prefix, step, causal, positions in self.blocks], dim=1)
+                         for slot, prefix, meta, causal, positions in self.blocks], dim=1)
         return x + attn.reduce(attn.o_proj(out.to(x.dtype)))
 
     def _row_attention(self, attn: Attention, layer: int, x: torch.Tensor, slot: int, prefix: int,
-                       step, causal: torch.Tensor) -> torch.Tensor:
+                       meta, causal: torch.Tensor) -> torch.Tensor:
         """Attention of N candidate states at one row's m reference positions: each attends to
         the cached prefix (the full model's K/V) and, causally, to its own K/V, as a draft
         would. The two parts are merged through the prefix's log-sum-exp. [N, m, H * hd]."""
         n, m, _ = x.shape
-        q, k, v = attn.qkv(attn.norm(x), step)
+        q, k, v = attn.qkv(attn.norm(x), meta)
         kv, hd = attn.num_kv_heads, attn.head_dim
         g, scale = attn.num_heads // kv, attn.head_dim ** -0.5
         q = q.reshape(n, kv, g * m, hd)

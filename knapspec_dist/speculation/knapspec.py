@@ -181,7 +181,7 @@ class KnapsackSelector(Selector):
             self.states.setdefault(rid, deque(maxlen=self.kept_rounds)).append(
                 list(stacked.unbind(0)))
 
-    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
+    def record(self, drafts: int, verified: list[int], accepted: list[int]) -> None:
         """The rounds' yield sets how early the window of the next selection opens."""
         self.schedule.observe_round(statistics.fmean(accepted) + 1 if accepted else 1.0)
 
@@ -371,8 +371,8 @@ class KnapSpecSelector(KnapsackSelector):
         self.guard.start()
         self.book.start()
 
-    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
-        super().record(steps, verified, accepted)
-        self.guard.record(steps, verified, accepted, self.profile)
-        if steps and self.plan_now.gamma:
+    def record(self, drafts: int, verified: list[int], accepted: list[int]) -> None:
+        super().record(drafts, verified, accepted)
+        self.guard.record(drafts, verified, accepted, self.profile)
+        if drafts and self.plan_now.gamma:
             self.book.record(self.plan_now.skip, self.plan_now.gamma, verified, accepted)

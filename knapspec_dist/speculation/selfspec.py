@@ -57,8 +57,8 @@ class Selector(ABC):
     def retire(self, rid: int) -> None:
         """Row ``rid`` finished."""
 
-    def record(self, steps: int, verified: list[int], accepted: list[int]) -> None:
-        """One round under the current plan: ``steps`` draft forwards; row b had
+    def record(self, drafts: int, verified: list[int], accepted: list[int]) -> None:
+        """One round under the current plan: ``drafts`` draft forwards; row b had
         ``verified[b]`` drafts judged and kept ``accepted[b]``."""
 
     def timed(self, timing: RoundTiming) -> None:
@@ -121,10 +121,10 @@ class SelfSpeculative(Strategy):
         logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
                          slice(0, size), capture=capture, starts_dev=inputs.starts)
         if draft_logits is None:
-            n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.steps, cap)
+            n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.index, cap)
         else:
             n, nxt = accept_rejection(drafts, draft_logits, logits, sampling, inputs.seeds,
-                                      inputs.steps, cap)
+                                      inputs.index, cap)
         before = [len(r.out) for r in rows]
         # The round's one read-back: per row, accepted count, next token, drafts judged, drafts.
         back = torch.cat([n[:, None], nxt[:, None], cap[:, None], drafts], dim=1).tolist()
@@ -180,7 +180,7 @@ class SelfSpeculative(Strategy):
         for i in range(gamma):
             logits = forward(tok, [n + i for n in lengths], cache, rows, skip=skip,
                              starts_dev=inputs.starts + i)[:, -1]
-            d = choose(logits, sampling, inputs.seeds, inputs.steps + i)
+            d = choose(logits, sampling, inputs.seeds, inputs.index + i)
             drafts.append(d)
             if rejection:
                 kept.append(logits.clone())  # a captured graph's output is overwritten

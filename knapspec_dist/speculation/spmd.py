@@ -109,8 +109,8 @@ class SyncedSelector:
     def retire(self, rid):
         return self.inner.retire(rid)
 
-    def record(self, steps, verified, accepted):
-        return self.inner.record(steps, verified, accepted)
+    def record(self, drafts, verified, accepted):
+        return self.inner.record(drafts, verified, accepted)
 
     def plan(self, model, batch):
         mine = self.inner.decide(model, batch)

@@ -34,6 +34,7 @@ from knapspec_dist.model.embedded import cache_dir, resolve_model_path
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import random_llama_weights
 from knapspec_dist.profiles.profiler import decode_allreduce_sizes
+from knapspec_dist.ratio import ratio
 from knapspec_dist.runtime.cluster import connect
 from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.tools.corpus import document_of_tokens
@@ -115,7 +116,8 @@ def _strategy_split(engine: RayEngine, strategy: str, texts: list[str],
     return job, {
             "comm_per_call_us": job["comm_s"] / calls * 1e6 if calls else 0.0,
             "tokens_per_s": job["new_tokens"] / job["wall_s"],
-            "mean_batch": sum(r.stats.mean_batch for r in results) / len(results),
+            "mean_batch": ratio(sum(r.stats.mean_batch or 0.0 for r in results),
+                                sum(r.stats.mean_batch is not None for r in results)),
             "selections": sum(r.stats.selections for r in results),
             "acceptance": [r.stats.acceptance_rate for r in results],
             "profile": engine.replica_info(0).profile_key}

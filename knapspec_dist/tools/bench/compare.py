@@ -54,8 +54,8 @@ def compare_strategies(model: Transformer, strategies: dict[str, Strategy],
                            for label in labels[k:] + labels[:k]}
                 for label, r in results.items():
                     s = r.stats
-                    log.info("context %d, %s, %s (repeat %d): %d tokens, %.2f tok/s (decode "
-                             "%.2f s), acceptance %.2f", n, prompt.id, label, rep + 1,
+                    log.info("context %d, %s, %s (repeat %d): %d tokens, %s tok/s (decode "
+                             "%.2f s), acceptance %s", n, prompt.id, label, rep + 1,
                              s.new_tokens, s.tokens_per_s, s.wall_s - s.prefill_s,
                              s.acceptance_rate)
                 reference = results["ar"].token_ids

@@ -23,6 +23,7 @@ from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.ratio import ratio, shown
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.tools.bench.compare import compare_strategies
 from knapspec_dist.tools.bench.prompts import Prompt
@@ -50,9 +51,8 @@ def findings(rows: list[dict], num_layers: int) -> list[dict]:
 
         def over(label: str) -> float | None:
             other = at.get(label)
-            if other is None or not other["decode_tokens_per_s"]:
-                return None
-            return paper["decode_tokens_per_s"] / other["decode_tokens_per_s"]
+            return None if other is None else ratio(paper["decode_tokens_per_s"],
+                                                    other["decode_tokens_per_s"])
 
         out.append({
             "context": n,
@@ -87,10 +87,6 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}x"
 
 
-def _f(v: float | None, spec: str = ".2f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def findings_markdown(result: dict) -> list[str]:
     """Markdown lines: the findings table, then every strategy's acceptance, tokens per round
     and speedups, per context."""
@@ -110,8 +106,9 @@ def findings_markdown(result: dict) -> list[str]:
               "|---:|---|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["rows"]:
         lines.append(
-            f"| {r['context']} | {r['strategy']} | {_f(r['acceptance'], '.3f')} | "
-            f"{_f(r['tokens_per_round'])} | {r['decode_tokens_per_s']:.2f} | "
-            f"{r['decode_speedup']:.3f}x | {r['speedup']:.3f}x | {r['selections']} | "
+            f"| {r['context']} | {r['strategy']} | {shown(r['acceptance'], '.3f')} | "
+            f"{shown(r['tokens_per_round'], '.2f')} | {shown(r['decode_tokens_per_s'], '.2f')} | "
+            f"{shown(r['decode_speedup'], '.3f')}x | {shown(r['speedup'], '.3f')}x | "
+            f"{r['selections']} | "
             f"{'yes' if r['matches_ar'] else '**NO**'} |")
     return lines + [""]

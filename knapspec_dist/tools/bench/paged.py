@@ -88,7 +88,7 @@ def compare(model: Transformer, build_strategy: Callable[[str], Strategy], label
                 out = [r.token_ids for r in sched.run(ids)]
                 if texts.setdefault(mode, out) != out:
                     raise RuntimeError(f"{label} {mode}: a repeat gave other tokens")
-                runs[mode].append(sched.throughput.to_dict())
+                runs[mode].append(sched.work.to_dict())
                 t = runs[mode][-1]
                 log.info("%s %s (run %d of %d): %.1f tok/s, %.1f decode tok/s, %.2f rows in "
                          "flight", label, mode, rep + 1, repeats, t["tokens_per_s"],

@@ -18,6 +18,7 @@ import torch
 from knapspec_dist.engine.generation import add_plans, ranked_plans
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.profiles.device import cpu_model_name
+from knapspec_dist.ratio import ratio, shown
 
 PLANS_SHOWN = 4  # plans per context and strategy in results.md, the rest as "other"
 
@@ -48,11 +49,10 @@ def summarize(runs: list[dict]) -> list[dict]:
             "prompt_tokens": sum(s["prompt_tokens"] for s in mine) / len(mine),
             "new_tokens": new,
             "tokens_per_s": _tokens_per_s(mine),
-            "decode_tokens_per_s": (new - len(mine)) / decode if decode else 0.0,
-            "acceptance": sum(s["accepted"] for s in mine) / drafted if drafted else None,
+            "decode_tokens_per_s": ratio(new - len(mine), decode),
+            "acceptance": ratio(sum(s["accepted"] for s in mine), drafted),
             # tokens per decode or verify round (the first token comes from the prefill)
-            "tokens_per_round": ((new - len(mine)) / steps
-                                 if (steps := sum(s.get("steps", 0) for s in mine)) else None),
+            "tokens_per_round": ratio(new - len(mine), sum(s.get("rounds", 0) for s in mine)),
             "attention_skipped": (sum(s["attention_skipped"] * s["drafted"] for s in mine)
                                   / drafted if drafted else 0.0),
             "mlp_skipped": (sum(s["mlp_skipped"] * s["drafted"] for s in mine) / drafted
@@ -75,17 +75,15 @@ def summarize(runs: list[dict]) -> list[dict]:
         })
     for row in rows:
         ar = next(r for r in rows if r["context"] == row["context"] and r["strategy"] == "ar")
-        row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else 0.0
-        row["decode_speedup"] = (row["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
-                                 if ar["decode_tokens_per_s"] else 0.0)
+        row["speedup"] = ratio(row["tokens_per_s"], ar["tokens_per_s"])
+        row["decode_speedup"] = ratio(row["decode_tokens_per_s"], ar["decode_tokens_per_s"])
         row["repeat_speedups"] = _repeat_speedups(runs, row["context"], row["strategy"])
     return rows
 
 
-def _tokens_per_s(stats: list[dict]) -> float:
+def _tokens_per_s(stats: list[dict]) -> float | None:
     """New tokens over wall seconds, prefill included, of runs summed."""
-    wall = sum(s["wall_s"] for s in stats)
-    return sum(s["new_tokens"] for s in stats) / wall if wall else 0.0
+    return ratio(sum(s["new_tokens"] for s in stats), sum(s["wall_s"] for s in stats))
 
 
 def _repeat_speedups(runs: list[dict], n: int, label: str) -> list[float]:
@@ -95,11 +93,10 @@ def _repeat_speedups(runs: list[dict], n: int, label: str) -> list[float]:
     if len(reps) < 2:
         return []
 
-    def rate(strategy: str, rep: int) -> float:
+    def rate(strategy: str, rep: int) -> float | None:
         return _tokens_per_s([r["stats"] for r in runs if r["context"] == n
                               and r["strategy"] == strategy and r.get("repeat", 0) == rep])
-    return [(mine / ar if ar else 0.0) for mine, ar in
-            ((rate(label, k), rate("ar", k)) for k in reps)]
+    return [ratio(rate(label, k), rate("ar", k)) for k in reps]
 
 
 def _check_totals(checks: list[dict | None]) -> dict:
@@ -176,7 +173,7 @@ def divergence_table(runs: list[dict]) -> list[str]:
              "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|:---:|"]
 
     def tok(t, z):
-        return "end" if t is None else f"{t} ({_fmt(z, '.4g')})"
+        return "end" if t is None else f"{t} ({shown(z, '.4g')})"
 
     for r, d in bad:
         margin = None if d["gap"] is None else d["tolerance"] - d["gap"]
@@ -184,8 +181,8 @@ def divergence_table(runs: list[dict]) -> list[str]:
             f"| {r['context']} | {r['prompt']} | {r['strategy']} | {r.get('repeat', 0) + 1} | "
             f"{d['position']} | {tok(d['reference_token'], d['reference_logit'])} | "
             f"{tok(d['candidate_token'], d['candidate_logit'])} | "
-            f"{_fmt(d['top_logit'], '.4g')} | {_fmt(d['gap'], '.4g')} | "
-            f"{_fmt(d['tolerance'], '.4g')} | {_fmt(margin, '.4g')} | "
+            f"{shown(d['top_logit'], '.4g')} | {shown(d['gap'], '.4g')} | "
+            f"{shown(d['tolerance'], '.4g')} | {shown(margin, '.4g')} | "
             f"{'tie' if d['verdict'] == 'tie' else '**BUG**'} |")
     return lines + [""]
 
@@ -211,8 +208,9 @@ def machine(device: str) -> dict:
 
 
 def command_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """The command that repeats this run, every option spelled out."""
-    words = ["knapspec", "bench"]
+    """The command that repeats this run, every option spelled out: the subcommand's own
+    program name (``knapspec bench``, ``knapspec throughput``, or the standalone entry's)."""
+    words = shlex.split(parser.prog)
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help",):
             continue
@@ -224,10 +222,6 @@ def command_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> s
         elif value is not None:
             words += [flag, str(value)]
     return shlex.join(words)
-
-
-def _fmt(x, spec: str, none: str = "-") -> str:
-    return none if x is None else format(x, spec)
 
 
 def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict]) -> None:
@@ -270,9 +264,10 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
         for r in group:
             lines.append(
-                f"| {r['strategy']} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | "
-                f"{r['decode_tokens_per_s']:.2f} | {r['decode_speedup']:.3f}x | "
-                f"{_fmt(r['acceptance'], '.3f')} | {_fmt(r['tokens_per_round'], '.2f')} | "
+                f"| {r['strategy']} | {shown(r['tokens_per_s'], '.2f')} | "
+                f"{shown(r['speedup'], '.3f')}x | {shown(r['decode_tokens_per_s'], '.2f')} | "
+                f"{shown(r['decode_speedup'], '.3f')}x | "
+                f"{shown(r['acceptance'], '.3f')} | {shown(r['tokens_per_round'], '.2f')} | "
                 f"{r['attention_skipped']:.1f} | "
                 f"{r['mlp_skipped']:.1f} | {r['selection_pct']:.1f} | "
                 f"{r.get('selections', 0)} ({r.get('fallbacks', 0)}) | "
@@ -281,7 +276,8 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
         spread = [r for r in group if r["repeat_speedups"] and r["strategy"] != "ar"]
         if spread:
             lines += ["End-to-end speedup per repeat: " + "; ".join(
-                f"{r['strategy']} " + ", ".join(f"{x:.3f}x" for x in r["repeat_speedups"])
+                f"{r['strategy']} " + ", ".join(f"{shown(x, '.3f')}x"
+                                                for x in r["repeat_speedups"])
                 for r in spread), ""]
     lines += plans_table(rows)
     lines += check_table(rows)
@@ -291,8 +287,8 @@ def write_markdown(path: Path, header: dict, rows: list[dict], runs: list[dict])
 
 def plans_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per context and strategy that priced plans, its top plans."""
-    shown = [r for r in rows if r.get("plans")]
-    if not shown:
+    planned = [r for r in rows if r.get("plans")]
+    if not planned:
         return []
     lines = ["## plans", "",
              "Per plan (`a3,m5@4`: attention of layer 3 and MLP of layer 5 skipped, drafts of 4; "
@@ -301,9 +297,9 @@ def plans_table(rows: list[dict]) -> list[str]:
              "not included); predicted: what the selection priced them at.", "",
              "| context | strategy | plan | rounds | tokens | tok/s | predicted tok/s |",
              "|---:|---|---|---:|---:|---:|---:|"]
-    for r in shown:
+    for r in planned:
         for p in r["plans"]:
             lines.append(f"| {r['context']} | {r['strategy']} | {p['plan']} | {p['rounds']} | "
-                         f"{p['tokens']} | {_fmt(p['tokens_per_s'], '.2f')} | "
-                         f"{_fmt(p['predicted_tokens_per_s'], '.2f')} |")
+                         f"{p['tokens']} | {shown(p['tokens_per_s'], '.2f')} | "
+                         f"{shown(p['predicted_tokens_per_s'], '.2f')} |")
     return lines + [""]

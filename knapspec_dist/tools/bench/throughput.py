@@ -115,7 +115,7 @@ def _one_run(model: Transformer, strategy: Strategy, config: GenerationConfig, b
             divergences.append({"row": rid, **div.to_dict()})
             (log.warning if div.is_tie else log.error)(
                 "%s batch %d row %s: %s", strategy.name, batch, rid, div.describe())
-    return {**sched.throughput.to_dict(), "identical_rows": same,
+    return {**sched.work.to_dict(), "identical_rows": same,
             "divergences": divergences,
             "drafted": sum(r.stats.drafted for r in results),
             "accepted": sum(r.stats.accepted for r in results),

@@ -113,7 +113,7 @@ def _run(subj: Subject, profiles, runner: ModelRunner, b: int, context: int, new
         before = runner.captures
         made[name], sched = _schedule(subj, _strategy(name, profiles), runner, docs, new_tokens,
                                       capacity, section)
-        t = sched.throughput
+        t = sched.work
         run[name] = {"tokens_per_s": t.tokens_per_s, "decode_tokens_per_s": t.decode_tokens_per_s,
                      "mean_batch": t.mean_batch, "acceptance": _acceptance(made[name]),
                      "captures": runner.captures - before}

@@ -1,6 +1,7 @@
-"""Per-forward metadata every layer shares (``Step``), built once per forward by ``make_step``.
+"""Per-forward metadata every layer shares (``ForwardMeta``), built once per forward by
+``forward_meta``.
 
-A forward feeds T new tokens per row at positions ``starts[b] .. starts[b]+T-1``. The step
+A forward feeds T new tokens per row at positions ``starts[b] .. starts[b]+T-1``. Its meta
 holds those positions on the device, the rotary tables for them, the cache rows and the key
 count attention reads, and (flex) the block mask, so no layer rebuilds any of it.
 """
@@ -23,7 +24,7 @@ SKIP_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks
 
 
 @dataclass
-class Step:
+class ForwardMeta:
     """Per-forward inputs shared by every layer: where the new tokens go, rotary tables, and
     what attention needs to know about each row's keys."""
 
@@ -91,8 +92,8 @@ def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FL
         BLOCK_SIZE=block, mask_mod=causal_to_end, seq_lengths=(t, kv_len), **skip)
 
 
-def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
-              rows: slice, starts_dev: torch.Tensor | None = None) -> Step:
+def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
+                 rows: slice, starts_dev: torch.Tensor | None = None) -> ForwardMeta:
     """Everything the layers share for ``t`` new tokens per row at ``starts[b] ..``.
 
     Host ``starts`` (eager forwards) give the largest key count, a common start and a fresh
@@ -131,6 +132,6 @@ def make_step(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     block_mask = None
     if backend == "flex" and not causal:
         block_mask = length_block_mask(starts_dev, t, kv_len)
-    return Step(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
-                block_mask, slots, gather)
+    return ForwardMeta(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
+                       block_mask, slots, gather)
 
