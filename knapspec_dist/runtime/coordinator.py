@@ -143,7 +143,7 @@ class Coordinator:
             profiles = [p.to_json() for p in choice.profiles]
         plans = await asyncio.gather(*[s.plan_memory.remote(budget) for s in shards])
         kv = KVBudget.least(plans)  # every rank holds the same cache, decides the same
-        check_kv(kv, budget, f"replica {self.replica}: ")
+        check_kv(kv, budget)  # the start-up wait names the replica
         await asyncio.gather(*[s.configure.remote(replace(options, profile=None), profiles, kv)
                                for s in shards])
         self.kv, self.max_num_seqs = kv, kv.max_num_seqs
