@@ -38,4 +38,45 @@ def slow_measure(delay_s: float) -> type[Shard]:
     return SlowMeasure
 
 
+def dies_once_busy(flag: str) -> type[Shard]:
+    """A rank class whose process exits the first time a call leaves rows in flight (pages
+    held), while no file ``flag`` exists (it writes it first: the restarted rank lives)."""
+
+    class DiesOnceBusy(Shard):
+        def advance(self, *args, **kwargs):
+            out = super().advance(*args, **kwargs)
+            if out.busy and not os.path.exists(flag):
+                open(flag, "w").close()
+                os._exit(1)
+            return out
+
+    return DiesOnceBusy
+
+
+#: Bytes free beside the weights on each rank of ``UnevenMemory`` (rank 1 has less).
+FREE = {0: 240_000, 1: 140_000}
+#: A row whose prompt starts with this token fails every round it takes part in.
+FAIL_TOKEN = 1
+
+
+class UnevenMemory(Shard):
+    """Rank 1 has less memory free than rank 0 (``FREE``); and a round over a row whose
+    prompt starts with ``FAIL_TOKEN`` raises on every rank alike, before its first
+    collective (a bug mid-round, with the rows holding their pages)."""
+
+    def free_memory(self) -> int:
+        return FREE[self.rank]
+
+    def configure(self, *args, **kwargs) -> None:
+        super().configure(*args, **kwargs)
+        real = self.strategy.round
+
+        def failing_round(model, batch, *rest):
+            if any(row.prompt[0] == FAIL_TOKEN for row in batch.rows):
+                raise RuntimeError("injected fault mid-round")
+            return real(model, batch, *rest)
+
+        self.strategy.round = failing_round
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

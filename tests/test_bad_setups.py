@@ -140,6 +140,19 @@ def test_an_unwritable_output_is_one_error_line(tmp_path, capsys, where):
         assert (tmp_path / "plain.txt").read_text() == "x"
 
 
+def test_a_kv_cache_too_small_for_one_row_is_refused_before_ray(tmp_path, capsys):
+    """A --kv-cache-memory that holds no row of --max-model-len: one line naming both token
+    counts, before any Ray or replica starts, and the output folder untouched."""
+    a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])
+    out = tmp_path / "OUT"
+    proc = in_process(capsys, "summarize", "--input", a, "--output", str(out), *C,
+                      "--max-model-len", "1024", "--kv-cache-memory", "1MiB")
+    # SmolLM2 fp32: 46,080 bytes a position, so 1 MiB is one page of 16 positions
+    one_error(proc, "the KV cache holds 16 tokens per rank (--kv-cache-memory 1.0 MiB)",
+              "one row of --max-model-len 1024 needs 1042 tokens")
+    assert not (out / "job.json").exists()
+
+
 @pytest.fixture(scope="module")
 def corrupt_model(tmp_path_factory) -> Path:
     """SmolLM2's folder with garbage in model.safetensors."""

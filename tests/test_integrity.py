@@ -247,17 +247,6 @@ def test_retry_failed_retries_every_failed_row_and_a_plain_rerun_does_not(tmp_pa
     assert config_from_args(args).retry_failed is True
 
 
-def test_max_num_seqs_that_cannot_fit_is_refused_from_the_model_config():
-    from knapspec_dist.model.config import load_config
-    from knapspec_dist.model.embedded import resolve_model_path
-    from knapspec_dist.runtime.setup import check_batch_memory
-
-    config = load_config(resolve_model_path("smollm2"))
-    check_batch_memory(config, 1, "fp32", "cpu", 16, 300, 8 * 2 ** 30)  # fits
-    with pytest.raises(UserError, match=r"--max-num-seqs 100000 does not fit in memory"):
-        check_batch_memory(config, 1, "fp32", "cpu", 100000, 300, 8 * 2 ** 30)
-
-
 # ----------------------------------------------------------------------------- cosmetic
 
 
@@ -369,16 +358,20 @@ def test_a_rerun_counts_a_copied_part_once_and_takes_over_a_dead_processs_lease(
 
 
 @pytest.mark.e2e
-def test_max_num_seqs_beyond_memory_is_refused_before_any_replica_starts(twelve_rows, tmp_path):
+def test_a_kv_cache_too_small_for_one_row_is_refused_before_any_replica_starts(twelve_rows,
+                                                                              tmp_path):
+    """``--max-num-seqs`` is only a cap; what must fit is one row of ``--max-model-len`` in
+    the KV cache, checked from the model config before Ray starts."""
     small = tmp_path / "two.parquet"
     pq.write_table(pq.read_table(twelve_rows).slice(0, 2), small)
     out = tmp_path / "O"
     start = time.monotonic()
     proc = job_run("--input", str(small), "--output", str(out), *J, "--max-num-seqs", "100000",
-                   "--address", "local", timeout=300)
+                   "--kv-cache-memory", "10MB", "--address", "local", timeout=300)
     errors = errors_of(proc)
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
-    assert "--max-num-seqs 100000 does not fit in memory" in errors[0]
+    assert "the KV cache holds 208 tokens per rank" in errors[0]  # 10 MB / 46,080 B a position
+    assert "needs" in errors[0] and "--max-model-len" in errors[0]
     assert "weights in" not in proc.stderr  # no shard loaded its weights
     assert time.monotonic() - start < 240
     assert not out.exists()

@@ -23,8 +23,10 @@ from knapspec_dist.jobs import JobConfig, run_job
 from knapspec_dist.jobs.baseline import choose_baseline
 from knapspec_dist.jobs.inputs import iter_texts, read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
+from knapspec_dist.jobs.report import report
 from knapspec_dist.jobs.summary import summarize
 from knapspec_dist.runtime.dispatch import Dispatcher, Task
+from knapspec_dist.runtime.messages import KVReport
 from knapspec_dist.runtime.prompts import Prompt, PromptBuilder
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
@@ -35,6 +37,7 @@ from fakes import (
     FakeTokenizer,
     ReplicaDied,
     docs_of,
+    fake_tools,
     job,
     read_rows,
     run,
@@ -225,6 +228,44 @@ def test_job_writes_one_row_per_input_row_summary_and_plot(tmp_path):
     assert s["job"]["guarantee"] == "token-identical"  # fp32 on a CPU
     assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(result.plot_path) > 10_000
+
+
+KV = KVReport(paged=True, page_size=16, pages=100, tokens=1600, bytes=101 * 16 * 512,
+              max_num_seqs=16, peak_tokens=1200, peak_use=0.75, peak_rows=7, mean_rows=4.5,
+              memory_wait_s=2.5, rows_waited=3)
+
+
+class KVBackend(FakeBackend):
+    """Replicas that report their KV cache (runtime/backend.py's ``kv_report``)."""
+
+    reports = 0
+
+    def kv_report(self):
+        KVBackend.reports += 1
+        return KV
+
+
+def test_the_kv_cache_and_its_use_are_in_the_progress_summary_and_report(tmp_path, caplog):
+    write_input(tmp_path / "in.parquet", ["a", "b", "c"], docs_of([5, 9, 3]))
+    caplog.set_level("INFO", logger="knapspec_dist.jobs")
+    config = job(tmp_path, baseline_fraction=0)
+    result = run_job(config, engine_factory=FakeEngines(), backend_factory=KVBackend,
+                     text_tools=fake_tools())
+    assert KVBackend.reports > 0
+    assert result.summary["kv_cache"] == KV.to_dict()
+    saved = json.loads(open(result.summary_path).read())["kv_cache"]
+    assert saved["pages"] == 100 and saved["page_size"] == 16 and saved["tokens"] == 1600
+    assert saved["peak_use"] == 0.75 and saved["peak_rows"] == 7 and saved["mean_rows"] == 4.5
+    assert saved["memory_wait_s"] == 2.5 and saved["bytes"] == 101 * 16 * 512
+    lines = [r.getMessage() for r in caplog.records if "rows (" in r.getMessage()]
+    assert any("KV cache 1600 tokens (100 pages of 16" in line and "peak 75%" in line
+               and "rows in flight 4.5 mean / 7 peak, 2.5s waiting for memory" in line
+               for line in lines), lines
+    assert ("KV cache: 1600 tokens per rank (100 pages of 16, 0.00 GiB), peak 75%; rows in "
+            "flight 4.5 mean, 7 peak; 2.5s waiting for memory") in report(result)
+    again = run_job(config, engine_factory=FakeEngines(), backend_factory=FakeBackend,
+                    text_tools=fake_tools())  # nothing left: the earlier run's cache stays
+    assert again.summary["kv_cache"] == KV.to_dict()
 
 
 def test_a_bf16_job_says_its_tokens_are_identical_up_to_near_ties(tmp_path):

@@ -5,6 +5,10 @@
 * replicas=2 x tp=1 spreads text prompts over both replicas and returns results in input
   order, with text filled; a replica whose shard died fails its requests with the actor
   error, and restart_replica brings it back;
+* paged KV under tp=2: the ranks, with different free memory, hold the smallest pool and
+  give fixed slots' tokens (ar, knapspec; greedy, seeded); a row bigger than the pool is its
+  own error; a fault mid-round fails its rows and every page comes back; a job stopped early
+  after a replica restart leaves every page free;
 * indivisible heads, a missing checkpoint, a rank that dies while starting (a shard class
   of tests/faults.py) and a replica that cannot be placed each raise a clear error and
   leave no actor or placement group.
@@ -16,15 +20,24 @@ import logging
 import os
 
 import pytest
+import torch
 
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.memory import kv_bytes_per_token_of
+from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.runner import default_engine_factory, run_job
 from knapspec_dist.runtime import cluster as ray_cluster
 from knapspec_dist.runtime import replica
-from knapspec_dist.runtime.messages import MeasureOptions
+from knapspec_dist.runtime.messages import KVPages, MeasureOptions
+from knapspec_dist.runtime.ray_engine import RayEngine
+from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
 
 from conftest import random_prompt
-from faults import RankOneDiesAtSetup
+from fakes import docs_of, fake_tools, job, read_rows, write_input
+from faults import FAIL_TOKEN, FREE, RankOneDiesAtSetup, UnevenMemory, dies_once_busy
 from synthetic import drafting_profile
 
 ray = pytest.importorskip("ray")
@@ -107,6 +120,98 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
         assert info.profile_key.endswith("tp2__eager"), info
         results = engine.generate(prompts, **NO_EOS)
         assert [r.token_ids for r in results] == local_tokens(model, "ar", prompts)
+    assert leftovers() == []
+
+
+PAGED_LENGTHS = (5, 40, 11, 70, 23, 3)  # 3 + 5 + 3 + 7 + 4 + 3 pages: more than the pool
+
+
+@pytest.mark.e2e
+def test_tp2_ranks_hold_the_smallest_pool_and_page_like_fixed_slots(cluster, checkpoints,
+                                                                    engine_model, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setattr(replica, "Shard", UnevenMemory)
+    ckpt = str(checkpoints["llama-gqa"])
+    model = engine_model("llama-gqa")
+    per_token = kv_bytes_per_token_of(model.cfg, 2, torch.float32)
+    pages = int(0.9 * min(FREE.values())) // (per_token * 16)  # rank 1's plan
+    free = [KVPages(0, pages, pages), KVPages(1, pages, pages)]
+    prompts = [random_prompt(n, model.cfg.vocab_size, seed=60 + n) for n in PAGED_LENGTHS]
+    assert all(p[0] != FAIL_TOKEN for p in prompts)
+    profile = tmp_path / "profile.json"
+    drafting_profile(model.cfg.shape()).save(profile)
+    runs = [("ar", {}), ("knapspec", dict(profile=str(profile), interval=8, tau_conf=0.0))]
+    configs = [GenerationConfig(**NO_EOS), GenerationConfig(
+        **NO_EOS, sampling=SamplingConfig(temperature=0.9, seed=5))]
+    with RayEngine(ckpt, tp=2, strategy="ar") as engine:
+        kv = engine.replica_info(0).kv
+        assert kv.paged and (kv.pages, kv.page, kv.max_num_seqs) == (pages, 16, 16)
+        assert engine.kv_pages() == free
+        for i, (name, options) in enumerate(runs):
+            if i:
+                engine.reconfigure(StrategyOptions(name=name, **options))
+            for config in configs:
+                got = [r.token_ids for r in engine.generate(prompts, config)]
+                fixed = generate(build_strategy(StrategyOptions(name=name, **options), model),
+                                 model, prompts, config, max_num_seqs=2)
+                assert got == [r.token_ids for r in fixed], (name, config.sampling)
+                assert engine.kv_pages() == free, name  # the same pool after reconfigure
+        report = engine.kv_report()
+        assert report.pages == pages and 2 <= report.peak_rows and report.mean_rows > 1
+        assert report.peak_tokens <= report.tokens and report.rows_waited > 0
+        assert report.memory_wait_s > 0
+        big = random_prompt(300, model.cfg.vocab_size, seed=3)
+        with pytest.raises(UserError, match=rf"prompt of 300 tokens with {NEW} new tokens "
+                                            rf"needs {300 + NEW + 18} cache positions; the KV "
+                                            rf"pool holds {pages * 16}"):
+            ray.get(engine.submit(0, big, configs[0]))
+        with pytest.raises(Exception, match="injected fault mid-round"):
+            engine.generate([[FAIL_TOKEN, 5, 6]] + prompts[:2], configs[0])
+        assert engine.kv_pages() == free
+        again = engine.generate(prompts, configs[0])
+        assert [r.token_ids for r in again] == local_tokens(model, "ar", prompts)
+        assert engine.kv_pages() == free
+    assert leftovers() == []
+
+
+@pytest.mark.e2e
+def test_a_job_stopped_early_after_a_replica_restart_leaves_every_page_free(cluster,
+                                                                            checkpoints,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """A job on the real engine: its rank dies with rows in flight, the replica is
+    restarted and the rows retried, the job stops after 4 of 6 rows; as the engine shuts
+    down, every rank's pages are free, and the summary reports the pool."""
+    monkeypatch.setattr(replica, "Shard", dies_once_busy(str(tmp_path / "died")))
+    write_input(tmp_path / "in.parquet", list("abcdef"), docs_of([5, 30, 9, 3, 20, 12]))
+    pages = []
+
+    class Checked:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __enter__(self):
+            return self.engine
+
+        def __exit__(self, *exc):
+            try:
+                pages.append(self.engine.kv_pages())
+            finally:
+                self.engine.shutdown()
+
+    def factory(config, strategy, replicas):
+        return Checked(default_engine_factory(config, strategy, replicas, longest=64))
+
+    config = job(tmp_path, model=str(checkpoints["llama-gqa"]), strategy="ar",
+                 baseline_fraction=0, stop_after=4, kv_cache_memory=12 * 16 * 1024)
+    result = run_job(config, engine_factory=factory, text_tools=fake_tools(64))
+    assert (tmp_path / "died").exists()
+    assert result.replica_restarts == 1 and result.stopped_early
+    assert len(read_rows(result.output)) == 4
+    assert pages == [[KVPages(0, 12, 12)]]
+    kv = result.summary["kv_cache"]
+    assert kv["paged"] and (kv["pages"], kv["page_size"], kv["tokens"]) == (12, 16, 192)
+    assert kv["peak_rows"] >= 1 and kv["peak_tokens"] <= 192
     assert leftovers() == []
 
 

@@ -17,6 +17,7 @@ from knapspec_dist.cli.common import (
     stopped,
     strategy_options,
 )
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs import (
     DEFAULT_INSTRUCTION,
@@ -121,17 +122,24 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                            "document, or of a --prompt-column prompt, is dropped) instead of "
                            "failing the row")
     rows.add_argument("--max-model-len", type=int, default=None,
-                      help="context window to allow per row (prompt + new tokens); default and "
-                           "maximum: the model's")
+                      help="longest row to allow (prompt + new tokens), which the KV cache "
+                           "must hold; default and maximum: the model's context window")
     rows.add_argument("--baseline-fraction", type=float, default=0.05,
                       help="share of rows run again, with the job's strategy and with `ar`, "
                            "to measure the speedup (at least one row; 0 turns the baseline "
                            "off; default 0.05)")
     sched = p.add_argument_group("scheduling and checkpoints")
     sched.add_argument("--max-num-seqs", type=int, default=None,
-                       help="rows each replica decodes at once, continuously batched (default: "
-                            "what the memory left after the weights holds, at most 256 on a "
-                            "GPU and 16 on a CPU)")
+                       help="cap on the rows each replica has in flight, continuously batched "
+                            "as the KV cache allows (default 256 on a GPU, 16 on a CPU)")
+    sched.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                       help="KV cache per rank, in bytes or with a unit (2GiB, 500MB); "
+                            "default: --memory-utilization of the memory free after the "
+                            "weights load")
+    sched.add_argument("--memory-utilization", type=float, default=MEMORY_UTILIZATION,
+                       help="share of the memory free after the weights that the KV cache "
+                            f"takes when --kv-cache-memory is not given (default "
+                            f"{MEMORY_UTILIZATION})")
     sched.add_argument("--max-inflight", type=int, default=None,
                        help="rows outstanding per replica (default: max-num-seqs + 2, so a "
                             "freed slot is refilled at once)")
@@ -181,7 +189,8 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         sampling=args.sampling,
         truncate=args.truncate, max_model_len=args.max_model_len,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+        memory_utilization=args.memory_utilization,
         max_attempts=args.max_attempts, row_timeout=args.row_timeout,
         checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
         stop_after=args.stop_after, retry_failed=args.retry_failed,

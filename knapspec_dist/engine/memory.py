@@ -1,30 +1,122 @@
-"""How many rows a replica decodes at once by default: as many as the memory left after the
-weights holds, within a cap.
+"""How much KV cache a replica's rank holds, and so how many rows decode at once: the one
+rule every layer asks (``plan_kv``), from the model's bytes per position, the rank's free
+memory and the user's options.
 
-The rule (``default_max_num_seqs``): each row needs a KV cache of ``capacity`` positions,
-``kv_bytes_per_token`` each (2 x layers x local KV heads x head_dim x dtype bytes). Rows =
-floor(0.9 x free bytes / bytes per row), where free is what the device reports free once the
+The budget: ``--kv-cache-memory`` bytes per rank when given, else ``--memory-utilization``
+(default 0.9, vLLM's ``--gpu-memory-utilization``) of what the device reports free once the
 weights are loaded (CUDA: ``torch.cuda.mem_get_info``; CPU: half the available RAM, the rest
-being the process's working memory and the page cache), at least 1 and at most the cap: 256 on
-a GPU (vLLM's default), 16 on a CPU, where a step is compute-bound and larger batches add
-latency without throughput.
+being the process's working memory and the page cache). Bytes per position:
+2 x layers x local KV heads x head_dim x dtype bytes (``kv_bytes_per_token``).
 
-A ``max_num_seqs`` the user gives is not capped at 16 or 256 (those are speed choices), but
-it must fit: ``rows_that_fit`` is the rule without the cap. The engine refuses a number
-that cannot fit even on an empty node before it starts a replica (runtime/setup.py's
-``check_batch_memory``, from the model config: ``kv_bytes_per_token_of``), and each shard
-caps what it was asked at what its free memory holds once its weights are loaded.
+- Paged (``uses_pages``: the sdpa backend, i.e. a CPU): the budget is one pool of pages
+  (``CPU_PAGE`` positions on a CPU, ``FLEX_PAGE`` on CUDA), never more than the row cap could
+  fill at full length (``max_num_seqs`` x one row's pages), and rows are admitted as the free
+  pages cover them; ``--max-num-seqs`` is only a cap on the rows in flight (default 256 on a
+  GPU, vLLM's, and 16 on a CPU, where a step is compute-bound and larger batches add latency
+  without throughput).
+- Fixed slots (the flex backend until attention over pages runs there): the budget is cut
+  into slots of one row's ``capacity`` positions, at most the cap of them.
+
+A budget that holds no row of ``--max-model-len`` is refused before any replica starts
+(runtime/setup.py, from the model config: ``kv_bytes_per_token_of``); under TP every rank
+plans its own and the coordinator gives all of them the smallest (``KVBudget.least``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import psutil
 import torch
 
+from knapspec_dist.engine.model_runner import CAPACITY_STEP, MIN_CAPACITY
+from knapspec_dist.engine.pages import CPU_PAGE, Paging
 from knapspec_dist.errors import UserError
 
 GPU_CAP, CPU_CAP = 256, 16
-HEADROOM = 0.9  # activations, logits and the allocator's slack
+MEMORY_UTILIZATION = 0.9  # of the free memory: activations, logits and the allocator's slack
+FLEX_PAGE = 128  # positions per page on CUDA: one flex key block
+
+
+def uses_pages(backend: str) -> bool:
+    """Whether a rank's KV cache is paged: on the sdpa backend (CPU). The flex backend (CUDA)
+    keeps fixed slots until attention over pages runs there; this is the one place that says
+    so."""
+    return backend == "sdpa"
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """One rank's KV cache as planned: ``pages`` pages of ``page`` positions (paged; the
+    scratch page aside), or ``pages`` slots of ``page`` positions (fixed slots: one row
+    each), ``per_token`` bytes a position; at most ``max_num_seqs`` rows in flight, each of
+    at most ``capacity`` positions."""
+
+    paged: bool
+    page: int
+    pages: int
+    per_token: int
+    max_num_seqs: int
+    capacity: int
+
+    @property
+    def tokens(self) -> int:
+        """Positions the rows may hold together."""
+        return self.pages * self.page
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the cache takes on the rank (a paged cache's scratch page included)."""
+        return (self.pages + self.paged) * self.page * self.per_token
+
+    def row_tokens(self, tokens: int) -> int:
+        """Positions of the pool a row of ``tokens`` positions takes (whole pages or a slot)."""
+        return -(-tokens // self.page) * self.page if self.paged else self.page
+
+    def holds(self, tokens: int) -> bool:
+        """Whether the empty cache holds one row of ``tokens`` positions."""
+        return tokens <= self.capacity and self.row_tokens(tokens) <= self.tokens
+
+    def paging(self) -> Paging | None:
+        """The scheduler's paged cache (None: fixed slots)."""
+        return Paging(self.tokens, self.page) if self.paged else None
+
+    @staticmethod
+    def least(budgets: list[KVBudget]) -> KVBudget:
+        """What every rank of a replica can hold: the smallest pool and row cap (the ranks
+        then make the same admissions with no page traffic between them)."""
+        first = budgets[0]
+        return replace(first, pages=min(b.pages for b in budgets),
+                       max_num_seqs=min(b.max_num_seqs for b in budgets))
+
+    def halved(self) -> tuple[int, int]:
+        """After out of memory: (bytes per rank, max_num_seqs) of half this budget, still
+        holding one row of ``capacity`` positions and one row in flight."""
+        one_row = self.row_tokens(self.capacity) * self.per_token
+        return max(one_row, self.tokens * self.per_token // 2), max(1, self.max_num_seqs // 2)
+
+
+def slot_size(capacity: int) -> int:
+    """Positions of one fixed slot of ``capacity`` positions, as model_runner rounds it."""
+    return -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def plan_kv(*, per_token: int, free: int, capacity: int, paged: bool, cuda: bool,
+            kv_cache_memory: int | None = None,
+            memory_utilization: float = MEMORY_UTILIZATION,
+            max_num_seqs: int | None = None, page: int | None = None) -> KVBudget:
+    """The rule of the module docstring. ``free``: the rank's free bytes (unused when
+    ``kv_cache_memory`` is given); ``capacity``: positions one row may need. A budget too
+    small for one row gives 0 pages (the caller refuses it)."""
+    budget = kv_cache_memory if kv_cache_memory is not None else int(memory_utilization * free)
+    cap = max_num_seqs or (GPU_CAP if cuda else CPU_CAP)
+    if paged:
+        page = page or (FLEX_PAGE if cuda else CPU_PAGE)
+        pages = min(max(0, budget) // (per_token * page), cap * -(-capacity // page))
+        return KVBudget(True, page, pages, per_token, cap, capacity)
+    slot = slot_size(capacity)
+    rows = min(cap, max(0, budget) // (per_token * slot))
+    return KVBudget(False, slot, rows, per_token, rows, capacity)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -41,12 +133,6 @@ def kv_bytes_per_token_of(config, tp: int, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * max(1, config.num_kv_heads // tp) * config.head_dim * elem
 
 
-def rows_that_fit(free: int, per_token: int, capacity: int) -> int:
-    """Rows whose caches of ``capacity`` positions fit in ``HEADROOM`` of ``free`` bytes
-    (no cap; 0 when not even one does)."""
-    return max(0, int(HEADROOM * free) // max(1, per_token * capacity))
-
-
 def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -54,20 +140,31 @@ def free_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available // 2)
 
 
-def default_max_num_seqs(free: int, per_token: int, capacity: int, cap: int) -> int:
-    """Rows whose caches of ``capacity`` positions fit in ``HEADROOM`` of ``free`` bytes."""
-    return max(1, min(cap, rows_that_fit(free, per_token, capacity)))
-
-
 def max_num_seqs_for(model, capacity: int) -> int:
-    """``default_max_num_seqs`` for a loaded model on its device."""
-    cap = GPU_CAP if model.device.type == "cuda" else CPU_CAP
-    return default_max_num_seqs(free_bytes(model.device), kv_bytes_per_token(model), capacity, cap)
+    """Fixed slots of ``capacity`` positions a loaded model's free memory holds by the rule
+    (at least 1): an in-process run's default batch."""
+    plan = plan_kv(per_token=kv_bytes_per_token(model), free=free_bytes(model.device),
+                   capacity=capacity, paged=False, cuda=model.device.type == "cuda")
+    return max(1, plan.max_num_seqs)
 
 
-def fitting_max_num_seqs(model, capacity: int) -> int:
-    """The most rows a loaded model's free memory holds (the rule without the cap; >= 1)."""
-    return max(1, rows_that_fit(free_bytes(model.device), kv_bytes_per_token(model), capacity))
+def kv_memory_option(value: int | str | None) -> int | None:
+    """``--kv-cache-memory`` as bytes: an int, a size with its unit (``parse_size``), or None."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except UserError as e:
+            raise UserError(f"--kv-cache-memory: {e}") from None
+    raise UserError(f"--kv-cache-memory must be a size such as 2GiB or a byte count > 0, "
+                    f"got {value!r}")
+
+
+def check_utilization(value: float) -> float:
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UserError(f"--memory-utilization must be in (0, 1], got {value!r}")
+    return float(value)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,

@@ -121,12 +121,18 @@ class ModelRunner:
             self.cache = c
             self._graphs.clear()
             self._piece_sets.clear()
-        for row in range(c.batch):
+        self.empty_cache()
+        return c
+
+    def empty_cache(self) -> None:
+        """Every row of the cache empty (a paged cache's pages all unassigned): what a new
+        scheduler starts from, and what a failed one leaves behind it."""
+        c = self.cache
+        for row in range(c.batch if c is not None else 0):
             if isinstance(c, PagedKVCache):
                 c.release(row)
             else:
                 c.commit(row, 0)
-        return c
 
     def __call__(self, tokens: torch.Tensor, starts: Sequence[int], cache: KVCache,
                  rows: slice | None = None, skip: frozenset[int] = frozenset(),

@@ -71,3 +71,21 @@ class PagePool:
     def reserved(self) -> int:
         """Pages the rows hold."""
         return sum(len(p) for p in self.cache.pages)
+
+
+@dataclass
+class KVUse:
+    """How a scheduler used its KV cache: the most positions reserved at once (a fixed slot
+    counts whole), the most rows in flight at once (decoding or prefilling), and the seconds
+    the head of the queue waited for memory with a slot free (``waited``: the rows admitted
+    after such a wait). Merged over calls and replicas: peaks by max, the rest summed."""
+
+    peak_tokens: int = 0
+    peak_rows: int = 0
+    wait_s: float = 0.0
+    waited: int = 0
+
+    def merge(self, other: KVUse) -> KVUse:
+        return KVUse(max(self.peak_tokens, other.peak_tokens),
+                     max(self.peak_rows, other.peak_rows), self.wait_s + other.wait_s,
+                     self.waited + other.waited)

@@ -34,7 +34,7 @@ from knapspec_dist.engine.generation import (
 )
 from knapspec_dist.engine.memory import max_num_seqs_for
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
-from knapspec_dist.engine.pages import PagePool, Paging
+from knapspec_dist.engine.pages import KVUse, PagePool, Paging
 from knapspec_dist.engine.sampling import choose, prompt_keys, row_seed
 from knapspec_dist.engine.sequence import Batch, Row, row_capacity
 from knapspec_dist.engine.strategy import Strategy
@@ -113,6 +113,8 @@ class Scheduler:
         self.waiting: deque[Row] = deque()
         self.timer = clock if clock is not None else Clock(model.device)
         self.work = Work()  # so far, finished rows or not (progress), and the throughput
+        self.use = KVUse()  # the cache's peaks and the waits for memory (a caller may reset it)
+        self._blocked: float | None = None  # since when the queue's head waits for pages
         self._first: float | None = None
         strategy.start(model)
 
@@ -160,6 +162,7 @@ class Scheduler:
                     b.pool.admit(b.size, row_capacity(len(row.prompt), row.limit))
                 row.admitted_s = timer.now()
                 row.stats.admitted_at = time.time()
+                self._note_admission(row.admitted_s)
                 if self._first is None:
                     self._first = row.admitted_s
             if b.prefilling is None or budget <= 0:
@@ -210,7 +213,22 @@ class Scheduler:
         """Whether the free pages cover the row's reservation (always, with fixed slots):
         the head of the queue waits for them, rows behind it do not go first."""
         pool = self.batch.pool
-        return pool is None or pool.fits(row_capacity(len(row.prompt), row.limit))
+        fits = pool is None or pool.fits(row_capacity(len(row.prompt), row.limit))
+        if not fits and self._blocked is None:
+            self._blocked = self.timer.now()
+        return fits
+
+    def _note_admission(self, now: float) -> None:
+        """``use`` after a row was admitted: the wait it ended, the peaks it may have set."""
+        b, use = self.batch, self.use
+        if self._blocked is not None:
+            use.wait_s += now - self._blocked
+            use.waited += 1
+            self._blocked = None
+        rows = b.size + 1  # the decoding rows and the one just admitted
+        held = b.pool.reserved * b.pool.page if b.pool is not None else rows * self.capacity
+        use.peak_tokens = max(use.peak_tokens, held)
+        use.peak_rows = max(use.peak_rows, rows)
 
     def _prefill_chunk(self, n: int) -> Row | None:
         """``n`` more prompt tokens of the prefilling row; when its prompt is in, its first

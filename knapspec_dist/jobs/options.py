@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
@@ -41,7 +42,9 @@ class JobConfig:
     truncate: bool = False
     max_model_len: int | None = None  # None: the model's context window
     baseline_fraction: float = 0.05
-    max_num_seqs: int | None = None  # rows a replica decodes at once; None: memory rule
+    max_num_seqs: int | None = None  # cap on a replica's rows in flight; None: 256 GPU, 16 CPU
+    kv_cache_memory: int | str | None = None  # KV bytes per rank ("2GiB"); None: utilization
+    memory_utilization: float = MEMORY_UTILIZATION  # of the memory free after the weights
     max_inflight: int | None = None  # rows outstanding per replica; None: max_num_seqs + 2
     max_attempts: int = 3  # replica deaths one row may see before it is failed
     row_timeout: float | None = None  # seconds; a replica silent this long is restarted
@@ -93,8 +96,10 @@ class JobConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        # Sampling options are validated where they are defined.
+        # Sampling and memory options are validated where they are defined.
         self.generation_config()
+        object.__setattr__(self, "kv_cache_memory", kv_memory_option(self.kv_cache_memory))
+        check_utilization(self.memory_utilization)
 
     @property
     def mode(self) -> str:
@@ -113,8 +118,9 @@ class JobConfig:
         """What decides a row's output: a resumed job must agree on all of it.  The runner
         adds the input's identity (path, row count, footer hash: ``InputScan.fingerprint``).
 
-        Not in it: where and how fast the job runs (tp, replicas, address, scheduling,
-        tokenizers, checkpointing, --stop-after, --retry-failed) and the baseline share.
+        Not in it: where and how fast the job runs (tp, replicas, address, scheduling, the
+        KV cache's size, tokenizers, checkpointing, --stop-after, --retry-failed) and the
+        baseline share.
         """
         return {
             "id_column": self.id_column,

@@ -57,6 +57,7 @@ class Pass:
     count: Callable[[], None]  # one more row generated (the result's count, kept live)
     stop_after: int | None = None  # rows this run writes at most
     on_row: Callable[[dict], None] | None = None
+    reports_kv: bool = False  # its KV cache's use goes into the summary (the main pass)
 
 
 @dataclass
@@ -189,7 +190,7 @@ class GenerationPasses:
                              self.pending - self._written(), c.strategy.name, c.replicas,
                              c.tp)
                     rows = Pass("rows", c.strategy.name, self.writers.rows, self._count_generated,
-                                c.stop_after, self.on_row)
+                                c.stop_after, self.on_row, reports_kv=True)
                     self.generate(engine, rows, itertools.chain([first], todo),
                                   self.pending - self._written())
         finally:
@@ -204,9 +205,8 @@ class GenerationPasses:
         self.result.profile = _profile_report(engine, c.replicas)
         self.result.max_num_seqs = _max_num_seqs(engine, c)
         if c.max_num_seqs and self.result.max_num_seqs < c.max_num_seqs:
-            log.warning("--max-num-seqs %d capped to %d: what the memory left after the "
-                        "weights holds (engine/memory.py)", c.max_num_seqs,
-                        self.result.max_num_seqs)
+            log.warning("--max-num-seqs %d capped to %d: the fixed slots the KV cache holds "
+                        "(engine/memory.py)", c.max_num_seqs, self.result.max_num_seqs)
         return engine
 
     def write_held(self) -> None:
@@ -272,10 +272,12 @@ class GenerationPasses:
         backend = self.backend_factory(engine)
         dispatcher = Dispatcher(backend, c.generation_config(), max_inflight=inflight,
                                 max_attempts=c.max_attempts, row_timeout=c.row_timeout)
+        kv_report = getattr(backend, "kv_report", None)
         progress = Progress(total, c.progress_seconds, label, c.progress_bar,
                             max_new_tokens=c.max_new_tokens,
                             live=getattr(backend, "work", None),
-                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas)
+                            slots=seqs * engine.num_replicas, replicas=engine.num_replicas,
+                            memory=kv_report)
         errors_before = writer.errors
         seen_before = self.seen
 
@@ -311,6 +313,8 @@ class GenerationPasses:
         finally:
             writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
             progress.close()
+            if run.reports_kv and progress.kv is not None:  # as of the last progress line
+                result.kv_cache = progress.kv.to_dict()
             result.replica_restarts += dispatcher.restarts
             result.replicas_lost += dispatcher.lost
             result.row_retries += dispatcher.retried_rows

@@ -19,6 +19,9 @@ measured for it (a replica prefills and decodes in turn, and the replicas run si
   still decoding is expected to need at least half of what its ``max_new_tokens`` leaves
   (rows that stopped early at EOS do not make the others short).
 
+The line ends with the replicas' KV cache (``memory``, runtime/messages.py's ``KVReport``):
+its size, peak use, the rows in flight (mean and peak) and the seconds rows waited for memory.
+
 Until both rates are measured the ETA is unknown ("?"). Without ``live`` (or before it
 answers) the token rate is the wall-clock one and prefill is not counted.
 """
@@ -36,6 +39,7 @@ from tqdm import tqdm
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.ratio import ratio, shown
 from knapspec_dist.runtime.dispatch import Outcome
+from knapspec_dist.runtime.messages import KVReport
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class Progress:
     slots: int | None = None  # rows decoding at once over all replicas
     replicas: int = 1
     prompt_tokens: int | None = None  # prompt tokens of the pass's rows (None: not counted)
+    memory: Callable[[], KVReport | None] | None = None  # the replicas' KV cache and its use
     clock: Callable[[], float] = time.monotonic
     done: int = 0
     failed: int = 0
@@ -65,6 +70,7 @@ class Progress:
         self.start = self.clock() if self.start is None else self.start
         self.last = self.start if self.last is None else self.last
         self.bar = None
+        self.kv: KVReport | None = None  # the last ``memory`` report
         enabled = sys.stderr.isatty() if self.bar_enabled is None else self.bar_enabled
         if enabled and self.total:
             self.bar = tqdm(total=self.total, desc=self.label, unit="row", file=sys.stderr,
@@ -136,21 +142,34 @@ class Progress:
             work = self.live()
             if work is not None:
                 self.work = work
+        if self.memory is not None:
+            self.kv = self.memory() or self.kv
         eta, w = self.eta(), self.work
         prefill = ""
         if self.prompt_tokens and w.prefilled < self.prompt_tokens:  # a prefill-heavy job's rate
             rate = ratio(w.prefilled, w.prefill_s / self.replicas)
             prefill = (f"prefilled {w.prefilled}/{self.prompt_tokens} prompt tokens "
                        f"({shown(rate, '.0f', '?')} tok/s), ")
-        log.info("%s: %d/%d rows (%d failed), %s%d tokens, %s tok/s, elapsed %s, ETA %s",
+        log.info("%s: %d/%d rows (%d failed), %s%d tokens, %s tok/s, elapsed %s, ETA %s%s",
                  self.label, self.done, self.total, self.failed, prefill, self.tokens,
                  shown(self.tokens_per_s, ".1f", "?"), _hms(now - self.start),
-                 _hms(eta) if eta is not None else "?")
+                 _hms(eta) if eta is not None else "?", kv_line(self.kv))
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         self.tick(force=True)
+
+
+def kv_line(kv: KVReport | None) -> str:
+    """The progress line's KV part: the pool, its peak use, rows in flight, waits."""
+    if kv is None:
+        return ""
+    pool = (f"{kv.pages} pages of {kv.page_size}" if kv.paged
+            else f"{kv.pages} slots of {kv.page_size}")
+    return (f"; KV cache {kv.tokens} tokens ({pool}, {kv.bytes / 2 ** 30:.2f} GiB per rank), "
+            f"peak {kv.peak_use:.0%}, rows in flight {kv.mean_rows:.1f} mean / {kv.peak_rows} "
+            f"peak, {kv.memory_wait_s:.1f}s waiting for memory")
 
 
 def _hms(seconds: float) -> str:

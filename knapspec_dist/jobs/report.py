@@ -24,6 +24,14 @@ def report(result: JobResult) -> str:
                      f"mean batch {shown(throughput['mean_batch'], '.1f')} of "
                      f"{throughput['max_num_seqs']}"
                      + (f", acceptance {acc:.2f}" if acc is not None else ""))
+    kv = s.get("kv_cache")
+    if kv:
+        pool = (f"{kv['pages']} pages of {kv['page_size']}" if kv["paged"]
+                else f"{kv['pages']} fixed slots of {kv['page_size']}")
+        lines.append(f"KV cache: {kv['tokens']} tokens per rank ({pool}, "
+                     f"{kv['bytes'] / 2 ** 30:.2f} GiB), peak {kv['peak_use']:.0%}; rows in "
+                     f"flight {kv['mean_rows']:.1f} mean, {kv['peak_rows']} peak; "
+                     f"{kv['memory_wait_s']:.1f}s waiting for memory")
     if s["acceptance"].get("note"):
         lines.append(s["acceptance"]["note"])
     if base["speedup"]:

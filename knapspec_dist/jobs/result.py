@@ -21,4 +21,5 @@ class JobResult:
     row_retries: int = 0
     skipped: int = 0  # rows found done in the output directory
     profile: dict | None = None  # the latency profile that priced this run (key, path, origin)
-    max_num_seqs: int | None = None  # rows a replica decoded at once in this run
+    max_num_seqs: int | None = None  # rows a replica had in flight at most in this run
+    kv_cache: dict | None = None  # the main pass's KV cache and its use (KVReport.to_dict)

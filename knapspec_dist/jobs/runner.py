@@ -24,6 +24,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.inputs import InputScan, legacy_digest, read_input
 from knapspec_dist.jobs.lease import Lease
@@ -52,8 +53,10 @@ from knapspec_dist.jobs.termination import (
 from knapspec_dist.model.precision import guarantee
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
+from knapspec_dist.runtime.messages import ReplicaBudget
 from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
 from knapspec_dist.runtime.ray_engine import RayEngine
+from knapspec_dist.runtime.setup import check_kv_memory, check_setup
 from knapspec_dist.speculation.options import StrategyOptions
 
 __all__ = ["JobResult", "JobRun", "JobTerminated", "default_engine_factory", "load_text_tools",
@@ -69,11 +72,14 @@ LOCAL_ROWS = 1000
 def default_engine_factory(config: JobConfig, strategy: StrategyOptions, replicas: int,
                            longest: int | None = None) -> RayEngine:
     """Start the Ray engine (actors, placement groups, weights).  ``longest``: the longest
-    context of the job (prompt + new tokens), which its latency profile must cover."""
+    row of the job (prompt + new tokens), which its latency profile must cover and its KV
+    cache hold."""
     return RayEngine(config.model, tp=config.tp, replicas=replicas, strategy=strategy,
                   dtype=config.dtype, device=config.device, address=config.address,
                   cpus_per_rank=config.cpus_per_rank, profile_need=longest,
-                  max_num_seqs=config.max_num_seqs)
+                  max_num_seqs=config.max_num_seqs, max_model_len=longest,
+                  kv_cache_memory=config.kv_cache_memory,
+                  memory_utilization=config.memory_utilization)
 
 
 def run_job(config: JobConfig, *, engine_factory: Callable | None = None,
@@ -208,6 +214,11 @@ class JobRun:
         if self.real_engine:  # the profile must cover any context this job may run
             self.engine_factory = lambda config, strategy, replicas: default_engine_factory(
                 config, strategy, replicas, longest=self.max_len)
+            if c.kv_cache_memory is not None:  # a budget too small for one row: before Ray
+                _, model_config = check_setup(c.model, c.tp, c.strategy)
+                check_kv_memory(model_config, c.tp, c.dtype, c.device, ReplicaBudget(
+                    row_capacity(self.max_len, 0), c.max_num_seqs, c.kv_cache_memory,
+                    c.memory_utilization, self.max_len), None)
 
     def open_writers(self) -> None:
         """Part writers of the rows and of the two baseline passes, knowing what is done."""
@@ -235,6 +246,8 @@ class JobRun:
         if result.max_num_seqs is None:  # no engine ran now: the batch of the earlier runs
             result.max_num_seqs = ((self.previous.get("throughput") or {}).get("max_num_seqs")
                                    or (self.previous.get("run") or {}).get("max_num_seqs"))
+        if result.kv_cache is None:  # ... and their KV cache
+            result.kv_cache = self.previous.get("kv_cache")
         job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
                "guarantee": guarantee(c.dtype, c.device),
@@ -254,7 +267,7 @@ class JobRun:
                "profile": result.profile, "max_num_seqs": result.max_num_seqs}
         parts = self.out.iter_rows(ROWS, self.schema, [c.id_column, *COLUMNS])
         summary = summarize(parts, tables[BASELINE], c.id_column, self.scan.ids, job, run,
-                            again=tables[BASELINE_STRATEGY])
+                            again=tables[BASELINE_STRATEGY], kv_cache=result.kv_cache)
         self.out.write_bytes(SUMMARY_FILE, dumps(summary))
         points = self.out.read_rows(ROWS, self.schema, [c.id_column, *PLOT_COLUMNS])
         write_plot(summary, points, tables[BASELINE], c.id_column,

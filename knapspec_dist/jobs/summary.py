@@ -10,6 +10,12 @@ all its runs.  Definitions (all over rows without an error):
   taken out (the rows' prefill seconds over the replicas that served them: a replica prefills
   one row at a time); ``max_num_seqs`` the rows a replica decodes at once; ``mean_batch`` the
   rows decoding together per round, weighted by tokens.
+* ``kv_cache``: the main pass's KV cache per rank (runtime/messages.py's ``KVReport``):
+  ``paged``, ``page_size``, ``pages``, ``tokens``, ``bytes`` (the smallest replica's pool),
+  ``max_num_seqs``; its use: ``peak_tokens`` and ``peak_use`` (the most reserved at once, and
+  that as a share of the pool), ``peak_rows`` and ``mean_rows`` (rows in flight at most, and
+  decoding per round on average), ``memory_wait_s`` (seconds the head of a replica's queue
+  waited for pages with a slot free, summed over replicas) and ``rows_waited``.
 * ``row_tokens_per_s``: generated tokens / the sum of the rows' own wall seconds. Rows that
   decode together share their wall time, so this is a per-row rate, not throughput.
 * ``speedup``: on the baseline rows, run again after the main pass in two passes batched
@@ -272,11 +278,13 @@ def _ok_rows(table: pa.Table | None, id_column: str) -> dict:
 
 
 def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column: str,
-              input_ids, job: dict, run: dict, again: pa.Table | None = None) -> dict:
+              input_ids, job: dict, run: dict, again: pa.Table | None = None,
+              kv_cache: dict | None = None) -> dict:
     """The content of ``summary.json``: ``rows`` the main pass's rows (a table, or its parts
     one at a time: each read once, one row per id across them); ``baseline`` and ``again``
     the ar and strategy baseline passes' rows (small); ``input_ids`` the input's ids (an
-    Arrow array or a list)."""
+    Arrow array or a list); ``kv_cache`` the main pass's KV cache and its use (a
+    ``KVReport`` as a dict; None: no engine reported one)."""
     parts = [rows] if isinstance(rows, pa.Table) else rows
     inputs = input_ids if isinstance(input_ids, (pa.Array, pa.ChunkedArray)) else pa.array(
         list(input_ids))
@@ -344,6 +352,7 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
         "tokens": {"input": ok.input_tokens, "generated": ok.tokens},
         "row_tokens_per_s": ok.row_tokens_per_s(),
         "throughput": ok.throughput(run.get("max_num_seqs")),
+        "kv_cache": kv_cache,
         "generation_seconds": ok.wall,
         "acceptance": _acceptance_of_job(ok, job.get("strategy")),
         "plans": ranked_plans(plans, PLANS_SHOWN),

@@ -16,6 +16,7 @@ from ray import exceptions as rx
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.errors import first_line
+from knapspec_dist.runtime.messages import KVReport
 from knapspec_dist.runtime.ray_engine import RayEngine
 
 #: Errors that say the replica (an actor, a worker, a node) died, not the row.
@@ -26,7 +27,8 @@ REPLICA_FAILURES = tuple(getattr(rx, n) for n in (
 
 #: Out of memory: Ray's OOM killer stopped the worker (ray.exceptions.OutOfMemoryError), or a
 #: shard or coordinator ran out (torch's OutOfMemoryError, Python's MemoryError). A replica
-#: failure: the replica restarts with a smaller batch and its rows are retried.
+#: failure: the replica restarts with half its KV cache and rows in flight, and its rows are
+#: retried.
 OUT_OF_MEMORY = tuple(t for t in (getattr(rx, "OutOfMemoryError", None),
                                   getattr(torch, "OutOfMemoryError", None),
                                   getattr(torch.cuda, "OutOfMemoryError", None), MemoryError)
@@ -59,14 +61,14 @@ class EngineBackend:
     def result(self, handle) -> Any:
         return ray.get(handle)
 
+    def kv_report(self) -> KVReport | None:
+        """The replicas' KV cache and its use so far (None: not known right now)."""
+        return self.engine.kv_report()
+
     def restart(self, replica: int, smaller: bool = False) -> None:
-        """Restart ``replica``; ``smaller`` (after out of memory): at half its batch."""
-        seqs = None
-        if smaller:
-            current = self.engine.replica_info(replica).max_num_seqs
-            if current and current > 1:
-                seqs = max(1, current // 2)
-        self.engine.restart_replica(replica, max_num_seqs=seqs)
+        """Restart ``replica``; ``smaller`` (after out of memory): with half its KV cache
+        and half its rows in flight (RayEngine.restart_replica)."""
+        self.engine.restart_replica(replica, smaller=smaller)
 
     def is_replica_failure(self, exc: BaseException) -> bool:
         return is_replica_failure(exc)

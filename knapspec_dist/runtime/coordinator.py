@@ -12,11 +12,15 @@
   ranks report different devices never matches a stored profile and is measured (priced at
   its slowest rank). The profile (and those at other batch sizes beside it) goes to the
   shards, whose selectors price with it; this actor keeps its description.
+* Memory: every rank plans its KV cache from its own free memory (engine/memory.py); this
+  actor gives all of them the smallest plan, so they hold the same pool and make the same
+  page decisions, with no page traffic between them.
 * Requests: continuously batched. Requests queue here; a driver task admits them into the
-  shards' schedulers (speculation/scheduler.py) as slots free up, up to ``max_num_seqs`` rows
-  at once, with one Ray call per batch of rounds that every rank receives in the same order
-  (SPMD), never one per token. A dead shard fails every row of the replica with its
-  RayActorError; the engine restarts the replica and the job retries those rows.
+  shards' schedulers (engine/scheduler.py) as slots free up, up to ``max_num_seqs`` rows at
+  once (the schedulers then start them as their KV pages allow), with one Ray call per
+  batch of rounds that every rank receives in the same order (SPMD), never one per token.
+  A dead shard fails every row of the replica with its RayActorError; the engine restarts
+  the replica and the job retries those rows.
 
 An async actor: awaiting the shards leaves it free to queue the requests that arrive meanwhile.
 """
@@ -32,6 +36,8 @@ from dataclasses import dataclass, replace
 
 import ray
 
+from knapspec_dist.engine.memory import KVBudget
+from knapspec_dist.engine.pages import KVUse
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.model.config import load_config
@@ -53,6 +59,7 @@ from knapspec_dist.runtime.messages import (
     ShardInfo,
     StepResult,
 )
+from knapspec_dist.runtime.setup import check_kv, describe_kv
 from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
@@ -112,6 +119,8 @@ class Coordinator:
         self._tokenizer_tried = False
         self.served = 0
         self.done_work = Work()  # by every row, finished or not: the job's live progress
+        self.kv: KVBudget | None = None  # the KV cache every rank holds, once prepared
+        self.use = KVUse()  # how the rows used it so far
         self.grace_s = 10.0  # how long other ranks may take to fail like the first one
 
     # ------------------------------------------------------------------ startup
@@ -132,10 +141,14 @@ class Coordinator:
                             "tp=%d: its all-reduce costs do not match", self.replica,
                             choice.path, choice.profile.tp, self.tp)
             profiles = [p.to_json() for p in choice.profiles]
-        seqs = await asyncio.gather(*[s.configure.remote(
-            replace(options, profile=None), profiles, budget) for s in shards])
-        self.max_num_seqs = min(seqs)  # every rank must hold the batch
-        log.info("replica %d: up to %d rows decode at once", self.replica, self.max_num_seqs)
+        plans = await asyncio.gather(*[s.plan_memory.remote(budget) for s in shards])
+        kv = KVBudget.least(plans)  # every rank holds the same cache, decides the same
+        check_kv(kv, budget)  # the start-up wait names the replica
+        await asyncio.gather(*[s.configure.remote(replace(options, profile=None), profiles, kv)
+                               for s in shards])
+        self.kv, self.max_num_seqs = kv, kv.max_num_seqs
+        log.info("replica %d: KV cache of %s per rank, up to %d rows in flight", self.replica,
+                 describe_kv(kv), self.max_num_seqs)
         return self.info()
 
     async def _find(self, options: StrategyOptions, infos: list[ShardInfo],
@@ -235,6 +248,7 @@ class Coordinator:
             first: StepResult = outs[0]
             finished, refused = first.finished, first.refused
             self.done_work += first.work
+            self.use = self.use.merge(first.use)
             if first.steps and first.elapsed_s > 0:  # the next call's rounds, from its s/step
                 rounds = max(1, min(ROUNDS_PER_CALL,
                                     int(CALL_SECONDS * first.steps / first.elapsed_s)))
@@ -310,4 +324,4 @@ class Coordinator:
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.replica, self.served, self.max_num_seqs,
-                           self.profile_description)
+                           self.profile_description, self.kv, self.use, self.done_work)

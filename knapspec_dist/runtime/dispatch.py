@@ -22,8 +22,8 @@ error (a UserError from the strategy, any other exception from its generation) b
 error row.  Each row is handed to ``on_result`` exactly once.
 
 Out of memory (a shard's torch.OutOfMemoryError or MemoryError, Ray's OOM killer) is a
-replica failure too: the replica is restarted with a smaller batch (the backend halves its
-``max_num_seqs``) and its rows are retried.  A row that still fails is written with a
+replica failure too: the replica is restarted smaller (the backend halves its KV cache and
+its ``max_num_seqs``) and its rows are retried.  A row that still fails is written with a
 retryable ``kind`` (``oom``, ``replica``, ``timeout``), which a rerun retries.
 """
 

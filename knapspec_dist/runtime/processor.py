@@ -38,6 +38,7 @@ import pyarrow as pa
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
 from knapspec_dist.errors import UserError
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome
@@ -61,8 +62,8 @@ __all__ = ["ProcessorConfig", "build_processor", "stages"]
 class ProcessorConfig:
     """One processor: the model, how many replicas (``concurrency``: a number, or a
     ``(min, max)`` range Ray Data scales within), the strategy and its options, the
-    batching and the sampling (GenerationConfig.of's fields: max_new_tokens, temperature,
-    top_k, top_p, seed, sampling)."""
+    batching, the KV cache (docs/batching.md) and the sampling (GenerationConfig.of's fields:
+    max_new_tokens, temperature, top_k, top_p, seed, sampling)."""
 
     model: str = "smollm2"
     tp: int = 1
@@ -71,7 +72,10 @@ class ProcessorConfig:
     dtype: str = "fp32"
     device: str = "cpu"
     cpus_per_rank: int = 1
-    max_num_seqs: int | None = None
+    max_num_seqs: int | None = None  # cap on rows in flight; None: 256 on a GPU, 16 on a CPU
+    kv_cache_memory: int | str | None = None  # KV bytes per rank ("2GiB"); None: utilization
+    memory_utilization: float = MEMORY_UTILIZATION  # of the memory free after the weights
+    max_model_len: int | None = None  # the longest row the KV cache must hold; None: window
     batch_size: int | None = None  # rows per engine call; None: 2 x max_num_seqs, else 16
     sampling: dict = field(default_factory=dict)
     should_continue_on_error: bool = False
@@ -84,6 +88,8 @@ class ProcessorConfig:
         if isinstance(self.strategy, str):
             object.__setattr__(self, "strategy", StrategyOptions(name=self.strategy))
         self.generation_config()  # bad sampling options fail here, not in a worker
+        object.__setattr__(self, "kv_cache_memory", kv_memory_option(self.kv_cache_memory))
+        check_utilization(self.memory_utilization)
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(**self.sampling)
@@ -102,7 +108,9 @@ class EngineStage:
         self.config = c
         self.engine = RayEngine(c.model, tp=c.tp, replicas=1, strategy=c.strategy, dtype=c.dtype,
                              device=c.device, cpus_per_rank=c.cpus_per_rank,
-                             max_num_seqs=c.max_num_seqs)
+                             max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+                             kv_cache_memory=c.kv_cache_memory,
+                             memory_utilization=c.memory_utilization)
         self.dispatcher = Dispatcher(EngineBackend(self.engine), c.generation_config(),
                                      max_inflight=c.rows_per_call(),
                                      max_attempts=c.max_attempts)
@@ -144,7 +152,8 @@ class EngineStage:
 def stages(config: ProcessorConfig) -> list[Stage]:
     """The processor's tokenize and engine stages (runtime/stages.py)."""
     column = "messages" if config.apply_chat_template else "prompt"
-    builder = functools.partial(make_builder, load_text_tools, config, column, "", None,
+    builder = functools.partial(make_builder, load_text_tools, config, column, "",
+                                config.max_model_len,
                                 config.generation_config().max_new_tokens, False, column)
     # The engine actor holds no CPU itself: its shard actors reserve the replica's CPUs/GPUs.
     return [Stage(TokenizeStage, (builder, column), rows=16,

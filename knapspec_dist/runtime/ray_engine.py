@@ -31,6 +31,7 @@ from dataclasses import replace
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
 from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
@@ -40,7 +41,13 @@ from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.runtime.accounting import job_summary
 from knapspec_dist.runtime.cluster import connect, disconnect
-from knapspec_dist.runtime.messages import MeasureOptions, ReplicaBudget, ReplicaInfo
+from knapspec_dist.runtime.messages import (
+    KVPages,
+    KVReport,
+    MeasureOptions,
+    ReplicaBudget,
+    ReplicaInfo,
+)
 from knapspec_dist.runtime.replica import (
     Replica,
     ReplicaSpec,
@@ -51,7 +58,7 @@ from knapspec_dist.runtime.replica import (
     start_replicas,
     stop_replica,
 )
-from knapspec_dist.runtime.setup import check_batch_memory, check_setup
+from knapspec_dist.runtime.setup import check_kv_memory, check_setup
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 __all__ = ["RayEngine", "StartupError"]
@@ -67,15 +74,22 @@ class RayEngine:
                  device: str = "cpu", address: str | None = None, *, cpus_per_rank: int = 1,
                  startup_timeout_s: float = 300.0, profile_contexts: list[int] | None = None,
                  profile_repeats: int = 3, profile_need: int | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 kv_cache_memory: int | str | None = None,
+                 memory_utilization: float = MEMORY_UTILIZATION, fixed_slots: bool = False):
         """``strategy``: its options, or a strategy's name with default options.
         ``cpus_per_rank`` CPUs are reserved per rank, and each rank runs that many torch
         threads (OMP_NUM_THREADS). ``profile_contexts`` / ``profile_repeats``: the
         measurement made when no stored profile matches; ``profile_need``: the longest
         context the work will run, which a stored profile must cover and a measured one does
-        (profiles/store.py); it also sizes each row's KV cache (default: the model's window).
-        ``max_num_seqs``: rows each replica decodes at once (continuous batching; default:
-        what the memory left after the weights holds, engine/memory.py)."""
+        (profiles/store.py). The KV cache (engine/memory.py's rule, on every rank):
+        ``kv_cache_memory`` bytes per rank (or a size such as ``"2GiB"``), else
+        ``memory_utilization`` of the memory free after the weights; ``max_num_seqs``: the
+        cap on rows in flight (default 256 on a GPU, 16 on a CPU); ``max_model_len``: the
+        longest row (prompt + new tokens), which the cache must hold (refused before any
+        replica starts otherwise; default: ``profile_need``, else the model's window, and a
+        row the pool cannot hold is that row's error); ``fixed_slots``: fixed slots even
+        where the backend pages (a comparison's baseline)."""
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         for name, value in (("tp", tp), ("replicas", replicas), ("cpus_per_rank", cpus_per_rank)):
@@ -92,8 +106,13 @@ class RayEngine:
         self.startup_timeout_s = startup_timeout_s
         self.measure = MeasureOptions(tuple(profile_contexts) if profile_contexts else None,
                                       profile_repeats, profile_need)
-        self.budget = ReplicaBudget(row_capacity(profile_need, 0) if profile_need else None,
-                                    max_num_seqs)
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise UserError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+        longest = max_model_len or profile_need
+        self.budget = ReplicaBudget(row_capacity(longest, 0) if longest else None, max_num_seqs,
+                                    kv_memory_option(kv_cache_memory),
+                                    check_utilization(memory_utilization), max_model_len,
+                                    fixed_slots)
         self.spec = ReplicaSpec(f"knapspec-{uuid.uuid4().hex[:8]}", self.path,
                                 self.config.vocab_size, tp, dtype, device, cpus_per_rank,
                                 startup_timeout_s)
@@ -105,15 +124,12 @@ class RayEngine:
             self.tokenizer = None
         self.last_job: dict | None = None
 
-        self._batch_of: dict[int, int] = {}  # replicas restarted at a smaller batch
+        self._budget_of: dict[int, ReplicaBudget] = {}  # replicas restarted smaller
         self._owns_ray = connect(address)
         self._replicas: list[Replica | None] = [None] * replicas
         try:
             check_resources(self.spec, replicas)
-            check_batch_memory(self.config, tp, dtype, device, max_num_seqs,
-                               self.budget.capacity
-                               or row_capacity(self.config.max_position_embeddings, 0),
-                               node_memory(device))
+            check_kv_memory(self.config, tp, dtype, device, self.budget, node_memory(device))
             self._replicas = start_replicas(self.spec, list(range(replicas)), self.options,
                                             self.measure, self.budget)
         except BaseException:
@@ -128,23 +144,27 @@ class RayEngine:
 
     # ------------------------------------------------------------------ replicas
 
-    def restart_replica(self, replica: int, max_num_seqs: int | None = None) -> None:
-        """Kill a replica's actors and placement group, and start it again; with
-        ``max_num_seqs`` (after out of memory: a smaller batch), that replica keeps that
-        batch from now on."""
+    def restart_replica(self, replica: int, smaller: bool = False) -> None:
+        """Kill a replica's actors and placement group, and start it again; ``smaller``
+        (after out of memory): with half its KV cache and half its rows in flight
+        (``KVBudget.halved``), which that replica keeps from now on."""
         self._check_replica(replica)
-        if max_num_seqs is not None:
-            self._batch_of[replica] = max_num_seqs
+        kv = self.replica_info(replica).kv
+        if smaller and kv is not None:
+            memory, seqs = kv.halved()
+            self._budget_of[replica] = replace(self._budget(replica), kv_cache_memory=memory,
+                                               max_num_seqs=seqs)
+        budget = self._budget(replica)
         log.warning("restarting replica %d%s", replica,
-                    f" at max_num_seqs {max_num_seqs}" if max_num_seqs is not None else "")
+                    f" with {budget.kv_cache_memory} bytes of KV cache per rank and up to "
+                    f"{budget.max_num_seqs} rows in flight" if replica in self._budget_of else "")
         stop_replica(self._replicas[replica])
         self._replicas[replica] = None
         self._replicas[replica] = start_replicas(self.spec, [replica], self.options,
-                                                 self.measure, self._budget(replica))[0]
+                                                 self.measure, budget)[0]
 
     def _budget(self, replica: int) -> ReplicaBudget:
-        seqs = self._batch_of.get(replica)
-        return self.budget if seqs is None else replace(self.budget, max_num_seqs=seqs)
+        return self._budget_of.get(replica, self.budget)
 
     def reconfigure(self, strategy: StrategyOptions | str) -> None:
         """Switch every replica to another strategy / options without reloading weights
@@ -152,8 +172,10 @@ class RayEngine:
         options = _options(strategy)
         check_setup(self.path, self.tp, options)
         self.options = options
-        prepare_replicas(self.spec, [r for r in self._replicas if r is not None], options,
-                         self.measure, self.budget, "reconfigure")
+        for rep in self._replicas:  # each with its own budget (one restarted smaller keeps it)
+            if rep is not None:
+                prepare_replicas(self.spec, [rep], options, self.measure,
+                                 self._budget(rep.index), "reconfigure")
 
     def shutdown(self) -> None:
         for i, rep in enumerate(getattr(self, "_replicas", [])):
@@ -199,6 +221,29 @@ class RayEngine:
             return sum(ray.get(ready), Work())
         except ray.exceptions.RayError:  # a dead replica: the dispatcher will notice
             return None
+
+    def live_infos(self, timeout_s: float = 2.0) -> list[ReplicaInfo] | None:
+        """Every running replica's state now (its KV cache's use so far included); None when
+        one does not answer within ``timeout_s``."""
+        refs = [rep.coordinator.info.remote() for rep in self._replicas
+                if rep is not None and rep.coordinator is not None]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            return None
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError:  # a dead replica: the dispatcher will notice
+            return None
+
+    def kv_report(self, timeout_s: float = 2.0) -> KVReport | None:
+        """The replicas' KV cache and its use so far (None: not known right now)."""
+        infos = self.live_infos(timeout_s)
+        return KVReport.of(infos) if infos is not None else None
+
+    def kv_pages(self, replica: int = 0) -> list[KVPages]:
+        """Each rank's pages now, in rank order (a leak check: all free once no row runs)."""
+        self._check_replica(replica)
+        return ray.get([s.kv_pages.remote() for s in self._replicas[replica].shards])
 
     def replica_info(self, replica: int) -> ReplicaInfo:
         """What the replica's coordinator reported when prepared (empty while it is not)."""

@@ -1,4 +1,5 @@
-"""Can this model run ``tp`` ways with this strategy? Answered from small files only.
+"""Can this model run ``tp`` ways with this strategy, in this KV budget? Answered from small
+files only.
 
 The one check before anything costly: the batch job calls it before it tokenizes a single
 row, the engine before it starts an actor. A bad ``--model``, a tp degree the heads do not
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from knapspec_dist.engine.memory import kv_bytes_per_token_of, rows_that_fit
+from knapspec_dist.engine.memory import KVBudget, kv_bytes_per_token_of, plan_kv, uses_pages
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.config import ModelConfig, load_config
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import checkpoint_files, resolve_dtype
 from knapspec_dist.parallel import check_shardable
+from knapspec_dist.runtime.messages import ReplicaBudget
 from knapspec_dist.speculation.options import StrategyOptions, check_options
 
 
@@ -32,22 +36,47 @@ def check_setup(model: str, tp: int, options: StrategyOptions) -> tuple[Path, Mo
     return path, config
 
 
-def check_batch_memory(config: ModelConfig, tp: int, dtype: str, device: str,
-                       max_num_seqs: int | None, capacity: int, node_bytes: int | None) -> None:
-    """Refuse a ``max_num_seqs`` whose KV caches cannot fit even on the largest node with
-    nothing else on it (``node_bytes``: its memory, a GPU's on cuda; None: unknown, not
-    checked), by engine/memory.py's rule (half of a CPU node's memory). Called before any
-    replica starts; the shards then cap a number that fits here but not next to their
-    weights, with a warning."""
-    if max_num_seqs is None or not node_bytes:
+def describe_kv(kv: KVBudget) -> str:
+    """A KV cache in a few words, for logs and errors."""
+    what = (f"{kv.pages} pages of {kv.page} positions" if kv.paged
+            else f"{kv.pages} fixed slots of {kv.page} positions")
+    return f"{kv.tokens} tokens ({what}, {kv.bytes / 2 ** 20:.1f} MiB)"
+
+
+def _source(budget: ReplicaBudget, where: str) -> str:
+    if budget.kv_cache_memory is not None:
+        return f"--kv-cache-memory {budget.kv_cache_memory / 2 ** 20:.1f} MiB"
+    return f"--memory-utilization {budget.memory_utilization:g} of {where}"
+
+
+def check_kv(kv: KVBudget, budget: ReplicaBudget, prefix: str = "",
+             where: str = "the memory free after the weights") -> None:
+    """Refuse a KV cache that holds no row at all, or none of ``budget.max_model_len``
+    (one line naming both token counts)."""
+    need = row_capacity(budget.max_model_len, 0) if budget.max_model_len else None
+    if kv.pages >= 1 and (need is None or kv.holds(need)):
         return
-    free = node_bytes if device == "cuda" else node_bytes // 2
-    per_token = kv_bytes_per_token_of(config, tp, resolve_dtype(dtype))
-    fits = rows_that_fit(free, per_token, capacity)
-    if max_num_seqs > fits:
-        raise UserError(
-            f"--max-num-seqs {max_num_seqs} does not fit in memory: a row's KV cache of "
-            f"{capacity} positions takes {per_token * capacity / 2 ** 20:.1f} MiB per rank and "
-            f"the largest node offers {free / 2 ** 30:.1f} GiB for caches, so at most {fits} "
-            f"row(s) per replica (before the weights); lower --max-num-seqs or "
-            f"--max-model-len, or leave --max-num-seqs out to size it from memory")
+    row = (f"one row of --max-model-len {budget.max_model_len} needs {need} tokens"
+           if need is not None else f"one row needs up to {kv.capacity} tokens")
+    raise UserError(f"{prefix}the KV cache holds {kv.tokens} tokens per rank "
+                    f"({_source(budget, where)}); {row} (prompt, new tokens and the draft "
+                    "lookahead): give more --kv-cache-memory or a smaller --max-model-len")
+
+
+def check_kv_memory(config: ModelConfig, tp: int, dtype: str, device: str,
+                    budget: ReplicaBudget, node_bytes: int | None) -> None:
+    """Refuse, before any replica starts, a budget whose KV cache cannot hold one row of
+    ``budget.max_model_len``, by engine/memory.py's rule from the model config: the
+    ``--kv-cache-memory`` given, else ``--memory-utilization`` of the largest node's memory
+    with nothing else on it (``node_bytes``: a GPU's on cuda, half a CPU node's; None:
+    unknown, only a given ``--kv-cache-memory`` is checked). The shards plan again beside
+    their weights, and refuse what does not fit there."""
+    if budget.kv_cache_memory is None and not node_bytes:
+        return
+    free = (node_bytes if device == "cuda" else node_bytes // 2) if node_bytes else 0
+    kv = plan_kv(per_token=kv_bytes_per_token_of(config, tp, resolve_dtype(dtype)), free=free,
+                 capacity=budget.capacity or row_capacity(config.max_position_embeddings, 0),
+                 paged=uses_pages(default_backend(device)) and not budget.fixed_slots,
+                 cuda=device == "cuda", kv_cache_memory=budget.kv_cache_memory,
+                 memory_utilization=budget.memory_utilization, max_num_seqs=budget.max_num_seqs)
+    check_kv(kv, budget, where="the largest node's memory, before the weights")

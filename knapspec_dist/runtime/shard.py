@@ -20,11 +20,20 @@ import torch
 import torch.distributed as dist
 
 from knapspec_dist.engine.generation import Split
-from knapspec_dist.engine.memory import fitting_max_num_seqs, max_num_seqs_for
+from knapspec_dist.engine.memory import (
+    KVBudget,
+    free_bytes,
+    kv_bytes_per_token,
+    plan_kv,
+    uses_pages,
+)
 from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.pages import KVUse
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.parallel import (
     free_port,
@@ -36,7 +45,13 @@ from knapspec_dist.profiles import profiler
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.runtime.accounting import Meter, split
-from knapspec_dist.runtime.messages import Admission, ReplicaBudget, ShardInfo, StepResult
+from knapspec_dist.runtime.messages import (
+    Admission,
+    KVPages,
+    ReplicaBudget,
+    ShardInfo,
+    StepResult,
+)
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.speculation.spmd import spmd_strategy
@@ -50,7 +65,9 @@ class Shard:
         torch.set_num_threads(max(1, threads))
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.model = self.strategy = self.meter = self.scheduler = None
+        self.model = self.strategy = self.meter = self.scheduler = self.kv = None
+        self.runner = None
+        self._planned: tuple[ReplicaBudget, KVBudget] | None = None
 
     # ------------------------------------------------------------------ startup
 
@@ -92,29 +109,55 @@ class Shard:
         return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
                                           repeats=repeats)
 
+    def free_memory(self) -> int:
+        """Bytes free on this rank's device now (engine/memory.py's ``free_bytes``)."""
+        return free_bytes(self.model.device)
+
+    def plan_memory(self, budget: ReplicaBudget) -> KVBudget:
+        """This rank's KV cache by engine/memory.py's rule, from its memory free now that its
+        weights are loaded (the same request planned again, on a reconfigure, gets the same
+        answer: the cache it already holds is not free memory)."""
+        if self._planned is not None and self._planned[0] == budget:
+            return self._planned[1]
+        model = self.model
+        capacity = budget.capacity or row_capacity(model.cfg.max_position_embeddings, 0)
+        free = self.free_memory()
+        paged = uses_pages(model.backend or default_backend(model.device))
+        kv = plan_kv(per_token=kv_bytes_per_token(model), free=free, capacity=capacity,
+                     paged=paged and not budget.fixed_slots, cuda=model.device.type == "cuda",
+                     kv_cache_memory=budget.kv_cache_memory,
+                     memory_utilization=budget.memory_utilization,
+                     max_num_seqs=budget.max_num_seqs)
+        if budget.kv_cache_memory is not None and budget.kv_cache_memory > free:
+            log.warning("replica %d rank %d: --kv-cache-memory %d bytes is more than the %d "
+                        "free next to the weights", self.replica, self.rank,
+                        budget.kv_cache_memory, free)
+        self._planned = (budget, kv)
+        return kv
+
     def configure(self, options: StrategyOptions, profiles: list[dict] | None,
-                  budget: ReplicaBudget) -> int:
+                  kv: KVBudget) -> None:
         """Build the strategy (same on every rank), priced by ``profiles``: the JSON of the
         coordinator's profile and of those at other batch sizes (None for ar and static).
-        ``budget``: positions per row and rows decoding at once (one that does not fit this
-        rank's free memory is capped, with a warning). Returns this rank's max_num_seqs."""
-        capacity, max_num_seqs = budget.capacity, budget.max_num_seqs
-        self.capacity = capacity or row_capacity(self.model.cfg.max_position_embeddings, 0)
-        self.max_num_seqs = max_num_seqs or max_num_seqs_for(self.model, self.capacity)
-        if max_num_seqs:  # asked for: not capped at 16 / 256, but it must fit
-            fits = fitting_max_num_seqs(self.model, self.capacity)
-            if max_num_seqs > fits:
-                log.warning("replica %d rank %d: max_num_seqs %d capped to %d, what the free "
-                            "memory holds next to the weights (engine/memory.py)",
-                            self.replica, self.rank, max_num_seqs, fits)
-                self.max_num_seqs = fits
+        ``kv``: the cache every rank of the replica holds (the smallest of their plans)."""
+        self.kv = kv
         self.scheduler = None
         priced = None if profiles is None else [LatencyProfile.from_json(p) for p in profiles]
         strategy = spmd_strategy(build_strategy(options, self.model, priced), self.model)
         if getattr(strategy, "selector", None) is not None:
             self.meter.wrap(strategy.selector, "plan")  # the DP counts as compute
         self.strategy = strategy
-        return self.max_num_seqs
+
+    def kv_pages(self) -> KVPages:
+        """This rank's cache now: pages (fixed: slots) in all and those no row holds."""
+        cache = self.runner.cache
+        if cache is None:
+            total = self.kv.pages if self.kv is not None else 0
+            return KVPages(self.rank, total, total)
+        if isinstance(cache, PagedKVCache):
+            total = cache.n_pages - 1
+            return KVPages(self.rank, total, total - sum(len(p) for p in cache.pages))
+        return KVPages(self.rank, cache.batch, sum(n == 0 for n in cache.lengths))
 
     # ------------------------------------------------------------------ requests
 
@@ -127,11 +170,13 @@ class Shard:
         if self.strategy is None:
             raise RuntimeError("shard not configured")
         if self.scheduler is None or (self.scheduler.config != config and not self.scheduler.busy):
+            kv = self.kv
             self.scheduler = Scheduler(self.strategy, self.model, config,
-                                       min(max_num_seqs, self.max_num_seqs), self.capacity,
-                                       runner=self.runner)
+                                       min(max_num_seqs, kv.max_num_seqs), kv.capacity,
+                                       runner=self.runner, paging=kv.paging())
             self.shares: dict[int, Split] = {}  # per row: its share of the calls so far
         sched = self.scheduler
+        sched.use = KVUse()  # this call's peaks and waits
         refused = []
         for row in admit:
             try:
@@ -145,13 +190,18 @@ class Shard:
         start = time.perf_counter()
         finished = []
         before, steps = copy.copy(sched.work), 0
-        for _ in range(max_rounds):
-            if not sched.busy:
-                break
-            steps += 1
-            finished += sched.step()
-            if finished:
-                break
+        try:
+            for _ in range(max_rounds):
+                if not sched.busy:
+                    break
+                steps += 1
+                finished += sched.step()
+                if finished:
+                    break
+        except BaseException:  # its rows fail with it: the next call starts from an empty cache
+            self.scheduler = None
+            self.runner.empty_cache()
+            raise
         elapsed = time.perf_counter() - start
         parts = split(elapsed, self.meter.seconds, comm.seconds, comm.calls)
         for share in self.shares.values():  # rows waiting, prefilling, decoding or just done
@@ -161,4 +211,5 @@ class Shard:
             r = result(row)
             r.stats.split = self.shares.pop(row.rid)
             out.append((row.rid, r))
-        return StepResult(out, refused, elapsed, sched.busy, sched.work - before, steps)
+        return StepResult(out, refused, elapsed, sched.busy, sched.work - before, steps,
+                          sched.use)
