@@ -227,7 +227,7 @@ def reference_logits(model, prompt: list[int], reference: list[int]) -> torch.Te
     """The full model's logits [len(reference), V] (fp32, on the CPU) before each reference
     token: a prefill of the prompt, then the reference in blocks of ``BLOCK`` tokens (one
     computation, independent of both decode paths)."""
-    return _path_logits(model, prompt, reference, BLOCK)
+    return _path_logits(model, [prompt], [reference], BLOCK)[0]
 
 
 def inside_bound(logits: torch.Tensor, dtype: torch.dtype,
@@ -296,29 +296,44 @@ def logit_spread(model, prompt: list[int], tokens: list[int], qs: tuple[int, ...
                  top: int = 5) -> list[Spread]:
     """The spread (:class:`Spread`) of 1-token decode steps and of q-token verify blocks over
     ``tokens`` teacher-forced after ``prompt``, against :func:`reference_logits`."""
-    one = reference_logits(model, prompt, tokens)
-    paths = {"decode": _path_logits(model, prompt, tokens, 1)}
-    paths.update({f"verify q={q}": _path_logits(model, prompt, tokens, q) for q in qs})
+    return batch_logit_spread(model, [prompt], [tokens], qs, top)
+
+
+@torch.inference_mode()
+def batch_logit_spread(model, prompts: list[list[int]], tokens: list[list[int]],
+                       qs: tuple[int, ...] = (5,), top: int = 5) -> list[Spread]:
+    """:func:`logit_spread` of rows decoded together, one batch of ``len(prompts)`` rows per
+    forward (each row's ``tokens``, all of one length, teacher-forced after its prompt), over
+    every row's positions: a row's logits also depend on the kernels its batch size picks."""
+    if len({len(t) for t in tokens}) != 1:
+        raise ValueError("every row needs as many tokens as the others")
+    one = torch.stack([reference_logits(model, p, t) for p, t in zip(prompts, tokens)])
     index = one.topk(min(top, one.shape[-1]), dim=-1).indices
-    ulp = torch.tensor([spacing(float(z), model.dtype) for z in one.max(dim=-1).values])
+    ulp = torch.tensor([[spacing(float(z), model.dtype) for z in row]
+                        for row in one.max(dim=-1).values.tolist()])
     out = []
-    for name, z in paths.items():
-        e = (z - one).gather(-1, index)
-        s = ((e.max(dim=-1).values - e.min(dim=-1).values) / ulp).double()
-        out.append(Spread(name, len(tokens), float(s.median()), float(s.quantile(0.9)),
+    for name, q in [("decode", 1), *((f"verify q={q}", q) for q in qs)]:
+        e = (_path_logits(model, prompts, tokens, q) - one).gather(-1, index)
+        s = ((e.max(dim=-1).values - e.min(dim=-1).values) / ulp).double().flatten()
+        out.append(Spread(name, s.numel(), float(s.median()), float(s.quantile(0.9)),
                           float(s.max())))
     return out
 
 
-def _path_logits(model, prompt: list[int], tokens: list[int], q: int) -> torch.Tensor:
-    """Logits [len(tokens), V] before each token: a prefill of ``prompt`` gives the first;
-    then forwards of ``q`` tokens each (q = 1: decode steps) give the next ones."""
-    cache = KVCache(model.cfg, 1, len(prompt) + len(tokens), dtype=model.dtype,
+def _path_logits(model, prompts: list[list[int]], tokens: list[list[int]], q: int
+                 ) -> torch.Tensor:
+    """Logits [rows, len(tokens[0]), V] before each row's tokens: a prefill of each row's
+    prompt gives its first; then forwards of ``q`` tokens of every row at once (q = 1: decode
+    steps) give the next ones."""
+    n, rows = len(tokens[0]), len(prompts)
+    cache = KVCache(model.cfg, rows, max(map(len, prompts)) + n, dtype=model.dtype,
                     device=model.device, kv_heads=kv_heads(model))
-    out = [prefill(model, cache, 0, list(prompt))[None].cpu()]
-    rest, start = list(tokens[:-1]), len(prompt)
-    for i in range(0, len(rest), q):
-        block = rest[i:i + q]
-        out.append(model(upload([block], model.device), [start + i], cache, slice(0, 1))[0].cpu())
-        cache.commit(0, start + i + len(block))
-    return torch.cat(out)[:len(tokens)]
+    out = [torch.stack([prefill(model, cache, b, list(p)) for b, p in enumerate(prompts)]
+                       )[:, None].cpu()]
+    for i in range(0, n - 1, q):
+        blocks = [list(t[i:min(i + q, n - 1)]) for t in tokens]
+        starts = [len(p) + i for p in prompts]
+        out.append(model(upload(blocks, model.device), starts, cache, slice(0, rows)).cpu())
+        for b, start in enumerate(starts):
+            cache.commit(b, start + len(blocks[b]))
+    return torch.cat(out, dim=1)[:, :n]
