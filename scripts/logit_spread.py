@@ -6,7 +6,8 @@ top logit (``tools.ties.logit_spread``). The bound per (dtype, device) in
 SmolLM2 in bf16 on this machine; ``--documents`` corpus documents of ``--context`` tokens,
 each followed by its next ``--tokens`` real tokens, teacher-forced. With ``--batch``, per batch
 size B the first B documents are decoded and verified together (one row each), and the table
-gives the spread over all their positions: a row's logits also depend on its batch.
+gives the spread over all their positions next to the same documents' spread each alone: a
+row's logits also depend on its batch.
 
     OMP_NUM_THREADS=1 python scripts/logit_spread.py --context 512 --tokens 64 --documents 2
     OMP_NUM_THREADS=1 python scripts/logit_spread.py --context 512 --tokens 64 --batch 1,4,8,16
@@ -23,7 +24,7 @@ from knapspec_dist.model.embedded import ensure_smollm2
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model, resolve_dtype
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
-from knapspec_dist.tools.ties import batch_logit_spread, logit_spread
+from knapspec_dist.tools.ties import logit_spread, spread_values, summarize_spread
 
 log = logging.getLogger("logit_spread")
 
@@ -77,17 +78,26 @@ def by_document(model, tok, args: argparse.Namespace, qs: tuple[int, ...]) -> fl
 
 def by_batch(model, tok, args: argparse.Namespace, qs: tuple[int, ...],
              batches: list[int]) -> float:
+    """Per batch size B and path: the spread of the first B documents decoded together, and
+    of the same documents each decoded alone (what the batch adds)."""
     docs = [document(tok, args, j) for j in range(max(batches))]
-    log.info("| batch | path | positions | median ulps | p90 | max |")
-    log.info("|---:|---|---:|---:|---:|---:|")
+    alone = [spread_values(model, [p], [t], qs) for p, t in docs]
+    log.info("| batch | path | positions | median ulps | p90 | max | max, each row alone | "
+             "rows whose max grew |")
+    log.info("|---:|---|---:|---:|---:|---:|---:|---:|")
     worst = 0.0
     for b in batches:
         rows = docs[:b]
-        for s in batch_logit_spread(model, [p for p, _ in rows], [t for _, t in rows], qs):
+        together = spread_values(model, [p for p, _ in rows], [t for _, t in rows], qs)
+        for path, values in together.items():
+            s = summarize_spread(path, values)
+            single = torch.cat([a[path] for a in alone[:b]])
+            grew = int((values.amax(dim=1) > single.amax(dim=1)).sum())
             worst = max(worst, s.max)
-            log.info("| %d | %s | %d | %.2f | %.2f | %.2f |", b, s.path, s.positions,
-                     s.median, s.p90, s.max)
+            log.info("| %d | %s | %d | %.2f | %.2f | %.2f | %.2f | %d of %d |", b, path,
+                     s.positions, s.median, s.p90, s.max, float(single.max()), grew, b)
     return worst
+
 
 if __name__ == "__main__":
     main()

@@ -305,18 +305,31 @@ def batch_logit_spread(model, prompts: list[list[int]], tokens: list[list[int]],
     """:func:`logit_spread` of rows decoded together, one batch of ``len(prompts)`` rows per
     forward (each row's ``tokens``, all of one length, teacher-forced after its prompt), over
     every row's positions: a row's logits also depend on the kernels its batch size picks."""
+    return [summarize_spread(name, v)
+            for name, v in spread_values(model, prompts, tokens, qs, top).items()]
+
+
+def summarize_spread(path: str, values: torch.Tensor) -> Spread:
+    """The :class:`Spread` of per-position spreads ``values`` (ulps, any shape)."""
+    s = values.double().flatten()
+    return Spread(path, s.numel(), float(s.median()), float(s.quantile(0.9)), float(s.max()))
+
+
+@torch.inference_mode()
+def spread_values(model, prompts: list[list[int]], tokens: list[list[int]],
+                  qs: tuple[int, ...] = (5,), top: int = 5) -> dict[str, torch.Tensor]:
+    """Per path ("decode", "verify q=N"), the spread in ulps at every position of every row,
+    [rows, len(tokens[0])], the rows decoded together (:func:`batch_logit_spread`)."""
     if len({len(t) for t in tokens}) != 1:
         raise ValueError("every row needs as many tokens as the others")
     one = torch.stack([reference_logits(model, p, t) for p, t in zip(prompts, tokens)])
     index = one.topk(min(top, one.shape[-1]), dim=-1).indices
     ulp = torch.tensor([[spacing(float(z), model.dtype) for z in row]
                         for row in one.max(dim=-1).values.tolist()])
-    out = []
+    out = {}
     for name, q in [("decode", 1), *((f"verify q={q}", q) for q in qs)]:
         e = (_path_logits(model, prompts, tokens, q) - one).gather(-1, index)
-        s = ((e.max(dim=-1).values - e.min(dim=-1).values) / ulp).double().flatten()
-        out.append(Spread(name, s.numel(), float(s.median()), float(s.quantile(0.9)),
-                          float(s.max())))
+        out[name] = (e.max(dim=-1).values - e.min(dim=-1).values) / ulp
     return out
 
 
