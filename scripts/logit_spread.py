@@ -23,7 +23,7 @@ import torch
 from knapspec_dist.model.embedded import ensure_smollm2
 from knapspec_dist.model.tokenizer import encode, load_tokenizer
 from knapspec_dist.model.weights import load_model, resolve_dtype
-from knapspec_dist.tools.corpus import AUSTEN_BOOKS, document_of_tokens
+from knapspec_dist.tools.corpus import AUSTEN_BOOKS, row_documents
 from knapspec_dist.tools.ties import logit_spread, spread_values, summarize_spread
 
 log = logging.getLogger("logit_spread")
@@ -53,22 +53,22 @@ def main() -> None:
     log.info("largest spread: %.2f ulps; twice that: %.2f ulps", worst, 2 * worst)
 
 
-def document(tok, args: argparse.Namespace, j: int) -> tuple[list[int], list[int]]:
-    """Document ``j``: the prompt and the tokens after it (books in turn, then later chapters
-    of each: no two rows of a batch share a text)."""
-    book = AUSTEN_BOOKS[j % len(AUSTEN_BOOKS)]
+def documents(tok, args: argparse.Namespace, count: int) -> list[tuple[list[int], list[int]]]:
+    """``count`` documents (``row_documents``: no two alike), each as its prompt and the
+    tokens after it."""
     n = args.context + args.tokens
-    ids = encode(tok, document_of_tokens(tok, n, book=book,
-                                         start_chapter=3 * (j // len(AUSTEN_BOOKS))))
-    return ids[:args.context], ids[args.context:n]
+    out = []
+    for text in row_documents(tok, count, n):
+        ids = encode(tok, text)
+        out.append((ids[:args.context], ids[args.context:n]))
+    return out
 
 
 def by_document(model, tok, args: argparse.Namespace, qs: tuple[int, ...]) -> float:
     log.info("| document | path | positions | median ulps | p90 | max |")
     log.info("|---|---|---:|---:|---:|---:|")
     worst = 0.0
-    for j in range(args.documents):
-        prompt, tokens = document(tok, args, j)
+    for j, (prompt, tokens) in enumerate(documents(tok, args, args.documents)):
         for s in logit_spread(model, prompt, tokens, qs):
             worst = max(worst, s.max)
             log.info("| %s | %s | %d | %.2f | %.2f | %.2f |", AUSTEN_BOOKS[j % len(AUSTEN_BOOKS)],
@@ -80,7 +80,7 @@ def by_batch(model, tok, args: argparse.Namespace, qs: tuple[int, ...],
              batches: list[int]) -> float:
     """Per batch size B and path: the spread of the first B documents decoded together, and
     of the same documents each decoded alone (what the batch adds)."""
-    docs = [document(tok, args, j) for j in range(max(batches))]
+    docs = documents(tok, args, max(batches))
     alone = [spread_values(model, [p], [t], qs) for p, t in docs]
     log.info("| batch | path | positions | median ulps | p90 | max | max, each row alone | "
              "rows whose max grew |")
