@@ -375,3 +375,34 @@ def test_throughput_under_a_kv_budget_compares_pages_with_fixed_slots(checkpoint
     assert main(["throughput", "--model", str(checkpoint), "--kv-cache-memory", "1KB",
                  "--out", str(tmp_path)]) != 0
     assert "1000 bytes holds no row of the model's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_throughput_measures_one_profile_per_run_and_keeps_it_when_steady(
+        checkpoint, tmp_path, monkeypatch, busy):
+    """No stored profile matches: `knapspec throughput` with knapspec at two batch sizes,
+    twice each, measures one profile for all four runs. Measured on a busy machine (a load
+    average far above the CPUs) it is not cached, so the next command measures once again;
+    measured on a quiet one it is kept and the next command measures none."""
+    from knapspec_dist.profiles import profiler
+
+    monkeypatch.setenv("KNAPSPEC_PROFILES", str(tmp_path / "repo-profiles"))
+    monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KNAPSPEC_PROFILE_MAX_SPREAD", "1e9")  # only the load decides here
+    real, calls = profiler.measure, []
+
+    def counted(model, *args, **kwargs):
+        calls.append(kwargs.get("batch", 1))
+        profile = real(model, *args, **{**kwargs, "repeats": 1})
+        profile.device.update(kind="cpu", logical_cpus=2, load_average=[9.0 if busy else 0.1])
+        return profile
+
+    monkeypatch.setattr(profiler, "measure", counted)
+    for run in range(2):
+        assert main(["throughput", "--model", str(checkpoint), "--contexts", "64",
+                     "--documents", "2", "--batch", "1,2", "--strategies", "ar,knapspec",
+                     "--new-tokens", "4", "--repeats", "2",
+                     "--out", str(tmp_path / f"out{run}")]) == 0
+        assert calls == [1] * (run + 1 if busy else 1), run
+    kept = list((tmp_path / "cache").glob("*.json"))
+    assert len(kept) == (0 if busy else 1)

@@ -16,10 +16,11 @@ import torch
 from knapspec_dist.cli import gpu_check
 from knapspec_dist.cli.standalone import main
 from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.model.embedded import SmolLM2NotInstalledError
 from knapspec_dist.profiles.profiler import measure
 from knapspec_dist.profiles.replay import ReplayTimer
-from knapspec_dist.tools.gpucheck import batched, correct
+from knapspec_dist.tools.gpucheck import batched, bf16, correct
 from knapspec_dist.tools.gpucheck import measure as M
 from knapspec_dist.tools.gpucheck import shapes as S
 from knapspec_dist.tools.gpucheck.budget import SHARES, Budget, process_start
@@ -232,6 +233,7 @@ def _check_doc(doc: dict) -> None:
                           for r in spread)
     assert doc["correctness"]["sampling"]
     assert all(r["in_vocab"] and r["new_tokens"] > 0 for r in doc["correctness"]["sampling"])
+    _check_bf16(doc["bf16"], doc["meta"]["plan"]["bf16"])
     assert doc["bench"]["summary"]
     batched = doc["batched"]["runs"]
     assert batched and all(r["status"] == "ok" and r["verdict"] == "ok" for r in batched)
@@ -242,6 +244,75 @@ def _check_doc(doc: dict) -> None:
     strategies = {x["strategy"] for r in found for x in r["rows"]}
     assert {"ar", "knapspec", "knapspec:paper", "knapspec:paper+coupled"} <= strategies
     assert all(f["attention_share"] >= 0 for r in found for f in r["findings"])
+
+
+def _check_bf16(section: dict, plan: dict) -> None:
+    """Both sampling methods ran on every prompt of every planned subnet; the summary has
+    their ratios; the spread has a row per planned batch size, its rows counted."""
+    runs = section["rejection"]
+    assert {(r["skip_set"], r["prompt"], r["method"]) for r in runs} == {
+        (s, j, m) for s in plan["skips"] for j in range(plan["count"])
+        for m in ("coupled", "rejection")}
+    assert all(r["status"] == "ok" and r["new_tokens"] == plan["new_tokens"]
+               and 0 <= r["acceptance"] <= 1 and r["tokens_per_s"] > 0
+               and r["tokens_per_round"] >= 1 and r["outside_support"] >= 0
+               and 0 <= r["max_mass_above"] <= 1 for r in runs)
+    assert [s["skip_set"] for s in section["summary"]] == list(plan["skips"])
+    assert all(s["acceptance_ratio"] is None or s["acceptance_ratio"] >= 0
+               for s in section["summary"])
+    assert all(s["tokens_per_s_ratio"] > 0 for s in section["summary"])
+    spread = section["spread"]
+    assert [r["batch"] for r in spread] == sorted(plan["batches"])
+    assert all(r["status"] == "ok" and r["bound_ulps"] == 14 and 0 <= r["max_row0"] <= r["max"]
+               and r["positions"] == r["batch"] * plan["spread_tokens"]
+               and set(r["paths"]) == {"decode", "verify q=2", "verify q=5"} for r in spread)
+
+
+def test_the_bf16_section_on_the_random_tiny_model():
+    """The section as ``--quick`` plans it, on the CPU: every row measured (the document's
+    checks above)."""
+    out = {"rejection": [], "summary": [], "spread": [], "notes": []}
+    real = correct.RealModel(None, "test", stand_in=True)
+    plan = gpu_check.QUICK["bf16"]
+    with torch.inference_mode():
+        bf16.run_bf16(torch.device("cpu"), real, Budget(600).section("bf16"), out,
+                      Rows(save=lambda: None), **plan)
+    _check_bf16(out, plan)
+    assert out["model"] == "random-tiny"
+
+
+def test_support_counts_tokens_outside_the_nucleus_and_how_deep_they_lie():
+    """Constructed logits at T 1, top-p 0.9: probabilities 0.5, 0.3, 0.15, 0.05. Tokens 0-2
+    lie inside (mass above 0, 0.5, 0.8); token 3 (mass above 0.95) lies outside; with top-k 2
+    token 2 does too, and the mass above is counted over the top-k distribution."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = p.log().expand(4, 4).clone()
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9)
+    assert bf16.support(logits[:3], [0, 1, 2], cfg) == {
+        "outside_support": 0, "max_mass_above": pytest.approx(0.8)}
+    got = bf16.support(logits, [0, 3, 1, 3], cfg)
+    assert got["outside_support"] == 2 and got["max_mass_above"] == pytest.approx(0.95)
+    top2 = bf16.support(logits[:2], [1, 2], SamplingConfig(temperature=1.0, top_k=2))
+    assert top2["outside_support"] == 1 and top2["max_mass_above"] == pytest.approx(1.0)
+
+
+def test_the_bf16_summary_divides_rejection_by_coupled_over_the_prompts():
+    """Per skip set: totals over the prompts (acceptance = accepted / drafted, tokens per
+    round = (tokens - prompts) / rounds, tok/s = tokens / seconds), then rejection / coupled."""
+    def row(method, prompt, accepted, steps, wall):
+        return {"skip_set": "mixed", "prompt": prompt, "method": method, "new_tokens": 9,
+                "drafted": 10, "accepted": accepted, "steps": steps, "wall_s": wall,
+                "outside_support": prompt}
+    runs = [row("coupled", 0, 4, 4, 1.0), row("coupled", 1, 6, 4, 2.0),
+            row("rejection", 0, 8, 2, 1.0), row("rejection", 1, 8, 2, 1.0)]
+    [s] = bf16.summarize(runs)
+    assert s["coupled_acceptance"] == 0.5 and s["rejection_acceptance"] == 0.8
+    assert s["acceptance_ratio"] == pytest.approx(1.6)
+    assert s["coupled_tokens_per_round"] == 2.0 and s["rejection_tokens_per_round"] == 4.0
+    assert s["tokens_per_round_ratio"] == 2.0
+    assert s["tokens_per_s_ratio"] == pytest.approx((18 / 2.0) / (18 / 3.0))
+    assert s["coupled_outside_support"] == 1 and s["rejection_prompts"] == 2
+    assert "acceptance_ratio" not in bf16.summarize(runs[:2])[0]
 
 
 @pytest.mark.e2e

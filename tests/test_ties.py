@@ -373,14 +373,53 @@ def test_logit_spread_is_the_uneven_error_over_the_top_tokens_in_ulps(monkeypatc
     decode[1, 5] += 2.0  # outside the top 2
     decode[2] += 1.0  # even: no spread
 
-    def path(model, prompt, tokens, q):
-        return {ties.BLOCK: base, 1: decode, 2: base}[q]
+    def path(model, prompts, tokens, q):
+        return {ties.BLOCK: base, 1: decode, 2: base}[q][None]
 
     monkeypatch.setattr(ties, "_path_logits", path)
     spreads = {s.path: s for s in ties.logit_spread(BF16_CPU, [0], [1] * 4, qs=(2,), top=2)}
     assert spreads["decode"].max == 3.0 and spreads["decode"].positions == 4
     assert spreads["decode"].median == 0.0
     assert spreads["verify q=2"].max == 0.0
+
+
+def test_batch_logit_spread_counts_every_rows_positions(monkeypatch):
+    """Two rows decoded together: row 1's decode logits are off by +0.25 / -0.125 on its top
+    two tokens at one position (3 ulps), row 0 is exact; the spread covers all 8 positions,
+    each row measured against its own one-shot logits."""
+    one = torch.full((2, 4, 8), -3.0)
+    one[:, :, 0], one[:, :, 1] = 19.75, 19.0
+    one[1, :, 3] = 19.5  # row 1's runner-up is another token
+    decode = one.clone()
+    decode[1, 2, 0] += 0.25
+    decode[1, 2, 3] -= 0.125
+    monkeypatch.setattr(ties, "reference_logits", lambda model, p, t: one[p[0]])
+    monkeypatch.setattr(ties, "_path_logits",
+                        lambda model, prompts, tokens, q: {1: decode, 5: one}[q])
+    spreads = {s.path: s for s in ties.batch_logit_spread(
+        BF16_CPU, [[0], [1]], [[1] * 4, [2] * 4], qs=(5,), top=2)}
+    assert spreads["decode"].positions == 8 and spreads["decode"].max == 3.0
+    assert spreads["verify q=5"].max == 0.0
+    with pytest.raises(ValueError, match="as many tokens"):
+        ties.batch_logit_spread(BF16_CPU, [[0], [1]], [[1] * 4, [2] * 3])
+
+
+def test_rows_decoded_together_get_their_own_logits(engine_model):
+    """fp32: rows of different prompt lengths, decoded and verified in one batch, get each
+    row's own logits (those of the row alone, up to fp32 rounding), and the decode path's
+    agree with the one-shot forward of each prefix."""
+    model = engine_model("llama-gqa")
+    vocab = model.cfg.vocab_size
+    prompts = [random_prompt(n, vocab, seed=n) for n in (9, 14, 20)]
+    tokens = [random_prompt(6, vocab, seed=40 + n) for n in range(3)]
+    for q in (1, 4):
+        together = ties._path_logits(model, prompts, tokens, q)
+        assert together.shape == (3, 6, vocab)
+        for b in range(3):
+            alone = ties._path_logits(model, [prompts[b]], [tokens[b]], q)[0]
+            torch.testing.assert_close(together[b], alone, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(together[2, 3], one_shot_logits(model, prompts[2] + tokens[2][:3]),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_fp32_cpu_check_of_equal_tokens_runs_no_forward(monkeypatch):

@@ -31,7 +31,7 @@ from knapspec_dist.cli.common import (
 from knapspec_dist.engine.memory import parse_size
 from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.errors import UserError
-from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.factory import StrategyBuilder
 from knapspec_dist.tools.bench.paged import compare, documents, window_rows
 from knapspec_dist.tools.bench.paged import table as paged_table
 from knapspec_dist.tools.bench.plots import plot_throughput
@@ -86,8 +86,9 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     draws = ({"greedy": config} if config.sampling.greedy else
              {"greedy": replace(config, sampling=replace(config.sampling, temperature=0.0)),
               "sampled": config})
-    runs = measure(model, lambda label: build_strategy(specs[label].options, model), list(specs),
-                   work, batches, draws, args.repeats)
+    build = StrategyBuilder(model)  # one profile for every run, measured at most once
+    runs = measure(model, lambda label: build(specs[label].options), list(specs), work, batches,
+                   draws, args.repeats)
     header = {"command": command_line(args, parser), "machine": machine(args.device),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
@@ -107,9 +108,9 @@ def cmd_paged(args, parser, model, tokenizer, specs, config) -> int:
     window_rows(model, budget)  # a budget too small for one row, before any document is made
     rows = documents(tokenizer, lo, hi, args.documents, model.cfg.max_position_embeddings,
                      args.new_tokens)
-    entries = compare(model, lambda label: build_strategy(specs[label].options, model),
-                      list(specs), rows, config, budget,
-                      args.page_size, args.repeats)
+    build = StrategyBuilder(model)
+    entries = compare(model, lambda label: build(specs[label].options), list(specs), rows,
+                      config, budget, args.page_size, args.repeats)
     out = Path(args.out)
     header = {"command": command_line(args, parser), "machine": machine(args.device),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -18,6 +18,7 @@ from knapspec_dist.speculation.paper import PaperSelector
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 
 CLASP_SKIP_LAYERS = 0.25  # the share of layers CLaSp's drafts skip
+PRICED = ("knapspec", "clasp")  # the strategies a latency profile prices
 
 
 def build_strategy(options: StrategyOptions, model: Transformer,
@@ -50,3 +51,27 @@ def build_selector(options: StrategyOptions, model: Transformer,
                             objective=options.objective, select_once=options.select_once,
                             calibrate=calibrate)
     return (PaperSelector if options.paper else KnapSpecSelector)(profiles, config)
+
+
+class StrategyBuilder:
+    """Builds a run's strategies afresh, each as often as the run asks, resolving the latency
+    profile at most once per ``options.profile`` (a file, or None: stored or measured).
+
+    A profile measured on a busy machine is not kept in the cache (profiles/store.py
+    ``keep``), so each lookup of a fresh ``build_strategy`` would measure one again: a
+    benchmark that builds a strategy per run (``knapspec throughput``) would measure a profile
+    per run. The builder keeps what it resolved for the rest of its run, and no longer."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.resolved: dict[str | None, list[LatencyProfile]] = {}
+
+    def __call__(self, options: StrategyOptions) -> Strategy:
+        profiles = None
+        if options.name in PRICED:
+            if options.profile not in self.resolved:
+                check_options(options, self.model.cfg)  # a bad option is refused before
+                self.resolved[options.profile] = resolve_for_model(options.profile,
+                                                                   self.model).profiles
+            profiles = self.resolved[options.profile]
+        return build_strategy(options, self.model, profiles)

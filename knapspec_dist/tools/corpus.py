@@ -39,6 +39,7 @@ __all__ = [
     "book_path",
     "chapters",
     "document_of_tokens",
+    "row_documents",
     "shared_corpus_dir",
     "split_chapters",
 ]
@@ -307,3 +308,11 @@ def _encode(tokenizer: Any, text: str) -> tuple[Sequence[int], list[tuple[int, i
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids))
+
+
+def row_documents(tokenizer: Any, count: int, n_tokens: int) -> list[str]:
+    """``count`` documents of about ``n_tokens`` tokens, no two alike, for the rows of one
+    batch: document ``j`` is :func:`document_of_tokens` of book ``j`` (in
+    :data:`AUSTEN_BOOKS` order, cyclically) from chapter ``3 * (j // 6)`` on."""
+    return [document_of_tokens(tokenizer, n_tokens, AUSTEN_BOOKS[j % len(AUSTEN_BOOKS)],
+                               3 * (j // len(AUSTEN_BOOKS))) for j in range(count)]

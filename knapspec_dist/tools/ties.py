@@ -34,9 +34,10 @@ comes from the hidden states, which differ from the one-shot's by other kernels'
 in every layer. Measured (SmolLM2, bf16, CPU, 2 documents x 64 positions, top-5 tokens; 1-token
 decode and 2- and 5-token verify against the one-shot forward; ``scripts/logit_spread.py``):
 median 0.7-0.9 ulps, p90 1.7-2.1, max 6.9; hence twice that, 14 ulps (1.75 at logits in
-[16, 32)). The price is the bound's false acceptance: where the runner-up lies within it of
-the top, a bug emitting the runner-up would pass as a tie (:class:`RunCheck`; measured in
-docs/bf16.md).
+[16, 32)). Over 16 documents, alone and in batches of 4-16 rows (:func:`batch_logit_spread`),
+the max is 32.7, at top logits below 2 only; the bound stays 14 (docs/bf16.md says why).
+The price is the bound's false acceptance: where the runner-up lies within it of the top, a
+bug emitting the runner-up would pass as a tie (:class:`RunCheck`; measured in docs/bf16.md).
 Justification of FP32_CUDA_ULPS = 64: on CUDA a 1-token decode and a q-token verify run
 different cuBLAS kernels (GEMV against GEMM, split-K or not), which sum in different orders, so
 their fp32 logits differ by accumulated rounding, far below any real disagreement but enough to
@@ -227,7 +228,7 @@ def reference_logits(model, prompt: list[int], reference: list[int]) -> torch.Te
     """The full model's logits [len(reference), V] (fp32, on the CPU) before each reference
     token: a prefill of the prompt, then the reference in blocks of ``BLOCK`` tokens (one
     computation, independent of both decode paths)."""
-    return _path_logits(model, prompt, reference, BLOCK)
+    return _path_logits(model, [prompt], [reference], BLOCK)[0]
 
 
 def inside_bound(logits: torch.Tensor, dtype: torch.dtype,
@@ -296,29 +297,57 @@ def logit_spread(model, prompt: list[int], tokens: list[int], qs: tuple[int, ...
                  top: int = 5) -> list[Spread]:
     """The spread (:class:`Spread`) of 1-token decode steps and of q-token verify blocks over
     ``tokens`` teacher-forced after ``prompt``, against :func:`reference_logits`."""
-    one = reference_logits(model, prompt, tokens)
-    paths = {"decode": _path_logits(model, prompt, tokens, 1)}
-    paths.update({f"verify q={q}": _path_logits(model, prompt, tokens, q) for q in qs})
+    return batch_logit_spread(model, [prompt], [tokens], qs, top)
+
+
+@torch.inference_mode()
+def batch_logit_spread(model, prompts: list[list[int]], tokens: list[list[int]],
+                       qs: tuple[int, ...] = (5,), top: int = 5) -> list[Spread]:
+    """:func:`logit_spread` of rows decoded together, one batch of ``len(prompts)`` rows per
+    forward (each row's ``tokens``, all of one length, teacher-forced after its prompt), over
+    every row's positions: a row's logits also depend on the kernels its batch size picks."""
+    return [summarize_spread(name, v)
+            for name, v in spread_values(model, prompts, tokens, qs, top).items()]
+
+
+def summarize_spread(path: str, values: torch.Tensor) -> Spread:
+    """The :class:`Spread` of per-position spreads ``values`` (ulps, any shape)."""
+    s = values.double().flatten()
+    return Spread(path, s.numel(), float(s.median()), float(s.quantile(0.9)), float(s.max()))
+
+
+@torch.inference_mode()
+def spread_values(model, prompts: list[list[int]], tokens: list[list[int]],
+                  qs: tuple[int, ...] = (5,), top: int = 5) -> dict[str, torch.Tensor]:
+    """Per path ("decode", "verify q=N"), the spread in ulps at every position of every row,
+    [rows, len(tokens[0])], the rows decoded together (:func:`batch_logit_spread`)."""
+    if len({len(t) for t in tokens}) != 1:
+        raise ValueError("every row needs as many tokens as the others")
+    one = torch.stack([reference_logits(model, p, t) for p, t in zip(prompts, tokens)])
     index = one.topk(min(top, one.shape[-1]), dim=-1).indices
-    ulp = torch.tensor([spacing(float(z), model.dtype) for z in one.max(dim=-1).values])
-    out = []
-    for name, z in paths.items():
-        e = (z - one).gather(-1, index)
-        s = ((e.max(dim=-1).values - e.min(dim=-1).values) / ulp).double()
-        out.append(Spread(name, len(tokens), float(s.median()), float(s.quantile(0.9)),
-                          float(s.max())))
+    ulp = torch.tensor([[spacing(float(z), model.dtype) for z in row]
+                        for row in one.max(dim=-1).values.tolist()])
+    out = {}
+    for name, q in [("decode", 1), *((f"verify q={q}", q) for q in qs)]:
+        e = (_path_logits(model, prompts, tokens, q) - one).gather(-1, index)
+        out[name] = (e.max(dim=-1).values - e.min(dim=-1).values) / ulp
     return out
 
 
-def _path_logits(model, prompt: list[int], tokens: list[int], q: int) -> torch.Tensor:
-    """Logits [len(tokens), V] before each token: a prefill of ``prompt`` gives the first;
-    then forwards of ``q`` tokens each (q = 1: decode steps) give the next ones."""
-    cache = KVCache(model.cfg, 1, len(prompt) + len(tokens), dtype=model.dtype,
+def _path_logits(model, prompts: list[list[int]], tokens: list[list[int]], q: int
+                 ) -> torch.Tensor:
+    """Logits [rows, len(tokens[0]), V] before each row's tokens: a prefill of each row's
+    prompt gives its first; then forwards of ``q`` tokens of every row at once (q = 1: decode
+    steps) give the next ones."""
+    n, rows = len(tokens[0]), len(prompts)
+    cache = KVCache(model.cfg, rows, max(map(len, prompts)) + n, dtype=model.dtype,
                     device=model.device, kv_heads=kv_heads(model))
-    out = [prefill(model, cache, 0, list(prompt))[None].cpu()]
-    rest, start = list(tokens[:-1]), len(prompt)
-    for i in range(0, len(rest), q):
-        block = rest[i:i + q]
-        out.append(model(upload([block], model.device), [start + i], cache, slice(0, 1))[0].cpu())
-        cache.commit(0, start + i + len(block))
-    return torch.cat(out)[:len(tokens)]
+    out = [torch.stack([prefill(model, cache, b, list(p)) for b, p in enumerate(prompts)]
+                       )[:, None].cpu()]
+    for i in range(0, n - 1, q):
+        blocks = [list(t[i:min(i + q, n - 1)]) for t in tokens]
+        starts = [len(p) + i for p in prompts]
+        out.append(model(upload(blocks, model.device), starts, cache, slice(0, rows)).cpu())
+        for b, start in enumerate(starts):
+            cache.commit(b, start + len(blocks[b]))
+    return torch.cat(out, dim=1)[:, :n]

@@ -18,7 +18,9 @@ context). Exit status 1 when a row differs from ``ar`` beyond a near-tie.
 ``--repeats N`` runs each configuration N times, interleaved, and reports the median run: on
 a shared two-core machine one run's rate moves by 5-15 % with the neighbours, more than the
 differences this command is for. Every run builds its strategy afresh, so a KnapSpec run pays
-its own first selection (over a job, the selector keeps what it learned).
+its own first selection (over a job, the selector keeps what it learned); the latency profile
+that prices them is resolved once for the command (``StrategyBuilder``): measured at most once,
+even where the machine is too busy for the measurement to be kept in the cache.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from knapspec_dist.tools.gpucheck.batched import table as batched_table
+from knapspec_dist.tools.gpucheck.bf16 import SAMPLED
 from knapspec_dist.tools.gpucheck.findings import markdown as findings_markdown
 
 
@@ -79,6 +80,19 @@ SPREAD = [("dtype", "dtype"), ("prompt", "prompt"), ("positions", "positions"),
 SAMPLING = [("strategy", "strategy"), ("dtype", "dtype"), ("new_tokens", "tokens"),
             ("tokens_per_s", "tok/s"), ("acceptance", "acceptance"), ("in_vocab", "in vocab"),
             ("repeats", "same seed, same tokens"), ("status", "status")]
+REJECTION = [("skip_set", "skip set"), ("prompt", "prompt"), ("method", "sampling"),
+             ("new_tokens", "tokens"), ("acceptance", "acceptance"),
+             ("tokens_per_round", "tokens/round"), ("tokens_per_s", "tok/s"),
+             ("outside_support", "outside top-p"), ("max_mass_above", "max mass above"),
+             ("status", "status")]
+RATIOS = [("skip_set", "skip set"), ("coupled_acceptance", "acceptance, coupled"),
+          ("rejection_acceptance", "acceptance, rejection"),
+          ("acceptance_ratio", "rejection / coupled"),
+          ("tokens_per_round_ratio", "tokens/round, rejection / coupled"),
+          ("tokens_per_s_ratio", "tok/s, rejection / coupled")]
+BATCH_SPREAD = [("batch", "batch"), ("positions", "positions"), ("median", "median ulps"),
+                ("p90", "p90"), ("max", "max"), ("max_row0", "max, document 0"),
+                ("bound_ulps", "bound ulps"), ("fits", "2 x max <= bound"), ("status", "status")]
 BENCH = [("context", "context"), ("strategy", "strategy"), ("prompts", "prompts"),
          ("tokens_per_s", "tok/s"), ("speedup", "speedup vs ar"), ("acceptance", "acceptance"),
          ("verdicts", "vs ar")]
@@ -110,6 +124,15 @@ def markdown(doc: dict) -> str:
               "cover twice it):", "", *table(c.get("spread", []), SPREAD), "",
               "Sampling (temperature 0.8, top-p 0.95, seed 0):", "",
               *table(c["sampling"], SAMPLING), ""]
+    f = doc.get("bf16", {"rejection": [], "summary": [], "spread": [], "notes": []})
+    lines += [f"## bf16: rejection sampling against the coupling, the spread by batch "
+              f"({f.get('model', '-')})", "",
+              f"Sampled T {SAMPLED['temperature']}, top-p {SAMPLED['top_p']}, seed "
+              f"{SAMPLED['seed']}, static subnets; every token checked against the top-p support "
+              "of one forward:", "", *table(f["rejection"], REJECTION), "",
+              *table(f["summary"], RATIOS), "",
+              "Logit spread with B rows decoded together, decode and verify against one "
+              "forward:", "", *table(f["spread"], BATCH_SPREAD), ""]
     b = doc["bench"]
     lines += [f"## Long documents ({b.get('model', '-')}, bf16)", "", *table(b["summary"], BENCH),
               ""]
@@ -121,7 +144,8 @@ def markdown(doc: dict) -> str:
               f"({fd.get('model', '-')}, bf16)", "", *findings_markdown(fd), ""]
     unmeasured = [f"bench {r['strategy']} at context {r['context']} ({r['prompt']}): "
                   f"{r['status']}" for r in b["runs"] if r["status"] != "ok"]
-    notes = doc["notes"] + c["notes"] + b["notes"] + unmeasured + bt["notes"] + fd["notes"]
+    notes = (doc["notes"] + c["notes"] + f["notes"] + b["notes"] + unmeasured + bt["notes"]
+             + fd["notes"])
     if notes:
         lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
