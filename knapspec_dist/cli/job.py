@@ -132,6 +132,10 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                        help="rows each replica decodes at once, continuously batched (default: "
                             "what the memory left after the weights holds, at most 256 on a "
                             "GPU and 16 on a CPU)")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="prompt tokens each replica prefills per step; a longer prompt is "
+                            "prefilled in chunks across steps (default: 8192 on a GPU, 2048 "
+                            "on a CPU)")
     sched.add_argument("--max-inflight", type=int, default=None,
                        help="rows outstanding per replica (default: max-num-seqs + 2, so a "
                             "freed slot is refilled at once)")
@@ -181,7 +185,7 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         sampling=args.sampling,
         truncate=args.truncate, max_model_len=args.max_model_len,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_attempts=args.max_attempts, row_timeout=args.row_timeout,
         checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
         stop_after=args.stop_after, retry_failed=args.retry_failed,

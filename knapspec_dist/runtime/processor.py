@@ -61,7 +61,8 @@ __all__ = ["ProcessorConfig", "build_processor", "stages"]
 class ProcessorConfig:
     """One processor: the model, how many replicas (``concurrency``: a number, or a
     ``(min, max)`` range Ray Data scales within), the strategy and its options, the
-    batching and the sampling (GenerationConfig.of's fields: max_new_tokens, temperature,
+    batching (``max_num_seqs``, ``max_num_batched_tokens``: engine/scheduler.py) and the
+    sampling (GenerationConfig.of's fields: max_new_tokens, temperature,
     top_k, top_p, seed, sampling)."""
 
     model: str = "smollm2"
@@ -72,6 +73,7 @@ class ProcessorConfig:
     device: str = "cpu"
     cpus_per_rank: int = 1
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # prompt tokens a step prefills; None: device's
     batch_size: int | None = None  # rows per engine call; None: 2 x max_num_seqs, else 16
     sampling: dict = field(default_factory=dict)
     should_continue_on_error: bool = False
@@ -86,7 +88,8 @@ class ProcessorConfig:
         self.generation_config()  # bad sampling options fail here, not in a worker
 
     def generation_config(self) -> GenerationConfig:
-        return GenerationConfig.of(**self.sampling)
+        return GenerationConfig.of(**self.sampling,
+                                   max_num_batched_tokens=self.max_num_batched_tokens)
 
     def rows_per_call(self) -> int:
         return self.batch_size or (2 * self.max_num_seqs if self.max_num_seqs else 16)

@@ -242,7 +242,8 @@ class RayEngine:
                        "top_p": config.sampling.top_p, "seed": config.sampling.seed}
             config = GenerationConfig.of(**{k: current[k] if v is None else v
                                             for k, v in given.items()},
-                                         sampling=config.sampling.method)
+                                         sampling=config.sampling.method,
+                                         max_num_batched_tokens=config.max_num_batched_tokens)
         ids = [self.encode(p, chat) for p in prompts]
         start = time.perf_counter()
         refs = [self.submit(i % self.num_replicas, p, config, key)
