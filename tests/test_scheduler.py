@@ -23,9 +23,14 @@ from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.runtime.messages import Admission, ReplicaBudget
 from knapspec_dist.runtime.shard import Shard
-from knapspec_dist.speculation import tpt
+from knapspec_dist.speculation import knapsack, tpt
 from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
+from knapspec_dist.speculation.knapspec import (
+    KnapSpecConfig,
+    KnapSpecSelector,
+    Selection,
+    choose_by_tpt,
+)
 from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.speculation.schedule import Frontier
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
@@ -212,9 +217,61 @@ def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplo
     assert at4.verify_time(2, 500) == pytest.approx(
         one.verify_time(2, 500) + (eight.verify_time(2, 500) - one.verify_time(2, 500)) * 3 / 7)
     monkeypatch.setattr(batching, "_NOTED", set())  # the note is logged once per process
-    with caplog.at_level(logging.INFO, logger="knapspec_dist.profiles.batching"):
-        assert pricing.at(32) is eight
-    assert "no latency profile at batch 32" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="knapspec_dist.profiles.batching"):
+        at32 = pricing.at(32)  # beyond the measured: the line through 1 and 8, continued
+    assert "no latency profile at batch 32" in caplog.text and "extrapolating" in caplog.text
+    assert at32.batch == 32 and at32.mlp == pytest.approx(one.mlp * (1 + 2 * 31 / 7))
+    assert at32.verify_time(2, 500) == pytest.approx(
+        one.verify_time(2, 500) + (eight.verify_time(2, 500) - one.verify_time(2, 500)) * 31 / 7)
+    assert pricing.at(1) is one and BatchPricing([eight]).at(32) is eight  # nothing to go by
+
+
+def test_extrapolated_batches_never_cost_less_than_the_largest_measured(engine_model):
+    """Noise that made batch 8 cheaper than batch 1 in some coefficient is not continued."""
+    model = engine_model(NAME)
+    one = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.3)
+    eight = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1)
+    eight.batch, eight.head = 8, one.head / 2
+    far = BatchPricing([one, eight]).at(256)
+    assert far.head == eight.head and far.mlp == eight.mlp
+    for q in (1, 5, 11):
+        assert far.verify_time(q, 500) >= eight.verify_time(q, 500)
+
+
+def at_batch(model, batch: int, growth: float, scale: float):
+    """A profile of ``batch`` rows: every cost ``scale`` times batch 1's, and a verify of q
+    tokens ``1 + growth (q - 1)`` times a decode step (growth 1: compute-bound)."""
+    p = synthetic_profile(model, [(n, scale * t) for n, t in LINEAR_ATTENTION],
+                          mlp=scale * 7e-4, verify_growth=growth)
+    p.batch, p.head = batch, scale * p.head
+    return p
+
+
+def test_the_draft_shortens_to_plain_decoding_as_verify_becomes_compute_bound(
+        engine_model, caplog, monkeypatch):
+    """As the batch grows a verify's cost grows with its tokens per row (memory-bound at
+    batch 1, compute-bound at 256): the selector's price at each batch drafts shorter, and
+    plain decoding wins at 256, whether batch 256 was measured or extrapolated from 1 and 8
+    (priced as batch 8, flat, it would still draft 3 tokens)."""
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    draft = [knapsack.Candidate(frozenset(range(1, 2 * layers - 2)), 6, 0.9)]
+    measured = [at_batch(model, 1, 0.0, 1.0), at_batch(model, 8, 0.15, 1.2)]
+    wide = measured + [at_batch(model, 64, 0.5, 4.0), at_batch(model, 256, 1.0, 12.0)]
+    monkeypatch.setattr(batching, "_NOTED", set())
+    for profiles in (measured, wide):
+        selector = KnapSpecSelector(profiles, KnapSpecConfig())
+
+        def gamma(batch: int) -> int:
+            return choose_by_tpt(selector.price(batch), draft, [0.9], None, 500, layers,
+                                 selector.config, 0.0).gamma
+
+        with caplog.at_level(logging.WARNING, logger="knapspec_dist.profiles.batching"):
+            gammas = [gamma(b) for b in (1, 8, 16, 32, 64, 128, 256)]
+        assert gammas == sorted(gammas, reverse=True), gammas
+        assert gammas[0] > gammas[1] > 0 and gammas[-1] == 0, gammas
+    assert "no latency profile at batch 16 (measured: [1, 8]): extrapolating" in caplog.text
+    assert "measured: [1, 8, 64, 256]" not in caplog.text  # inside the measured: no guess
 
 
 def test_selection_is_skipped_where_no_draft_could_pay(engine_model):

@@ -31,6 +31,7 @@ from dataclasses import replace
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
@@ -169,13 +170,15 @@ class RayEngine:
 
     def measure_profile(self, contexts: list[int], *, replica: int = 0, batch: int = 1,
                         max_q: int = 11, repeats: int = 5, warmup: int = 1,
-                        fill: str = "random") -> LatencyProfile:
+                        fill: str = "random", kv: str = "fixed",
+                        page: int = CPU_PAGE) -> LatencyProfile:
         """A latency profile measured on one replica's shards (all ranks, MAX over ranks,
         with the all-reduce when tp > 1); see profiles/profiler.py for the method."""
         self._check_replica(replica)
         rep = self._replicas[replica]
         refs = [s.measure_profile.remote(list(contexts), repeats, batch=batch, max_q=max_q,
-                                         warmup=warmup, fill=fill) for s in rep.shards]
+                                         warmup=warmup, fill=fill, kv=kv, page=page)
+                for s in rep.shards]
         return LatencyProfile.from_json(ray.get(refs)[0])
 
     def measure_allreduce(self, sizes: list[int], *, replica: int = 0,
