@@ -55,10 +55,10 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
     new tokens that is 2048 a step for plain decoding and ~3x more when speculation emits ~3
     tokens a round, so 2048 a step (what this was fixed at) starves a large GPU batch. CUDA:
     8192, vLLM's offline default, which covers it, and a step of 8192 tokens is still one
-    forward of a few tens of ms on an H200. CPU: 2048; a step is compute-bound there and the
-    batch is capped at 16 rows (engine/memory.py), and budgets of 512 to 8192 measured the
-    same tokens/s within the machine's noise (docs/batching.md), so the smaller stall for
-    the decoding rows wins."""
+    forward of a few tens of ms on an H200. CPU: 2048; each row's chunk is its own forward,
+    so the budget changes only how prompts longer than it are cut and how many rows join
+    before a round, the batch is capped at 16 rows (engine/memory.py), and 256 / 2048 / 8192
+    measured apart by less than a loaded machine's noise (docs/batching.md)."""
     return 8192 if torch.device(device).type == "cuda" else 2048
 
 
