@@ -3,6 +3,8 @@ with an integer batch (model/attention.py), through continuous batching on the C
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -101,7 +103,7 @@ def test_continuous_batching_compiles_one_flex_kernel_per_bucket(engine_model, m
     model.backend = "flex"
     try:
         # Prompts prefilled 16 tokens per step: a row mid-prefill is often a padded row.
-        sched = Scheduler(make(), model, config, rows, 128, prefill_chunk=16,
+        sched = Scheduler(make(), model, replace(config, max_num_batched_tokens=16), rows, 128,
                           runner=ModelRunner(model, graphs=True))
         sizes, got, mid_prefill = [], {}, 0
         todo = list(enumerate(seqs))

@@ -5,6 +5,8 @@ has written it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -111,7 +113,8 @@ def test_emulated_capture_of_compiled_flex_with_batch_buckets(engine_model, monk
         runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)
         runner.draft_graphs = draft_graphs
         capacity = row_capacity(max(map(len, prompts)), CONFIG.max_new_tokens)
-        got = Scheduler(_strategy(name, model), model, CONFIG, 4, capacity, prefill_chunk=16,
+        got = Scheduler(_strategy(name, model), model,
+                        replace(CONFIG, max_num_batched_tokens=16), 4, capacity,
                         runner=runner).run(prompts)
     finally:
         model.backend = None

@@ -216,3 +216,14 @@ def test_the_commands_without_ray_have_the_options_knapspec_gives_them():
     assert sorted(alone) == ["bench", "gpu-check", "throughput"]
     assert {name: full[name] for name in alone} == alone
     assert set(full) - set(alone) == {"generate", "demo", "profile", "job"}  # these need Ray
+
+
+@pytest.mark.parametrize("command", ["throughput", "job"])
+@pytest.mark.parametrize("value", ["0", "-4"])
+def test_a_bad_prefill_budget_is_one_error_line(capsys, tmp_path, command, value):
+    """Refused before any model, input or Ray is touched."""
+    where = (["--out", str(tmp_path / "bench")] if command == "throughput"
+             else ["--input", str(tmp_path / "none.parquet"), "--output", str(tmp_path / "o")])
+    user_error(capsys, [command, *where, "--max-num-batched-tokens", value],
+               "--max-num-batched-tokens", value)
+    assert not (tmp_path / "bench").exists() and not (tmp_path / "o").exists()

@@ -301,7 +301,7 @@ def test_the_bf16_summary_divides_rejection_by_coupled_over_the_prompts():
     round = (tokens - prompts) / rounds, tok/s = tokens / seconds), then rejection / coupled."""
     def row(method, prompt, accepted, steps, wall):
         return {"skip_set": "mixed", "prompt": prompt, "method": method, "new_tokens": 9,
-                "drafted": 10, "accepted": accepted, "steps": steps, "wall_s": wall,
+                "drafted": 10, "accepted": accepted, "rounds": steps, "wall_s": wall,
                 "outside_support": prompt}
     runs = [row("coupled", 0, 4, 4, 1.0), row("coupled", 1, 6, 4, 2.0),
             row("rejection", 0, 8, 2, 1.0), row("rejection", 1, 8, 2, 1.0)]

@@ -268,6 +268,25 @@ def test_the_kv_cache_and_its_use_are_in_the_progress_summary_and_report(tmp_pat
     assert again.summary["kv_cache"] == KV.to_dict()
 
 
+def test_the_prefill_budget_reaches_every_replica_call_and_not_the_fingerprint(tmp_path):
+    """``--max-num-batched-tokens`` travels in the GenerationConfig of every row a replica is
+    given (baseline passes included); it changes no token, so a resumed job need not agree."""
+    write_input(tmp_path / "in.parquet", ["a", "b"], docs_of([5, 9]))
+    configs = []
+
+    class Recording(FakeBackend):
+        def submit(self, replica, prompt_ids, config, key=None):
+            configs.append(config)
+            return super().submit(replica, prompt_ids, config, key)
+
+    config = job(tmp_path, max_num_batched_tokens=3, baseline_fraction=0.5)
+    result = run_job(config, engine_factory=FakeEngines(), backend_factory=Recording,
+                     text_tools=fake_tools(64))
+    assert result.summary["rows"]["ok"] == 2
+    assert len(configs) == 4 and {c.max_num_batched_tokens for c in configs} == {3}
+    assert config.fingerprint() == job(tmp_path).fingerprint()
+
+
 def test_a_bf16_job_says_its_tokens_are_identical_up_to_near_ties(tmp_path):
     write_input(tmp_path / "in.parquet", ["a"], docs_of([5]))
     result, _ = run(job(tmp_path, dtype="bf16"))
@@ -667,6 +686,12 @@ def test_command_line_options_and_registration():
         JobConfig(input="i", output="o", baseline_fraction=2)
     with pytest.raises(UserError, match="temperature"):
         JobConfig(input="i", output="o", temperature=-1)
+    with pytest.raises(UserError, match="--max-num-batched-tokens must be >= 1, got 0"):
+        JobConfig(input="i", output="o", max_num_batched_tokens=0)
+    args = p.parse_args(["--input", "i", "--output", "o", "--max-num-batched-tokens", "512"])
+    assert config_from_args(args).generation_config().max_num_batched_tokens == 512
+    default = config_from_args(p.parse_args(["--input", "i", "--output", "o"]))
+    assert default.generation_config().max_num_batched_tokens is None  # the device's
     top = argparse.ArgumentParser()
     register(top.add_subparsers(dest="command"))
     assert top.parse_args(["job", "--input", "i", "--output", "o"]).command == "job"

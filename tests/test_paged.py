@@ -5,6 +5,7 @@ and the pool's invariants after every step of random workloads."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,10 +138,12 @@ def test_paged_rows_get_the_tokens_of_fixed_slots(engine_model, name, config):
     model = engine_model(NAME)
     ps = prompts(model.cfg.vocab_size)
     cap = capacity(ps, config)
-    fixed = Scheduler(strategy(name, model), model, config, 2, cap, prefill_chunk=16)
+    fixed = Scheduler(strategy(name, model), model, replace(config, max_num_batched_tokens=16),
+                      2, cap)
     want = run(fixed, ps)
     paging = Paging(tokens=2 * cap, page=PAGE)  # what the fixed cache's 2 slots hold
-    paged = Scheduler(strategy(name, model), model, config, 6, cap, prefill_chunk=16,
+    paged = Scheduler(strategy(name, model), model, replace(config, max_num_batched_tokens=16),
+                      6, cap,
                       paging=paging)
     got = run(paged, ps, checked=True)
     assert [r.out for r in got] == [r.out for r in want]
@@ -250,8 +253,9 @@ def test_random_workloads_keep_the_pool_consistent(engine_model, seed):
     config = GenerationConfig(max_new_tokens=rng.choice((3, 9, 20)), stop_at_eos=False)
     name = ("ar", "static")[seed % 2]
     paging = Paging(tokens=rng.choice((160, 240, 400)), page=rng.choice((8, 16, 32)))
-    sched = Scheduler(strategy(name, model), model, config, rng.choice((2, 3, 5)), 512,
-                      prefill_chunk=rng.choice((16, 64)), paging=paging)
+    chunked = replace(config, max_num_batched_tokens=rng.choice((16, 64)))
+    sched = Scheduler(strategy(name, model), model, chunked, rng.choice((2, 3, 5)), 512,
+                      paging=paging)
     pool_tokens = sched.batch.pool.tokens
     added = 0
     for _ in range(40):
@@ -281,8 +285,9 @@ def test_static_shape_forwards_over_pages_give_fixed_slots_tokens(engine_model, 
     outs = []
     for paging in (None, Paging(tokens=2 * cap, page=PAGE)):
         runner = ModelRunner(model, graphs=True)
-        sched = Scheduler(strategy(name, model), model, GREEDY, 2 if paging is None else 4,
-                          cap, prefill_chunk=16, runner=runner, paging=paging)
+        sched = Scheduler(strategy(name, model), model,
+                          replace(GREEDY, max_num_batched_tokens=16),
+                          2 if paging is None else 4, cap, runner=runner, paging=paging)
         outs.append([r.out for r in run(sched, ps, checked=paging is not None)])
         assert runner.captures == len(runner._graphs) > 0  # each shape captured once
     assert outs[0] == outs[1]

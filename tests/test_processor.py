@@ -60,3 +60,12 @@ def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tm
 def test_a_bad_model_fails_when_the_processor_is_built():
     with pytest.raises(UserError):
         build_processor(ProcessorConfig(model="/nonexistent/model", strategy="ar"))
+
+
+def test_the_prefill_budget_is_part_of_the_rows_generation_config():
+    config = ProcessorConfig(strategy="ar", max_num_batched_tokens=256,
+                             sampling={"max_new_tokens": 16})
+    assert config.generation_config() == GenerationConfig.of(max_new_tokens=16,
+                                                             max_num_batched_tokens=256)
+    with pytest.raises(UserError, match="--max-num-batched-tokens"):
+        ProcessorConfig(strategy="ar", max_num_batched_tokens=0)

@@ -9,11 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from knapspec_dist.engine.memory import kv_bytes_per_token
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 from knapspec_dist.model.weights import load_model
-from knapspec_dist.profiles import LatencyProfile, store
-from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.profiles import LatencyProfile, profiler, store
+from knapspec_dist.profiles.profiler import measure, profile_cache
 from knapspec_dist.runtime.messages import ReplicaInfo
 
 from fakes import FakeEngines, docs_of, job, run, write_input
@@ -167,3 +170,43 @@ def test_one_resolver_measures_through_its_callback_for_any_ranks(model, dirs):
     assert one.origin == "loaded" and one.path == kept.path and len(asked) == 1
     assert store.contexts_for(None) == list(store.DEFAULT_CONTEXTS)
     assert store.contexts_for(300, window=200) == [64, 200]
+
+
+def test_a_paged_profile_is_measured_over_pages_keyed_and_priced_apart(model, dirs):
+    """``kv="paged"``: measured over a PagedKVCache whose rows hold distinct pages; the layout
+    is recorded and keyed, a run over fixed slots never picks it up, and a paged run's lookup
+    finds it with its batch siblings of the same layout only."""
+    repo, _ = dirs
+    repo.mkdir(parents=True, exist_ok=True)
+    cache = profile_cache(model, 3, 40, kv="paged", page=8,
+                          generator=torch.Generator().manual_seed(0))
+    assert isinstance(cache, PagedKVCache) and cache.capacity >= 40
+    owned = [p for row in cache.pages for p in row]
+    assert len(owned) == len(set(owned)) == 3 * 5 and SCRATCH not in owned
+    fixed = measure(model, [16], batch=1, max_q=2, repeats=1)
+    paged = [measure(model, [16], batch=b, max_q=2, repeats=1, kv="paged", page=8)
+             for b in (1, 4)]
+    for p in [fixed, *paged]:
+        p.save(repo / f"{p.key()}.json")
+    assert paged[0].kv == "paged" and paged[0].key() == fixed.key() + "__paged"
+    assert LatencyProfile.load(repo / f"{paged[1].key()}.json").kv == "paged"
+    data = fixed.to_json()
+    del data["kv"]  # measured before the field: over fixed slots
+    assert LatencyProfile.from_json(data).kv == "fixed"
+    with pytest.raises(ValueError, match="'kv' must be one of"):
+        LatencyProfile.from_json({**data, "kv": "ring"})
+    device, shape = fixed.device, fixed.model
+    found = store.lookup(None, [device], shape, "fp32", need=16)
+    assert found.profile.kv == "fixed" and found.siblings == []
+    found = store.lookup(None, [device], shape, "fp32", need=16, kv="paged")
+    assert found.profile.kv == "paged" and [s.batch for s in found.siblings] == [4]
+    assert {s.kv for s in found.siblings} == {"paged"}
+
+
+def test_a_profile_batch_the_memory_cannot_hold_is_refused_with_what_fits(model, monkeypatch):
+    monkeypatch.setattr(profiler, "free_bytes", lambda device: 10 ** 6)
+    per_token = kv_bytes_per_token(model)
+    fits = int(0.9 * 10 ** 6) // (per_token * 64)
+    with pytest.raises(UserError, match=f"batch 64 with contexts up to 1027 positions .* holds "
+                                        f"{fits} positions a row"):
+        measure(model, [1024], batch=64, max_q=3, repeats=1)

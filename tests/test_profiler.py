@@ -131,12 +131,18 @@ def test_cli_profile_writes_file_named_by_key(checkpoint, tmp_path, capsys) -> N
     assert main(["profile", "--model", str(checkpoint), "--contexts", "8", "--max-q", "1",
                  "--repeats", "1", "--batch", "2", "--out", str(named)]) == 0
     assert LatencyProfile.load(named).batch == 2
+    assert main(["profile", "--model", str(checkpoint), "--contexts", "8", "--max-q", "1",
+                 "--repeats", "1", "--batch", "3", "--kv", "paged", "--page-size", "4",
+                 "--out", str(outdir)]) == 0
+    paged = LatencyProfile.load(outdir / f"{p.key().replace('__b1__', '__b3__')}__paged.json")
+    assert (paged.batch, paged.kv) == (3, "paged") and "paged KV" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [
     (["--contexts", "16,lots"], "--contexts"),
     (["--contexts", "100000"], "context length 2048"),
     (["--repeats", "0"], "--repeats"),
+    (["--page-size", "0"], "--page-size"),
 ])
 def test_cli_profile_bad_options_are_one_line_errors(checkpoint, tmp_path, capsys, args,
                                                      message) -> None:

@@ -5,19 +5,33 @@ give exactly the tokens each row gets alone."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
+import torch
 
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.scheduler import (
+    Scheduler,
+    default_max_num_batched_tokens,
+    max_num_batched_tokens,
+)
 from knapspec_dist.engine.sequence import Batch, Row, row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
-from knapspec_dist.speculation import tpt
+from knapspec_dist.runtime.messages import Admission, ReplicaBudget
+from knapspec_dist.runtime.shard import Shard
+from knapspec_dist.speculation import knapsack, tpt
 from knapspec_dist.speculation.autoregressive import Autoregressive
-from knapspec_dist.speculation.knapspec import KnapSpecConfig, KnapSpecSelector, Selection
+from knapspec_dist.speculation.knapspec import (
+    KnapSpecConfig,
+    KnapSpecSelector,
+    Selection,
+    choose_by_tpt,
+)
+from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.speculation.schedule import Frontier
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
 
@@ -35,7 +49,8 @@ def prompts(vocab: int) -> list[list[int]]:
 def run(strategy, model, config, max_num_seqs: int, chunk: int = 512):
     ps = prompts(model.cfg.vocab_size)
     capacity = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
-    sched = Scheduler(strategy, model, config, max_num_seqs, capacity, prefill_chunk=chunk)
+    sched = Scheduler(strategy, model, replace(config, max_num_batched_tokens=chunk),
+                      max_num_seqs, capacity)
     return sched.run(ps), sched
 
 
@@ -64,6 +79,90 @@ def test_batched_rows_get_the_tokens_they_get_alone(engine_model, name):
     assert sum(r.stats.rounds for r in batched) == w.row_rounds and w.rounds < w.row_rounds
     if name == "knapspec":
         assert sum(r.stats.drafted for r in batched) > 0, "speculation never ran"
+
+
+def counting_steps(sched: Scheduler) -> list[tuple[int, int]]:
+    """(prompt tokens prefilled, decoding rounds run) of each of ``sched``'s steps, appended
+    as it runs."""
+    steps, step = [], sched.step
+
+    def counted():
+        prefilled, rounds = sched.work.prefilled, sched.work.rounds
+        out = step()
+        steps.append((sched.work.prefilled - prefilled, sched.work.rounds - rounds))
+        return out
+
+    sched.step = counted
+    return steps
+
+
+@pytest.mark.parametrize("name", ["ar", "knapspec"])
+def test_a_small_prefill_budget_chunks_prompts_across_steps_and_changes_no_token(
+        engine_model, name):
+    """Budgets of 1, 7 and 64 prompt tokens a step (a budget of 1: the 140-token prompt over
+    140 steps, rows decoding between them) give the default budget's tokens; no step
+    prefills more than its budget, and every prompt token is prefilled once."""
+    model = engine_model(NAME)
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)
+    config = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    ps = prompts(model.cfg.vocab_size)
+    cap = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
+    default = Scheduler(STRATEGIES[name](profile), model, config, 3, cap)
+    assert default.max_num_batched_tokens == default_max_num_batched_tokens(model.device)
+    first = counting_steps(default)
+    want = [r.token_ids for r in default.run(ps)]
+    assert first[0][0] >= sum(LENGTHS[:3])  # the default prefills the first rows at once
+    for budget in (1, 7, 64):
+        sched = Scheduler(STRATEGIES[name](profile), model,
+                          replace(config, max_num_batched_tokens=budget), 3, cap)
+        steps = counting_steps(sched)
+        got = sched.run(ps)
+        assert [r.token_ids for r in got] == want, budget
+        prefilled = [p for p, _ in steps]
+        assert max(prefilled) == budget and sum(prefilled) == sum(LENGTHS)
+        assert len(steps) >= sum(LENGTHS) // budget
+        assert any(p and r for p, r in steps)  # rows decoded in steps that prefilled others
+        if name == "knapspec":
+            assert sum(r.stats.drafted for r in got) > 0, "speculation never ran"
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "64"])
+def test_a_bad_prefill_budget_is_a_user_error(bad):
+    with pytest.raises(UserError, match="--max-num-batched-tokens must be an integer >= 1"):
+        GenerationConfig(max_num_batched_tokens=bad)
+    with pytest.raises(UserError, match="--max-num-batched-tokens"):
+        GenerationConfig.of(max_num_batched_tokens=bad)
+
+
+def test_the_default_prefill_budget_is_the_devices():
+    assert default_max_num_batched_tokens(torch.device("cpu")) == 2048
+    assert default_max_num_batched_tokens(torch.device("cuda", 3)) == 8192
+    asked = GenerationConfig(max_num_batched_tokens=100)
+    assert max_num_batched_tokens(asked, torch.device("cuda")) == 100
+    assert max_num_batched_tokens(GenerationConfig(), "cuda") == 8192
+
+
+def test_a_shard_schedules_with_the_budget_its_config_carries(checkpoints, engine_model):
+    """The budget crosses to a shard inside the GenerationConfig each ``advance`` gets (what a
+    coordinator sends over Ray), and its rows get the tokens of an in-process run."""
+    model = engine_model(NAME)
+    config = GenerationConfig(max_new_tokens=10, stop_at_eos=False, max_num_batched_tokens=5)
+    ps = prompts(model.cfg.vocab_size)
+    want = Scheduler(Autoregressive(), model, GenerationConfig(max_new_tokens=10,
+                     stop_at_eos=False), 2, 256).run(ps)
+    shard = Shard(0, 0, 1, 1, "cpu")
+    shard.setup(str(checkpoints[NAME]), "", 0, "fp32")
+    budget = ReplicaBudget(capacity=256, max_num_seqs=2)
+    shard.configure(StrategyOptions(name="ar"), None, shard.plan_memory(budget))
+    admit = [Admission(i, tuple(p), i) for i, p in enumerate(ps)]
+    done = {}
+    while len(done) < len(ps):
+        out = shard.advance(config, admit, 1000, 2)
+        admit = []
+        assert not out.refused
+        done.update(out.finished)
+        assert shard.scheduler.max_num_batched_tokens == 5
+    assert [done[i].token_ids for i in range(len(ps))] == [r.token_ids for r in want]
 
 
 def test_batched_sampling_runs_per_row(engine_model):
@@ -119,9 +218,61 @@ def test_batch_pricing_interpolates_between_measured_batches(engine_model, caplo
     assert at4.verify_time(2, 500) == pytest.approx(
         one.verify_time(2, 500) + (eight.verify_time(2, 500) - one.verify_time(2, 500)) * 3 / 7)
     monkeypatch.setattr(batching, "_NOTED", set())  # the note is logged once per process
-    with caplog.at_level(logging.INFO, logger="knapspec_dist.profiles.batching"):
-        assert pricing.at(32) is eight
-    assert "no latency profile at batch 32" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="knapspec_dist.profiles.batching"):
+        at32 = pricing.at(32)  # beyond the measured: the line through 1 and 8, continued
+    assert "no latency profile at batch 32" in caplog.text and "extrapolating" in caplog.text
+    assert at32.batch == 32 and at32.mlp == pytest.approx(one.mlp * (1 + 2 * 31 / 7))
+    assert at32.verify_time(2, 500) == pytest.approx(
+        one.verify_time(2, 500) + (eight.verify_time(2, 500) - one.verify_time(2, 500)) * 31 / 7)
+    assert pricing.at(1) is one and BatchPricing([eight]).at(32) is eight  # nothing to go by
+
+
+def test_extrapolated_batches_never_cost_less_than_the_largest_measured(engine_model):
+    """Noise that made batch 8 cheaper than batch 1 in some coefficient is not continued."""
+    model = engine_model(NAME)
+    one = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.3)
+    eight = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.1)
+    eight.batch, eight.head = 8, one.head / 2
+    far = BatchPricing([one, eight]).at(256)
+    assert far.head == eight.head and far.mlp == eight.mlp
+    for q in (1, 5, 11):
+        assert far.verify_time(q, 500) >= eight.verify_time(q, 500)
+
+
+def at_batch(model, batch: int, growth: float, scale: float):
+    """A profile of ``batch`` rows: every cost ``scale`` times batch 1's, and a verify of q
+    tokens ``1 + growth (q - 1)`` times a decode step (growth 1: compute-bound)."""
+    p = synthetic_profile(model, [(n, scale * t) for n, t in LINEAR_ATTENTION],
+                          mlp=scale * 7e-4, verify_growth=growth)
+    p.batch, p.head = batch, scale * p.head
+    return p
+
+
+def test_the_draft_shortens_to_plain_decoding_as_verify_becomes_compute_bound(
+        engine_model, caplog, monkeypatch):
+    """As the batch grows a verify's cost grows with its tokens per row (memory-bound at
+    batch 1, compute-bound at 256): the selector's price at each batch drafts shorter, and
+    plain decoding wins at 256, whether batch 256 was measured or extrapolated from 1 and 8
+    (priced as batch 8, flat, it would still draft 3 tokens)."""
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    draft = [knapsack.Candidate(frozenset(range(1, 2 * layers - 2)), 6, 0.9)]
+    measured = [at_batch(model, 1, 0.0, 1.0), at_batch(model, 8, 0.15, 1.2)]
+    wide = measured + [at_batch(model, 64, 0.5, 4.0), at_batch(model, 256, 1.0, 12.0)]
+    monkeypatch.setattr(batching, "_NOTED", set())
+    for profiles in (measured, wide):
+        selector = KnapSpecSelector(profiles, KnapSpecConfig())
+
+        def gamma(batch: int) -> int:
+            return choose_by_tpt(selector.price(batch), draft, [0.9], None, 500, layers,
+                                 selector.config, 0.0).gamma
+
+        with caplog.at_level(logging.WARNING, logger="knapspec_dist.profiles.batching"):
+            gammas = [gamma(b) for b in (1, 8, 16, 32, 64, 128, 256)]
+        assert gammas == sorted(gammas, reverse=True), gammas
+        assert gammas[0] > gammas[1] > 0 and gammas[-1] == 0, gammas
+    assert "no latency profile at batch 16 (measured: [1, 8]): extrapolating" in caplog.text
+    assert "measured: [1, 8, 64, 256]" not in caplog.text  # inside the measured: no guess
 
 
 def test_selection_is_skipped_where_no_draft_could_pay(engine_model):

@@ -140,6 +140,10 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                        help="share of the memory free after the weights that the KV cache "
                             f"takes when --kv-cache-memory is not given (default "
                             f"{MEMORY_UTILIZATION})")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="prompt tokens each replica prefills per step; a longer prompt is "
+                            "prefilled in chunks across steps (default: 8192 on a GPU, 2048 "
+                            "on a CPU)")
     sched.add_argument("--max-inflight", type=int, default=None,
                        help="rows outstanding per replica (default: max-num-seqs + 2, so a "
                             "freed slot is refilled at once)")
@@ -191,6 +195,7 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
         memory_utilization=args.memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_attempts=args.max_attempts, row_timeout=args.row_timeout,
         checkpoint_rows=args.checkpoint_rows, checkpoint_seconds=args.checkpoint_seconds,
         stop_after=args.stop_after, retry_failed=args.retry_failed,

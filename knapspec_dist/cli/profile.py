@@ -18,9 +18,10 @@ from knapspec_dist.cli.common import (
     emit,
     load_model_args,
 )
+from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.embedded import resolve_model_path
-from knapspec_dist.profiles.profile import LatencyProfile
+from knapspec_dist.profiles.profile import KV_LAYOUTS, LatencyProfile
 from knapspec_dist.profiles.profiler import DEFAULT_CONTEXTS, DEFAULT_MAX_Q, measure
 from knapspec_dist.profiles.store import unsteady
 from knapspec_dist.runtime.ray_engine import RayEngine
@@ -72,6 +73,11 @@ def register(sub) -> None:
     p.add_argument("--fill", default="random", choices=["random", "prefill"],
                    help="KV cache contents: random K/V (default) "
                         "or a real prefill of random tokens")
+    p.add_argument("--kv", default="fixed", choices=list(KV_LAYOUTS),
+                   help="the KV cache measured over: fixed slots (default) or paged, as a "
+                        "replica with a paged cache decodes")
+    p.add_argument("--page-size", type=int, default=CPU_PAGE,
+                   help=f"with --kv paged: positions per page (default {CPU_PAGE})")
     p.add_argument("--out", required=True,
                    help="output JSON file, or a directory (file named by key)")
     add_engine_args(p)  # --tp / --address: measure on the Ray engine
@@ -92,7 +98,7 @@ def profile_in_process(args: argparse.Namespace) -> int:
     check_window(contexts, model.cfg.max_position_embeddings)
     started = time.perf_counter()
     profile = measure(model, contexts, args.batch, args.max_q, args.repeats, warmup=args.warmup,
-                      fill=args.fill)
+                      fill=args.fill, kv=args.kv, page=args.page_size)
     return write(profile, args.out, time.perf_counter() - started)
 
 
@@ -105,14 +111,14 @@ def profile_on_engine(args: argparse.Namespace) -> int:
         check_window(contexts, engine.config.max_position_embeddings)
         profile = engine.measure_profile(contexts, batch=args.batch, max_q=args.max_q,
                                          repeats=args.repeats, warmup=args.warmup,
-                                         fill=args.fill)
+                                         fill=args.fill, kv=args.kv, page=args.page_size)
     return write(profile, args.out, time.perf_counter() - started)
 
 
 def checked_contexts(args: argparse.Namespace) -> list[int]:
     """The command's numeric arguments, checked; the sorted context lengths."""
     contexts = parse_contexts(args.contexts)
-    for name in ("batch", "max_q", "repeats"):
+    for name in ("batch", "max_q", "repeats", "page_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -141,7 +147,7 @@ def summary(profile: LatencyProfile, path: Path | str, seconds: float) -> str:
     a = profile.attention
     ns = sorted({int(n) for n, _ in profile.samples["attention"]})
     lines = [f"wrote {path} ({seconds:.0f}s, device {profile.device.get('name')}, {profile.dtype}, "
-             f"batch {profile.batch}, tp {profile.tp})",
+             f"batch {profile.batch}, tp {profile.tp}, {profile.kv} KV)",
              f"  t_attn(n) = {a.slope * 1e6:.4f} us * n + {a.intercept * 1e3:.4f} ms",
              f"  t_mlp     = {profile.mlp * 1e3:.4f} ms",
              f"  t_head    = {profile.head * 1e3:.4f} ms"]

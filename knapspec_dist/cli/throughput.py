@@ -30,6 +30,7 @@ from knapspec_dist.cli.common import (
 )
 from knapspec_dist.engine.memory import parse_size
 from knapspec_dist.engine.pages import CPU_PAGE
+from knapspec_dist.engine.scheduler import max_num_batched_tokens
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.factory import StrategyBuilder
 from knapspec_dist.tools.bench.paged import compare, documents, window_rows
@@ -52,6 +53,8 @@ def register(sub) -> None:
     p.add_argument("--batch", default="1,8", help="max_num_seqs values, comma-separated")
     p.add_argument("--strategies", default="ar,knapspec", help="as for bench")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens a step prefills (default: 8192 on a GPU, 2048 on a CPU)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each configuration, interleaved; the median is reported")
     add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike
@@ -70,6 +73,8 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.documents < 1 or args.new_tokens < 1:
         raise UserError("--documents and --new-tokens must be >= 1")
     specs = {s.label: s for s in parse_strategies(args.strategies)}
+    config = replace(generation_config(args, args.new_tokens, stop_at_eos=False),
+                     max_num_batched_tokens=args.max_num_batched_tokens)
     path = existing_model_path(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +82,6 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
-    config = generation_config(args, args.new_tokens, stop_at_eos=False)
     if args.kv_cache_memory is not None:
         return cmd_paged(args, parser, model, tokenizer, specs, config)
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
@@ -93,6 +97,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(path), "dtype": args.dtype,
               "device": args.device, "new_tokens": args.new_tokens,
+              "max_num_batched_tokens": max_num_batched_tokens(config, model.device),
               "sampling": asdict(config.sampling),
               "documents": {n: [rid for rid, _ in rows] for n, rows in work.items()}}
     return write_results(out, header, runs)
@@ -115,7 +120,8 @@ def cmd_paged(args, parser, model, tokenizer, specs, config) -> int:
     header = {"command": command_line(args, parser), "machine": machine(args.device),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": torch.__version__, "model": str(args.model), "dtype": args.dtype,
-              "new_tokens": args.new_tokens, "documents": [rid for rid, _ in rows]}
+              "new_tokens": args.new_tokens, "documents": [rid for rid, _ in rows],
+              "max_num_batched_tokens": max_num_batched_tokens(config, model.device)}
     (out / "paged.json").write_text(json.dumps({**header, "runs": entries}, indent=1))
     lines = paged_table(entries)
     (out / "paged.md").write_text(f"# knapspec throughput, paged against fixed "

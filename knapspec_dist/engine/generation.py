@@ -17,19 +17,32 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """What rows are generated with. ``max_num_batched_tokens`` is how they are scheduled,
+    not what they say: the prompt tokens a scheduler step prefills at most (vLLM's name;
+    None: the device's default, engine/scheduler.py ``default_max_num_batched_tokens``). It
+    travels here because this config is what every shard's scheduler is built from; no token
+    depends on it."""
+
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_at_eos: bool = True
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self):
+        n = self.max_num_batched_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UserError(f"--max-num-batched-tokens must be an integer >= 1, got {n!r}")
 
     @classmethod
     def of(cls, *, max_new_tokens: int = 128, stop_at_eos: bool = True, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-           sampling: str = "coupled") -> GenerationConfig:
+           sampling: str = "coupled", max_num_batched_tokens: int | None = None
+           ) -> GenerationConfig:
         """The one builder from flat fields (command lines, job options, keyword arguments);
         ``sampling``: how sampled drafts are verified (``SamplingConfig.method``)."""
         return cls(max_new_tokens, SamplingConfig(temperature=temperature, top_k=top_k,
                                                   top_p=top_p, seed=seed, method=sampling),
-                   stop_at_eos)
+                   stop_at_eos, max_num_batched_tokens)
 
 
 @dataclass

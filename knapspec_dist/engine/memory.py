@@ -101,6 +101,12 @@ def slot_size(capacity: int) -> int:
     return -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def positions_that_fit(free: int, per_token: int,
+                       memory_utilization: float = MEMORY_UTILIZATION) -> int:
+    """Cache positions (all rows together) that ``memory_utilization`` of ``free`` bytes hold."""
+    return int(memory_utilization * free) // max(1, per_token)
+
+
 def plan_kv(*, per_token: int, free: int, capacity: int, paged: bool, cuda: bool,
             kv_cache_memory: int | None = None,
             memory_utilization: float = MEMORY_UTILIZATION,

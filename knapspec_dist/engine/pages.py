@@ -17,6 +17,11 @@ CPU_PAGE = 16  # positions per page on a CPU: the gather indexes positions, so t
 # changes only the block table's width and the waste, at most page - 1 positions a row
 
 
+def pages_for(tokens: int, page: int) -> int:
+    """Pages that hold ``tokens`` positions."""
+    return -(-tokens // page)
+
+
 @dataclass(frozen=True)
 class Paging:
     """A paged cache's size: a pool of ``tokens`` positions in pages of ``page``."""
@@ -50,7 +55,7 @@ class PagePool:
         return self.total * self.page
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page)
+        return pages_for(tokens, self.page)
 
     def fits(self, tokens: int) -> bool:
         """Whether the free pages cover a row of ``tokens`` positions now."""

@@ -4,7 +4,8 @@ makes room for the next at once.
 Each ``step``: admit waiting rows into free slots and prefill them, one at a time at the slot
 after the decoding rows (with a paged cache, a row also waits until the free pages cover all it
 can need, engine/pages.py; first come, first served, so the order is the same every run), up to
-``prefill_chunk`` prompt tokens per step (a long prompt is cut into chunks across steps, so it
+``max_num_batched_tokens`` prompt tokens per step (the config's, else the device's default:
+``default_max_num_batched_tokens``; a long prompt is cut into chunks across steps, so it
 never stalls the decoding rows for its whole prefill; short ones are admitted several per step);
 then one round of the strategy over every decoding row; then retire the rows that finished. The
 chunks are the same whether or not other rows decode, so a row's prefill never depends on its
@@ -46,7 +47,26 @@ from knapspec_dist.ratio import ratio
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 2048  # prompt tokens per step while rows decode (vLLM: max_num_batched_tokens)
+
+
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    """Prompt tokens one step prefills when the config names no budget.
+
+    Why these: to keep B rows in flight, a step must admit rows as fast as they finish, i.e.
+    prefill B x prompt / rounds-per-row tokens; at 256 rows of 4k-token documents with 512
+    new tokens that is 2048 a step for plain decoding and ~3x more when speculation emits ~3
+    tokens a round, so 2048 a step (what this was fixed at) starves a large GPU batch. CUDA:
+    8192, vLLM's offline default, which covers it, and a step of 8192 tokens is still one
+    forward of a few tens of ms on an H200. CPU: 2048; each row's chunk is its own forward,
+    so the budget changes only how prompts longer than it are cut and how many rows join
+    before a round, the batch is capped at 16 rows (engine/memory.py), and 256 / 2048 / 8192
+    measured apart by less than a loaded machine's noise (docs/batching.md)."""
+    return 8192 if torch.device(device).type == "cuda" else 2048
+
+
+def max_num_batched_tokens(config: GenerationConfig, device: torch.device) -> int:
+    """The prompt-token budget of a step: the config's, else the device's default."""
+    return config.max_num_batched_tokens or default_max_num_batched_tokens(device)
 
 
 @dataclass
@@ -93,7 +113,7 @@ class Work:
 
 class Scheduler:
     def __init__(self, strategy: Strategy, model: Transformer, config: GenerationConfig,
-                 max_num_seqs: int, capacity: int, prefill_chunk: int = PREFILL_CHUNK, *,
+                 max_num_seqs: int, capacity: int, *,
                  runner: ModelRunner | None = None, clock: Clock | None = None,
                  paging: Paging | None = None):
         """``capacity``: cache positions per row (see ``row_capacity``); rows needing more
@@ -105,7 +125,8 @@ class Scheduler:
         if max_num_seqs < 1:
             raise UserError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.strategy, self.model, self.config = strategy, model, config
-        self.max_num_seqs, self.prefill_chunk = max_num_seqs, max(1, prefill_chunk)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens(config, model.device)
         self.runner = runner if runner is not None else ModelRunner(model)
         cache = self.runner.new_cache(max_num_seqs, capacity, kv_heads(model), paging)
         self.batch = Batch(cache, pool=PagePool(cache) if paging is not None else None)
@@ -153,7 +174,7 @@ class Scheduler:
         """Admit, prefill a chunk, run one round; the rows that finished."""
         b, timer = self.batch, self.timer
         finished: list[Row] = []
-        budget = self.prefill_chunk  # prompt tokens this step, while rows are decoding
+        budget = self.max_num_batched_tokens  # prompt tokens this step (>= 1: progress)
         while True:
             if b.prefilling is None and self.waiting and b.size < self.max_num_seqs \
                     and self._fits(self.waiting[0]):

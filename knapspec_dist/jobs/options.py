@@ -45,6 +45,8 @@ class JobConfig:
     max_num_seqs: int | None = None  # cap on a replica's rows in flight; None: 256 GPU, 16 CPU
     kv_cache_memory: int | str | None = None  # KV bytes per rank ("2GiB"); None: utilization
     memory_utilization: float = MEMORY_UTILIZATION  # of the memory free after the weights
+    # prompt tokens a replica's step prefills; None: the device's (engine/scheduler.py)
+    max_num_batched_tokens: int | None = None
     max_inflight: int | None = None  # rows outstanding per replica; None: max_num_seqs + 2
     max_attempts: int = 3  # replica deaths one row may see before it is failed
     row_timeout: float | None = None  # seconds; a replica silent this long is restarted
@@ -79,6 +81,8 @@ class JobConfig:
              f"--max-inflight must be >= 1, got {self.max_inflight}"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1,
              f"--max-num-seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (self.max_attempts >= 1, f"--max-attempts must be >= 1, got {self.max_attempts}"),
             (self.checkpoint_rows >= 1,
              f"--checkpoint-rows must be >= 1, got {self.checkpoint_rows}"),
@@ -112,7 +116,8 @@ class JobConfig:
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(max_new_tokens=self.max_new_tokens,
                                    temperature=self.temperature, top_k=self.top_k,
-                                   top_p=self.top_p, seed=self.seed, sampling=self.sampling)
+                                   top_p=self.top_p, seed=self.seed, sampling=self.sampling,
+                                   max_num_batched_tokens=self.max_num_batched_tokens)
 
     def fingerprint(self) -> dict:
         """What decides a row's output: a resumed job must agree on all of it.  The runner

@@ -1,12 +1,20 @@
 """Latency at any batch size, from profiles measured at a few.
 
 A batched round is priced at the batch it runs: on a GPU a decode step costs about the same at
-batch 1 and 32 (weights dominate) while KV reads grow with the batch; on a CPU the step is
-compute-bound and grows with it. Profiles are measured per batch size (``knapspec profile
---batch B``); between two measured sizes every fitted coefficient is interpolated linearly.
-Outside the measured range the nearest measured size is used, and said once per process
-in the log at INFO (never extrapolated silently; it is a fact about the stored profiles, not
-a fault of the job, and every shard and round would otherwise repeat it).
+batch 1 and 32 (weights dominate) while KV reads grow with the batch, until the batch's tokens
+make the forward compute-bound (a verify of 5 tokens at 256 rows: 1280 tokens a forward), where
+its cost grows with the tokens and speculation pays less; on a CPU the step is compute-bound
+and grows with it. Profiles are measured per batch size (``knapspec profile --batch B``);
+between two measured sizes every fitted coefficient is interpolated linearly.
+
+Below the smallest measured size, the smallest is used. Beyond the largest, the line through
+the two largest is continued (each coefficient at least the largest's: a bigger batch never
+costs less), so the per-row cost the measured batches show keeps growing, and a verify whose
+cost grows with its tokens per row more at the larger batch keeps doing so; with one profile
+there is nothing to extrapolate from and it is used flat. Either way a WARNING says so, once
+per process and set of measured sizes: beyond the measured batches the prices are a guess that
+only measuring (``knapspec profile --batch B``) or online calibration
+(speculation/calibration.py, which refits each batch size from its own timed rounds) replaces.
 """
 
 from __future__ import annotations
@@ -42,6 +50,24 @@ def interpolate(lo: LatencyProfile, hi: LatencyProfile, batch: int) -> LatencyPr
                    allreduce=_mix(lo.allreduce, hi.allreduce, w))
 
 
+def extrapolate(lo: LatencyProfile, hi: LatencyProfile, batch: int) -> LatencyProfile:
+    """The profile at ``batch`` > ``hi.batch``: the line through ``lo`` and ``hi`` continued,
+    every coefficient floored at ``hi``'s (noise that made ``hi`` cheaper than ``lo`` must not
+    make a larger batch cheaper still)."""
+    w = (batch - lo.batch) / (hi.batch - lo.batch)
+
+    def fit(a: LinearFit, b: LinearFit) -> LinearFit:
+        return LinearFit(max(b.slope, _mix(a.slope, b.slope, w)),
+                         max(b.intercept, _mix(a.intercept, b.intercept, w)))
+
+    verify = {q: fit(lo.verify[q], hi.verify[q]) for q in hi.verify if q in lo.verify}
+    return replace(hi, batch=batch, attention=fit(lo.attention, hi.attention),
+                   mlp=max(hi.mlp, _mix(lo.mlp, hi.mlp, w)),
+                   head=max(hi.head, _mix(lo.head, hi.head, w)),
+                   verify=verify or hi.verify,
+                   allreduce=max(hi.allreduce, _mix(lo.allreduce, hi.allreduce, w)))
+
+
 class BatchPricing:
     """Profiles of one device / model / dtype / tp / mode at several batch sizes."""
 
@@ -69,14 +95,22 @@ class BatchPricing:
             found = self.profiles[i]
         elif 0 < i < len(self.batches):
             found = interpolate(self.profiles[i - 1], self.profiles[i], batch)
-        else:
+        elif i == 0 or len(self.batches) == 1:
             found = self.profiles[0 if i == 0 else -1]
-            note = tuple(self.batches)
-            if note not in _NOTED:
-                _NOTED.add(note)
-                log.info("no latency profile at batch %d (measured: %s); pricing it as "
-                         "batch %d, and other unmeasured batches as the nearest measured one. "
-                         "Measure one with `knapspec profile --batch %d`", batch,
-                         self.batches, found.batch, batch)
+            self._note(batch, f"pricing it as batch {found.batch}, the nearest measured")
+        else:
+            found = extrapolate(self.profiles[-2], self.profiles[-1], batch)
+            self._note(batch, f"extrapolating from batches {self.batches[-2]} and "
+                              f"{self.batches[-1]}")
         self._cache[batch] = found
         return found
+
+    def _note(self, batch: int, how: str) -> None:
+        """The WARNING that a batch outside the measured ones is priced by a guess (once per
+        process and set of measured batches: every shard and round would repeat it)."""
+        note = tuple(self.batches)
+        if note not in _NOTED:
+            _NOTED.add(note)
+            log.warning("no latency profile at batch %d (measured: %s): %s, and so for other "
+                        "batches outside the measured ones. Measure one with `knapspec "
+                        "profile --batch %d`", batch, self.batches, how, batch)

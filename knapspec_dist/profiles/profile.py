@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
 MODES = ("eager", "graph")  # how the measured forwards ran: eager PyTorch or CUDA graphs
+KV_LAYOUTS = ("fixed", "paged")  # the KV cache the measured forwards read: slots or pages
 ORIGINS = ("measured", "online", "borrowed")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -77,6 +78,8 @@ class LatencyProfile:
     # rounds, speculation/calibration.py; its raw rounds in samples["online"]) or "borrowed"
     # (another device's, the starting point of this one's calibration: profiles/store.py; its
     # source in samples["borrowed"])
+    kv: str = "fixed"  # the KV cache measured: "fixed" slots or "paged" (model/paged_cache.py,
+    # whose attention gathers each row's pages once per forward)
 
     def spread(self) -> float | None:
         """How much the repeated timings of the measured points disagreed: the median over
@@ -135,10 +138,11 @@ class LatencyProfile:
         return total
 
     def key(self) -> str:
-        """Deterministic, file-name-safe key: device name, model shape, dtype, batch, tp, mode."""
+        """Deterministic, file-name-safe key: device name, model shape, dtype, batch, tp, mode
+        (and ``__paged`` for a paged KV cache's)."""
         shape = "-".join(f"{k}{self.model.get(k, 'x')}" for k in MODEL_KEYS)
         raw = (f"{self.device.get('name', 'unknown')}__{shape}__{self.dtype}__b{self.batch}"
-               f"__tp{self.tp}__{self.mode}")
+               f"__tp{self.tp}__{self.mode}{'__paged' if self.kv == 'paged' else ''}")
         return re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-").lower()
 
     def to_json(self) -> dict[str, Any]:
@@ -160,6 +164,7 @@ class LatencyProfile:
             "allreduce": self.allreduce,
             "mode": self.mode,
             "origin": self.origin,
+            "kv": self.kv,
             "samples": self.samples,
         }
 
@@ -167,7 +172,8 @@ class LatencyProfile:
     def from_json(cls, d: dict[str, Any]) -> LatencyProfile:
         """Inverse of to_json, checked completely: a malformed profile raises ValueError with
         what is wrong (never AttributeError / TypeError, never NaN that surfaces mid-run).
-        Refuses unknown schema versions; a profile without ``mode`` was measured eagerly."""
+        Refuses unknown schema versions; a profile without ``mode`` was measured eagerly, one
+        without ``kv`` over fixed slots."""
         return _parse(d)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -304,6 +310,9 @@ def _parse(d: Any) -> LatencyProfile:
     origin = d.get("origin", "measured")
     if origin not in ORIGINS:
         raise ValueError(f"'origin' must be one of {', '.join(ORIGINS)}, got {json.dumps(origin)}")
+    kv = d.get("kv", "fixed")
+    if kv not in KV_LAYOUTS:
+        raise ValueError(f"'kv' must be one of {', '.join(KV_LAYOUTS)}, got {json.dumps(kv)}")
     for key in ("dtype", "torch_version", "created"):
         if not isinstance(d[key], str):
             raise ValueError(f"{key!r} must be a string, got {json.dumps(d[key])}")
@@ -323,6 +332,7 @@ def _parse(d: Any) -> LatencyProfile:
         allreduce=_number("allreduce", d.get("allreduce", 0.0), cost=True),
         mode=mode,
         origin=origin,
+        kv=kv,
     )
     _check_fits(profile, verify, attention_samples)
     return profile
@@ -351,7 +361,7 @@ def fit_profile(samples: dict[str, Any], **meta: Any) -> LatencyProfile:
     samples: {"attention": [[n, s], ...], "mlp": [s, ...], "head": [s, ...],
               "verify": [[q, n, s], ...], "allreduce": [[bytes, s], ...] (optional)}.
     meta: device, model, dtype, batch, tp, torch_version, created (defaults to today), mode
-    (defaults to "eager").
+    (defaults to "eager"), kv (defaults to "fixed").
     Constant costs (mlp, head) use the median, robust to the odd slow repeat.
     """
     required = ("device", "model", "dtype", "batch", "tp", "torch_version")
@@ -382,6 +392,7 @@ def fit_profile(samples: dict[str, Any], **meta: Any) -> LatencyProfile:
         verify={q: fit_linear(pts) for q, pts in sorted(by_q.items())},
         allreduce=allreduce,
         mode=str(meta.get("mode", "eager")),
+        kv=str(meta.get("kv", "fixed")),
     )
 
 

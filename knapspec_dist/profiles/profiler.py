@@ -6,11 +6,18 @@ profile is only ever written from such a measurement.
 
 Method
 ------
-One KV cache of capacity ``max(contexts) + max_q`` is filled once (random K/V by default;
+One KV cache of ``batch`` rows of capacity ``max(contexts) + max_q`` is filled once (random K/V
+by default;
 ``fill="prefill"`` runs a real chunked prefill of random tokens instead, which costs minutes
 at 8k on a CPU and changes no timing: attention reads the same number of cached values
 whatever they are). A context length n is then just ``cache.lengths = n``; forwards at n
-write at positions n.. and are never committed, so every repeat sees the same n.
+write at positions n.. and are never committed, so every repeat sees the same n. With
+``kv="paged"`` it is a ``PagedKVCache`` (model/paged_cache.py) whose rows hold distinct pages
+handed out in a shuffled order, as a pool is after rows of many lengths came and went, so
+the attention measured is the paged one (its per-forward gather included). The cache must fit
+in the memory left beside the weights (engine/memory.py's rule): a large batch at long
+contexts that does not is refused with the longest context that would fit, since every row
+holds the longest context measured.
 
 For each repeat, round-robin over the contexts (so a burst of load from elsewhere spreads
 over all contexts instead of spoiling one), at each n:
@@ -60,10 +67,14 @@ import torch
 import torch.distributed as dist
 
 from knapspec_dist.clock import Clock
+from knapspec_dist.engine.memory import free_bytes, kv_bytes_per_token, positions_that_fit
+from knapspec_dist.engine.pages import CPU_PAGE
+from knapspec_dist.errors import UserError
 from knapspec_dist.model.cache import KVCache, kv_heads
+from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import dtype_name
 from knapspec_dist.profiles.device import device_info
-from knapspec_dist.profiles.profile import MODES, LatencyProfile, fit_profile
+from knapspec_dist.profiles.profile import KV_LAYOUTS, MODES, LatencyProfile, fit_profile
 from knapspec_dist.profiles.replay import ReplayTimer
 
 log = logging.getLogger(__name__)
@@ -140,7 +151,9 @@ def fill_cache(model, cache, length: int, fill: str = "random", chunk: int = 512
     if fill == "random":
         for layer in range(len(cache.k)):
             for t in (cache.k[layer], cache.v[layer]):
-                t[:, :, :length].normal_(generator=generator if t.device.type == "cpu" else None)
+                # a paged pool [kv, positions, hd] is filled whole: every row's pages are in it
+                part = t if isinstance(cache, PagedKVCache) else t[:, :, :length]
+                part.normal_(generator=generator if t.device.type == "cpu" else None)
     elif fill == "prefill":
         vocab = model.cfg.vocab_size
         for row in range(cache.batch):
@@ -280,10 +293,12 @@ class _Sampler:
 
 
 def _check(mode: str, contexts: Sequence[int], batch: int, max_q: int, repeats: int,
-           warmup: int) -> list[int]:
+           warmup: int, kv: str = "fixed") -> list[int]:
     """The sorted distinct contexts; ValueError for anything that cannot be measured."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if kv not in KV_LAYOUTS:
+        raise ValueError(f"kv must be one of {', '.join(KV_LAYOUTS)}, got {kv!r}")
     contexts = sorted(set(int(n) for n in contexts))
     if not contexts or contexts[0] < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
@@ -291,6 +306,32 @@ def _check(mode: str, contexts: Sequence[int], batch: int, max_q: int, repeats: 
         raise ValueError(f"need batch, max_q, repeats >= 1 and warmup >= 0 "
                          f"(got {batch}, {max_q}, {repeats}, {warmup})")
     return contexts
+
+
+def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int = CPU_PAGE,
+                  generator: torch.Generator | None = None) -> KVCache | PagedKVCache:
+    """The cache the profiler measures over: ``batch`` rows of ``capacity`` positions, fixed
+    slots or distinct pages in a shuffled order (``kv="paged"``); a UserError, naming the
+    longest context that would fit, where the memory beside the weights cannot hold it."""
+    per_token = kv_bytes_per_token(model)
+    free = free_bytes(model.device)
+    if positions_that_fit(free, per_token) < batch * capacity:
+        longest = positions_that_fit(free, per_token) // batch
+        raise UserError(f"a profile at batch {batch} with contexts up to {capacity} positions "
+                        f"needs {batch * capacity * per_token / 1e9:.2f} GB of KV cache "
+                        f"({per_token} bytes a position); the free memory holds "
+                        f"{longest} positions a row at this batch: measure shorter --contexts")
+    cfg, heads = model.cfg, kv_heads(model)
+    if kv == "fixed":
+        return KVCache(cfg, batch, capacity, dtype=model.dtype, device=model.device,
+                       kv_heads=heads)
+    blocks = -(-capacity // page)
+    cache = PagedKVCache(cfg, batch, capacity, batch * blocks + 1, page, dtype=model.dtype,
+                         device=model.device, kv_heads=heads)
+    order = (torch.randperm(batch * blocks, generator=generator) + 1).tolist()  # not the scratch
+    for row in range(batch):
+        cache.assign(row, order[row * blocks:(row + 1) * blocks])
+    return cache
 
 
 def _timings(sampler: _Sampler, contexts: list[int], qs: list[int], warmup: int, repeats: int,
@@ -386,7 +427,8 @@ def _device_record(device: torch.device, load_before: float | None) -> dict[str,
 def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT_MAX_Q,
             repeats: int = 5, *, warmup: int = 1, fill: str = "random", group=None,
             shape: dict[str, Any] | None = None, allreduce_sizes: Sequence[int] | None = None,
-            seed: int = 0, mode: str = "eager") -> LatencyProfile:
+            seed: int = 0, mode: str = "eager", kv: str = "fixed",
+            page: int = CPU_PAGE) -> LatencyProfile:
     """Measure ``model`` (a loaded ``Transformer``) and fit its latency profile.
 
     contexts: context lengths n (tokens already in the KV cache); batch: sequences per forward;
@@ -396,14 +438,14 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     shard (tp = its size; samples are MAX-reduced over ranks and all-reduce samples added);
     shape: the model shape to record (defaults to ``model.cfg.shape()``; a TP shard passes the
     full model's); mode: "eager" (hooked sublayers) or "graph" (replayed forwards, the way
-    decoding runs on a GPU; see replay.py). See the module docstring for the method.
+    decoding runs on a GPU; see replay.py); kv: "fixed" slots or "paged" (pages of ``page``
+    positions). See the module docstring for the method.
     """
-    contexts = _check(mode, contexts, batch, max_q, repeats, warmup)
+    contexts = _check(mode, contexts, batch, max_q, repeats, warmup, kv)
     device, dtype, cfg = model.device, model.dtype, model.cfg
     tp = _world(group) if group is not None else 1
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(cfg, batch, contexts[-1] + max_q, dtype=dtype, device=device,
-                    kv_heads=kv_heads(model))
+    cache = profile_cache(model, batch, contexts[-1] + max_q, kv, page, gen)
     load_before = _load_average()
     started = time.perf_counter()
     fill_cache(model, cache, contexts[-1], fill, generator=gen)
@@ -421,7 +463,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
                           model=dict(shape if shape is not None else cfg.shape()),
                           dtype=dtype_name(dtype), batch=batch, tp=tp,
                           torch_version=torch.__version__,
-                          created=datetime.date.today().isoformat(), mode=mode)
+                          created=datetime.date.today().isoformat(), mode=mode, kv=kv)
     log.info("measured profile %s in %.1fs (repeats' relative spread: median %.2f over the "
              "points)", profile.key(), time.perf_counter() - started, profile.spread() or 0.0)
     return profile

@@ -4,7 +4,8 @@ measured one is kept.
 Lookup order: the repository's ``profiles/`` (override with ``KNAPSPEC_PROFILES``), then the
 profile cache ``<cache dir>/profiles`` (``KNAPSPEC_PROFILE_CACHE``, else under
 ``KNAPSPEC_CACHE`` / ``~/.cache/knapspec_dist``). Profiles are keyed by device, model shape,
-dtype, batch, TP degree and execution mode. A profile is used when it matches all of them and
+dtype, batch, TP degree, execution mode and KV layout (fixed slots, or pages: ``kv``). A
+profile is used when it matches all of them and
 its measured contexts reach the longest context the run needs (when that is known); when none
 does, one is measured (never guessed) and kept in the cache, so the next job, and the other
 replicas of a cluster sharing the cache, load it instead of measuring again.
@@ -123,17 +124,17 @@ def load_profile(path, shape: dict | None = None) -> LatencyProfile:
 
 
 def matches(profile: LatencyProfile, device: dict, shape: dict, dtype: str, batch: int,
-            tp: int, mode: str = "eager") -> bool:
+            tp: int, mode: str = "eager", kv: str = "fixed") -> bool:
     return (profile.device.get("name") == device.get("name")
             and profile.device.get("threads") == device.get("threads")
             and not shape_mismatch(profile, shape)
             and profile.dtype == dtype and profile.batch == batch and profile.tp == tp
-            and profile.mode == mode)
+            and profile.mode == mode and profile.kv == kv)
 
 
 def find_profile(directories: Sequence[Path], device: dict, shape: dict, dtype: str,
                  batch: int = 1, tp: int = 1, mode: str = "eager",
-                 need: int | None = None) -> ProfileChoice | None:
+                 need: int | None = None, kv: str = "fixed") -> ProfileChoice | None:
     """The first matching profile in ``directories`` whose measured contexts reach ``need``;
     None when there is none."""
     for directory in directories:
@@ -145,7 +146,7 @@ def find_profile(directories: Sequence[Path], device: dict, shape: dict, dtype: 
             except (ValueError, OSError) as e:
                 log.warning("skipping unreadable profile %s: %s", path, e)
                 continue
-            if not matches(profile, device, shape, dtype, batch, tp, mode):
+            if not matches(profile, device, shape, dtype, batch, tp, mode, kv):
                 continue
             if need is not None and profile.max_context < need:
                 log.info("profile %s covers contexts up to %d, this run needs %d: not used",
@@ -157,8 +158,9 @@ def find_profile(directories: Sequence[Path], device: dict, shape: dict, dtype: 
 
 
 def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
-    """Stored profiles of the same device, shape, dtype, tp and mode at other batch sizes
-    (one per size, the first found): what prices a batched round (profiles/batching.py)."""
+    """Stored profiles of the same device, shape, dtype, tp, mode and KV layout at other
+    batch sizes (one per size, the first found): what prices a batched round
+    (profiles/batching.py)."""
     found: dict[int, LatencyProfile] = {}
     for directory in search_dirs():
         if not directory.is_dir():
@@ -170,7 +172,7 @@ def batch_siblings(profile: LatencyProfile) -> list[LatencyProfile]:
                 continue
             if other.batch != profile.batch and other.batch not in found and matches(
                     other, profile.device, profile.model, profile.dtype, other.batch,
-                    profile.tp, profile.mode):
+                    profile.tp, profile.mode, profile.kv):
                 found[other.batch] = other
     return [found[b] for b in sorted(found)]
 
@@ -287,12 +289,14 @@ def contexts_for(need: int | None, window: int | None = None) -> list[int]:
 
 
 def lookup(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *,
-           tp: int = 1, need: int | None = None, borrow: bool = False) -> ProfileChoice | None:
+           tp: int = 1, need: int | None = None, borrow: bool = False,
+           kv: str = "fixed") -> ProfileChoice | None:
     """The profile that prices a run on ``devices`` (``device_info`` of every rank) without
     measuring: the file ``path`` names (used alone), else the first stored one that matches
     and covers ``need`` (with its batch siblings), else with ``borrow`` a ``starting_point``;
     None (with a WARNING saying so) when one must be measured. Ranks on different devices
-    never match a stored profile."""
+    never match a stored profile. ``kv``: the KV layout the run decodes over ("fixed",
+    "paged"), which the profile must have been measured over."""
     if path:
         return ProfileChoice(load_profile(path, shape), str(path), "loaded")
     device, mode = devices[0], decode_mode(devices[0])
@@ -301,7 +305,7 @@ def lookup(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *
         log.warning("ranks run on different devices %s; no stored profile applies, measuring "
                     "one (priced at the slowest rank)", names)
         return None
-    found = find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need)
+    found = find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need, kv)
     if found is not None:
         found.siblings = batch_siblings(found.profile)
         return found

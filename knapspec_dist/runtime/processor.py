@@ -62,8 +62,9 @@ __all__ = ["ProcessorConfig", "build_processor", "stages"]
 class ProcessorConfig:
     """One processor: the model, how many replicas (``concurrency``: a number, or a
     ``(min, max)`` range Ray Data scales within), the strategy and its options, the
-    batching, the KV cache (docs/batching.md) and the sampling (GenerationConfig.of's fields:
-    max_new_tokens, temperature, top_k, top_p, seed, sampling)."""
+    batching (``max_num_seqs``, ``max_num_batched_tokens``), the KV cache (docs/batching.md)
+    and the sampling (GenerationConfig.of's fields: max_new_tokens, temperature, top_k, top_p,
+    seed, sampling)."""
 
     model: str = "smollm2"
     tp: int = 1
@@ -76,6 +77,7 @@ class ProcessorConfig:
     kv_cache_memory: int | str | None = None  # KV bytes per rank ("2GiB"); None: utilization
     memory_utilization: float = MEMORY_UTILIZATION  # of the memory free after the weights
     max_model_len: int | None = None  # the longest row the KV cache must hold; None: window
+    max_num_batched_tokens: int | None = None  # prompt tokens a step prefills; None: device's
     batch_size: int | None = None  # rows per engine call; None: 2 x max_num_seqs, else 16
     sampling: dict = field(default_factory=dict)
     should_continue_on_error: bool = False
@@ -92,7 +94,8 @@ class ProcessorConfig:
         check_utilization(self.memory_utilization)
 
     def generation_config(self) -> GenerationConfig:
-        return GenerationConfig.of(**self.sampling)
+        return GenerationConfig.of(**self.sampling,
+                                   max_num_batched_tokens=self.max_num_batched_tokens)
 
     def rows_per_call(self) -> int:
         return self.batch_size or (2 * self.max_num_seqs if self.max_num_seqs else 16)

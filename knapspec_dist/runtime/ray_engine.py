@@ -32,6 +32,7 @@ import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
 from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
+from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
@@ -191,13 +192,15 @@ class RayEngine:
 
     def measure_profile(self, contexts: list[int], *, replica: int = 0, batch: int = 1,
                         max_q: int = 11, repeats: int = 5, warmup: int = 1,
-                        fill: str = "random") -> LatencyProfile:
+                        fill: str = "random", kv: str = "fixed",
+                        page: int = CPU_PAGE) -> LatencyProfile:
         """A latency profile measured on one replica's shards (all ranks, MAX over ranks,
         with the all-reduce when tp > 1); see profiles/profiler.py for the method."""
         self._check_replica(replica)
         rep = self._replicas[replica]
         refs = [s.measure_profile.remote(list(contexts), repeats, batch=batch, max_q=max_q,
-                                         warmup=warmup, fill=fill) for s in rep.shards]
+                                         warmup=warmup, fill=fill, kv=kv, page=page)
+                for s in rep.shards]
         return LatencyProfile.from_json(ray.get(refs)[0])
 
     def measure_allreduce(self, sizes: list[int], *, replica: int = 0,
@@ -287,7 +290,8 @@ class RayEngine:
                        "top_p": config.sampling.top_p, "seed": config.sampling.seed}
             config = GenerationConfig.of(**{k: current[k] if v is None else v
                                             for k, v in given.items()},
-                                         sampling=config.sampling.method)
+                                         sampling=config.sampling.method,
+                                         max_num_batched_tokens=config.max_num_batched_tokens)
         ids = [self.encode(p, chat) for p in prompts]
         start = time.perf_counter()
         refs = [self.submit(i % self.num_replicas, p, config, key)

@@ -28,7 +28,7 @@ from knapspec_dist.engine.memory import (
     uses_pages,
 )
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.pages import KVUse
+from knapspec_dist.engine.pages import CPU_PAGE, KVUse
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -93,13 +93,14 @@ class Shard:
 
     def measure_profile(self, contexts: list[int], repeats: int, *, batch: int = 1,
                         max_q: int = profiler.DEFAULT_MAX_Q, warmup: int = 1,
-                        fill: str = "random", mode: str = "eager") -> dict:
+                        fill: str = "random", mode: str = "eager", kv: str = "fixed",
+                        page: int = CPU_PAGE) -> dict:
         """Measure a latency profile (collective: every rank of the replica calls it); the
         arguments are profiler.measure's."""
         group = dist.group.WORLD if self.world > 1 else None
         profile = profiler.measure(self.model, contexts, batch=batch, max_q=max_q,
                                    repeats=repeats, warmup=warmup, fill=fill, group=group,
-                                   shape=self.model.cfg.shape(), mode=mode)
+                                   shape=self.model.cfg.shape(), mode=mode, kv=kv, page=page)
         return profile.to_json()
 
     def measure_allreduce(self, sizes: list[int], repeats: int = 5) -> list[list[float]]:

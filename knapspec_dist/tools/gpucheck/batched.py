@@ -87,9 +87,9 @@ def _schedule(subj: Subject, strategy: Strategy, runner: ModelRunner, docs: list
               ) -> tuple[list[GenerationResult], Scheduler]:
     """``docs`` batched together, every prompt prefilled in the first step; ``section`` is
     checked between steps (a run past its share is cut there)."""
-    config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False)
-    sched = Scheduler(strategy, subj.model, config, len(docs), capacity,
-                      prefill_chunk=sum(map(len, docs)), runner=runner)
+    config = GenerationConfig.of(max_new_tokens=new_tokens, stop_at_eos=False,
+                                 max_num_batched_tokens=sum(map(len, docs)))
+    sched = Scheduler(strategy, subj.model, config, len(docs), capacity, runner=runner)
     for rid, (doc, key) in enumerate(zip(docs, prompt_keys(docs))):  # as Scheduler.run keys them
         sched.add(rid, doc, key)
     done: dict[int, GenerationResult] = {}

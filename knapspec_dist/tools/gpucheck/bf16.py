@@ -121,8 +121,8 @@ def rates(stats: GenerationStats) -> dict:
     """A run's acceptance, tokens per full-model round and tokens/s (with their counts, which
     the summary sums)."""
     return {"new_tokens": stats.new_tokens, "drafted": stats.drafted, "accepted": stats.accepted,
-            "steps": stats.steps, "wall_s": stats.wall_s, "acceptance": stats.acceptance_rate,
-            "tokens_per_round": (stats.new_tokens - 1) / stats.steps if stats.steps else None,
+            "rounds": stats.rounds, "wall_s": stats.wall_s, "acceptance": stats.acceptance_rate,
+            "tokens_per_round": (stats.new_tokens - 1) / stats.rounds if stats.rounds else None,
             "tokens_per_s": stats.tokens_per_s}
 
 
@@ -136,12 +136,12 @@ def summarize(runs: list[dict]) -> list[dict]:
             if not mine:
                 continue
             total = {k: sum(r[k] for r in mine) for k in ("new_tokens", "drafted", "accepted",
-                                                          "steps", "wall_s")}
+                                                          "rounds", "wall_s")}
             per[m] = {"prompts": len(mine),
                       "acceptance": total["accepted"] / total["drafted"] if total["drafted"]
                       else 0.0,
-                      "tokens_per_round": ((total["new_tokens"] - len(mine)) / total["steps"]
-                                           if total["steps"] else None),
+                      "tokens_per_round": ((total["new_tokens"] - len(mine)) / total["rounds"]
+                                           if total["rounds"] else None),
                       "tokens_per_s": (total["new_tokens"] / total["wall_s"] if total["wall_s"]
                                        else 0.0),
                       "outside_support": sum(r["outside_support"] for r in mine)}
