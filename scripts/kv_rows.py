@@ -2,8 +2,8 @@
 
 For each model / tensor-parallel degree and each workload, the rows decoding at once that the
 memory beside the weights holds, at ``MEMORY_UTILIZATION`` (0.9) of it (engine/memory.py's
-``plan_kv``), with 512 new tokens per document and each row's cache positions as the scheduler reserves them
-(``row_capacity``: prompt, new tokens and the draft lookahead):
+``plan_kv``), with 512 new tokens per document and each row's cache positions as the
+scheduler reserves them (``row_capacity``: prompt, new tokens and the draft lookahead):
 
 - window: fixed slots of the model's whole window (a job's default ``--max-model-len``);
 - longest: fixed slots of the job's longest document (``--max-model-len`` set to it);
