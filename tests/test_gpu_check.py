@@ -489,3 +489,16 @@ def test_each_shape_says_whether_flex_decoding_serves_it(tmp_path, monkeypatch):
     assert [k["model"] for k in doc["kernels"]] == ["tiny-gqa", "tiny-kv1", "random-tiny"]
     md = (tmp_path / "gpu-check.md").read_text()
     assert all(k["line"] in md for k in doc["kernels"])
+
+
+def test_the_bench_summary_averages_only_known_acceptance():
+    """ar's rows have no acceptance (None): the summary's mean is over the rows that drafted,
+    and None where none did."""
+    runs = [{"context": 64, "prompt": p, "strategy": s, "tokens_per_s": t, "acceptance": a,
+             "verdict": "identical"}
+            for p, s, t, a in [(0, "ar", 10.0, None), (1, "ar", 10.0, None),
+                               (0, "knapspec", 12.0, 0.5), (1, "knapspec", 8.0, 0.7)]]
+    by = {r["strategy"]: r for r in correct.summarize(runs)}
+    assert by["ar"]["acceptance"] is None
+    assert by["knapspec"]["acceptance"] == pytest.approx(0.6)
+    assert by["knapspec"]["speedup"] == pytest.approx(1.0)

@@ -280,9 +280,10 @@ def summarize(runs: list[dict]) -> list[dict]:
                 continue
             speedups = [r["tokens_per_s"] / ar[r["prompt"]] for r in mine if ar.get(r["prompt"])]
             verdicts = [r["verdict"] for r in mine]
+            known = [r["acceptance"] for r in mine if r["acceptance"] is not None]  # ar: None
             rows.append({"context": n, "strategy": name, "prompts": len(mine),
                          "tokens_per_s": sum(r["tokens_per_s"] for r in mine) / len(mine),
                          "speedup": sum(speedups) / len(speedups) if speedups else None,
-                         "acceptance": sum(r["acceptance"] for r in mine) / len(mine),
+                         "acceptance": sum(known) / len(known) if known else None,
                          "verdicts": {v: verdicts.count(v) for v in sorted(set(verdicts))}})
     return rows
