@@ -28,7 +28,7 @@ PYTHON312 := $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versio
 endif
 # The tests that cover the model runner, generate and the scheduler; none imports ray.
 GPU_TESTS := tests/test_execution.py tests/test_generate.py tests/test_scheduler.py \
-             tests/test_cache.py tests/test_model.py
+             tests/test_cache.py tests/test_model.py tests/test_paged_flex.py
 # The lane checks what torch 2.11 / transformers 5.17 can change: numerics against
 # transformers, attention backends (flex compiled on the CPU), capture and replay, batching,
 # sampling, the cache. Left to the main suite (which runs all of these files): two SmolLM2

@@ -16,8 +16,8 @@ from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.attention import FLEX_BLOCK
+from knapspec_dist.model.block_mask import length_block_mask
 from knapspec_dist.model.cache import KVCache
-from knapspec_dist.model.forward_meta import length_block_mask
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.tools.gpucheck.late import block_mask_ops

@@ -14,19 +14,18 @@ from knapspec_dist.cli.job import add_job_args, config_from_args
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import (
     CPU_CAP,
-    FLEX_PAGE,
     GPU_CAP,
     KVBudget,
     kv_bytes_per_token_of,
     plan_kv,
     slot_size,
-    uses_pages,
 )
-from knapspec_dist.engine.pages import CPU_PAGE, KVUse, Paging
+from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, KVUse, Paging, page_size
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs import JobConfig
+from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.runtime import ray_engine
@@ -74,8 +73,8 @@ def test_fixed_slots_cut_the_budget_into_rows_of_the_slot_size():
                    cuda=False).max_num_seqs == CPU_CAP
 
 
-def test_paging_follows_the_backend():
-    assert uses_pages("sdpa") and not uses_pages("flex")
+def test_a_page_is_one_flex_key_block_under_flex():
+    assert (page_size("flex"), page_size("sdpa")) == (FLEX_BLOCK, CPU_PAGE)
 
 
 def test_every_rank_gets_the_smallest_plan_and_halving_keeps_one_row():

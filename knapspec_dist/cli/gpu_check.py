@@ -24,6 +24,7 @@ from knapspec_dist.tools.gpucheck import (
     findings,
     late,
     measure,
+    paged,
     report,
     shapes,
 )
@@ -46,7 +47,8 @@ FULL = dict(contexts=(1024, 16384, 65536), batches=(1, 8, 32), qs=(2, 4, 8, 11),
             batched=dict(context=8192, batches=(8, 32), new_tokens=64,
                          profile_contexts=(1024, 8192)),
             findings=dict(contexts=(1024, 2048, 4096, 8192), new_tokens=96, interval=16,
-                          profile_contexts=(1024, 8192)))
+                          profile_contexts=(1024, 8192)),
+            paged=dict(context=1024, batches=(1, 16, 64, 256), tokens=(1, 5, 17)))
 QUICK = dict(contexts=(64, 256), batches=(1, 2), qs=(2, 4), ab_contexts=(64, 256), iters=3,
              budget_s=60.0,
              correct=dict(new_tokens=12, prompt_tokens=24, count=1, profile_contexts=(32, 64)),
@@ -54,7 +56,8 @@ QUICK = dict(contexts=(64, 256), batches=(1, 2), qs=(2, 4), ab_contexts=(64, 256
                        spread_tokens=6, batches=(1, 4)),
              bench=dict(contexts=(64, 128), count=1, new_tokens=8),
              batched=dict(context=64, batches=(2, 4), new_tokens=8, profile_contexts=(32, 64)),
-             findings=dict(contexts=(64,), new_tokens=12, interval=7, profile_contexts=(32, 64)))
+             findings=dict(contexts=(64,), new_tokens=12, interval=7, profile_contexts=(32, 64)),
+             paged=dict(context=64, batches=(1, 4), tokens=(1, 5)))
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -129,7 +132,8 @@ def new_document(args: argparse.Namespace, setup: dict, info: dict, budget: Budg
                      "bandwidth_tb_s": args.bandwidth, "plan": setup, "wall_s": 0.0,
                      "stopped": None},
             "sections": {}, "decode": [], "verify": [], "draft": [], "captures": [],
-            "backends": [], "early_exit": [], "block_mask": [], "pieces": [],
+            "paged": [], "paged_identity": [], "backends": [], "early_exit": [],
+            "block_mask": [], "pieces": [],
             "correctness": {"greedy": [], "sampling": [], "notes": []},
             "bf16": {"rejection": [], "summary": [], "spread": [], "notes": []},
             "bench": {"runs": [], "summary": [], "notes": []},
@@ -163,6 +167,7 @@ def steps(doc: dict, setup: dict, device: torch.device, real: correct.RealModel,
                                                                rows, **setup["batched"]))),
         ("findings", no_model or (lambda s: findings.run_findings_section(
             device, real, s, doc["findings"], rows, **setup["findings"]))),
+        ("paged", on_shapes(lambda check, s: paged.paged(check, s, **setup["paged"]))),
         ("backends", on_shapes(late.backends)),
         ("drafting", on_shapes(late.drafting)),  # early exit's cost; compute_q_blocks
         # "pieces" stays last: its capture is the one most likely to poison the device.

@@ -18,7 +18,6 @@ from knapspec_dist.cli.common import (
     emit,
     load_model_args,
 )
-from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.profiles.profile import KV_LAYOUTS, LatencyProfile
@@ -76,8 +75,9 @@ def register(sub) -> None:
     p.add_argument("--kv", default="fixed", choices=list(KV_LAYOUTS),
                    help="the KV cache measured over: fixed slots (default) or paged, as a "
                         "replica with a paged cache decodes")
-    p.add_argument("--page-size", type=int, default=CPU_PAGE,
-                   help=f"with --kv paged: positions per page (default {CPU_PAGE})")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="with --kv paged: positions per page (default: the backend's, "
+                        "16 under sdpa, 128 under flex)")
     p.add_argument("--out", required=True,
                    help="output JSON file, or a directory (file named by key)")
     add_engine_args(p)  # --tp / --address: measure on the Ray engine
@@ -119,7 +119,7 @@ def checked_contexts(args: argparse.Namespace) -> list[int]:
     """The command's numeric arguments, checked; the sorted context lengths."""
     contexts = parse_contexts(args.contexts)
     for name in ("batch", "max_q", "repeats", "page_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")

@@ -29,7 +29,6 @@ from knapspec_dist.cli.common import (
     parse_ints,
 )
 from knapspec_dist.engine.memory import parse_size
-from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.engine.scheduler import max_num_batched_tokens
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.factory import StrategyBuilder
@@ -63,8 +62,9 @@ def register(sub) -> None:
                    help="compare paged KV with fixed slots under this K/V budget (2GiB, 500MB); "
                         "the documents then come from --lengths")
     p.add_argument("--lengths", default="200-3000", help="with --kv-cache-memory: LO-HI tokens")
-    p.add_argument("--page-size", type=int, default=CPU_PAGE,
-                   help="with --kv-cache-memory: positions per page")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="with --kv-cache-memory: positions per page (default: the backend's, "
+                        "16 under sdpa, 128 under flex)")
     p.set_defaults(func=functools.partial(cmd_throughput, parser=p))
 
 
@@ -107,7 +107,7 @@ def cmd_paged(args, parser, model, tokenizer, specs, config) -> int:
     """Paged KV against fixed slots under ``--kv-cache-memory`` (tools/bench/paged.py)."""
     lo, _, hi = args.lengths.partition("-")
     lo, hi = parse_ints(f"{lo},{hi}", "--lengths")
-    if lo > hi or args.page_size < 1:
+    if lo > hi or args.page_size is not None and args.page_size < 1:
         raise UserError(f"--lengths {args.lengths}: expected LO-HI; --page-size >= 1")
     budget = parse_size(args.kv_cache_memory)
     window_rows(model, budget)  # a budget too small for one row, before any document is made

@@ -8,14 +8,14 @@ weights are loaded (CUDA: ``torch.cuda.mem_get_info``; CPU: half the available R
 being the process's working memory and the page cache). Bytes per position:
 2 x layers x local KV heads x head_dim x dtype bytes (``kv_bytes_per_token``).
 
-- Paged (``uses_pages``: the sdpa backend, i.e. a CPU): the budget is one pool of pages
-  (``CPU_PAGE`` positions on a CPU, ``FLEX_PAGE`` on CUDA), never more than the row cap could
-  fill at full length (``max_num_seqs`` x one row's pages), and rows are admitted as the free
-  pages cover them; ``--max-num-seqs`` is only a cap on the rows in flight (default 256 on a
-  GPU, vLLM's, and 16 on a CPU, where a step is compute-bound and larger batches add latency
-  without throughput).
-- Fixed slots (the flex backend until attention over pages runs there): the budget is cut
-  into slots of one row's ``capacity`` positions, at most the cap of them.
+- Paged (the default, on every backend): the budget is one pool of pages (engine/pages.py's
+  ``page_size``: 16 positions under sdpa, one 128-position flex key block under flex), never
+  more than the row cap could fill at full length (``max_num_seqs`` x one row's pages), and
+  rows are admitted as the free pages cover them; ``--max-num-seqs`` is only a cap on the rows
+  in flight (default 256 on a GPU, vLLM's, and 16 on a CPU, where a step is compute-bound and
+  larger batches add latency without throughput).
+- Fixed slots (``fixed_slots``: the comparison the benchmarks and the profiler make): the
+  budget is cut into slots of one row's ``capacity`` positions, at most the cap of them.
 
 A budget that holds no row of ``--max-model-len`` is refused before any replica starts
 (runtime/setup.py, from the model config: ``kv_bytes_per_token_of``); under TP every rank
@@ -30,19 +30,11 @@ import psutil
 import torch
 
 from knapspec_dist.engine.model_runner import CAPACITY_STEP, MIN_CAPACITY
-from knapspec_dist.engine.pages import CPU_PAGE, Paging
+from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, Paging
 from knapspec_dist.errors import UserError
 
 GPU_CAP, CPU_CAP = 256, 16
 MEMORY_UTILIZATION = 0.9  # of the free memory: activations, logits and the allocator's slack
-FLEX_PAGE = 128  # positions per page on CUDA: one flex key block
-
-
-def uses_pages(backend: str) -> bool:
-    """Whether a rank's KV cache is paged: on the sdpa backend (CPU). The flex backend (CUDA)
-    keeps fixed slots until attention over pages runs there; this is the one place that says
-    so."""
-    return backend == "sdpa"
 
 
 @dataclass(frozen=True)

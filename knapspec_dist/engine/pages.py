@@ -11,10 +11,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 
-CPU_PAGE = 16  # positions per page on a CPU: the gather indexes positions, so the page size
+CPU_PAGE = 16  # positions per page under sdpa: the gather indexes positions, so the page size
 # changes only the block table's width and the waste, at most page - 1 positions a row
+FLEX_PAGE = FLEX_BLOCK  # under flex: one page is one key block of the block mask
+
+
+def page_size(backend: str) -> int:
+    """Positions per page for an attention backend (model/attention.py)."""
+    return FLEX_PAGE if backend == "flex" else CPU_PAGE
 
 
 def pages_for(tokens: int, page: int) -> int:

@@ -8,19 +8,14 @@ count attention reads, and (flex) the block mask, so no layer rebuilds any of it
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
-from knapspec_dist.model.attention import FLEX_BLOCK, canonical, default_backend
+from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.block_mask import length_block_mask, paged_block_mask
 from knapspec_dist.model.transfer import upload
-
-# Torch 2.11 and later can skip the backward (q) indices of a BlockMask, which inference never
-# reads: about a third of the ops of building one (gpu-check's ``block_mask_ops``).
-SKIP_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 @dataclass
@@ -39,7 +34,7 @@ class ForwardMeta:
     backend: str = "sdpa"
     block_mask: object | None = None  # flex: built once per forward, shared by all layers
     slots: torch.Tensor | None = None  # paged cache: physical positions of the new tokens
-    gather: torch.Tensor | None = None  # paged cache: physical positions of the keys read
+    gather: torch.Tensor | None = None  # paged sdpa: physical positions of the keys read
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -54,42 +49,6 @@ class ForwardMeta:
             keys = torch.arange(self.kv_len, device=self.positions.device)
             self._mask = keys[None, None, None, :] <= self.positions[:, None, :, None]
         return self._mask
-
-
-def length_block_mask(starts: torch.Tensor, t: int, kv_len: int, block: int = FLEX_BLOCK, *,
-                      q_blocks: bool = not SKIP_Q_BLOCKS):
-    """flex_attention's BlockMask for T queries per row aligned to the end of each row's keys,
-    computed on the device from ``starts`` [B] (no host sync, capturable in a CUDA graph).
-
-    For query block qb (queries i in [qb*BS, min((qb+1)*BS, T))), key block kb is full when its
-    last key is visible to the block's first query, ``(kb+1)*BS - 1 <= start + qb*BS``; the
-    blocks from there up to the one holding the block's last visible key
-    ``start + min((qb+1)*BS, T) - 1`` are partial (mask_mod decides); later blocks are skipped.
-    ``q_blocks``: also build the backward's indices (only gpu-check's ``block_mask_ops`` asks,
-    to compare).
-    """
-    starts = canonical(starts)  # a view into a round's packed upload: one stride, one guard
-    q_blocks_n, kv_blocks = -(-t // block), -(-kv_len // block)
-    qb = torch.arange(q_blocks_n, device=starts.device)
-    first_q = starts[:, None] + qb[None] * block  # [B, QB] position of each block's first query
-    last_q = starts[:, None] + torch.clamp((qb[None] + 1) * block, max=t) - 1
-    full = torch.clamp((first_q + 1) // block, max=kv_blocks)
-    touched = torch.clamp(last_q // block + 1, max=kv_blocks)
-    partial = touched - full
-    idx = torch.arange(kv_blocks, device=starts.device)
-    full_idx = idx.expand(*full.shape, kv_blocks)
-    partial_idx = torch.clamp(full[..., None] + idx, max=kv_blocks - 1)
-    torch._dynamo.mark_static(starts, 0)  # the mask_mod's closure: an integer batch (attention)
-
-    def causal_to_end(b, h, q_idx, kv_idx):
-        return kv_idx <= starts[b] + q_idx
-
-    i32 = torch.int32
-    skip = {"compute_q_blocks": False} if SKIP_Q_BLOCKS and not q_blocks else {}
-    return BlockMask.from_kv_blocks(
-        partial[:, None].to(i32), partial_idx[:, None].to(i32),
-        full[:, None].to(i32), full_idx[:, None].to(i32),
-        BLOCK_SIZE=block, mask_mod=causal_to_end, seq_lengths=(t, kv_len), **skip)
 
 
 def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
@@ -126,11 +85,13 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     cos = (emb.cos() * model.rope_scale).to(model.dtype)
     sin = (emb.sin() * model.rope_scale).to(model.dtype)
-    slots, gather = cache.locate(rows, positions, kv_len)
-    if slots is not None and backend == "flex":
-        raise ValueError("a paged KV cache runs on the sdpa backend only")
+    flex = backend == "flex" and not causal
+    slots, gather = cache.locate(rows, positions, None if flex else kv_len)
     block_mask = None
-    if backend == "flex" and not causal:
+    if flex and slots is not None:  # the pool's keys, read through the block table
+        block_mask = paged_block_mask(starts_dev, t, cache.table[rows], cache.logical,
+                                      cache.page)
+    elif flex:
         block_mask = length_block_mask(starts_dev, t, kv_len)
     return ForwardMeta(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
                        block_mask, slots, gather)

@@ -9,9 +9,12 @@ row writes there and never into a live row's pages. Which pages a row gets is de
 The interface is ``KVCache``'s: ``write`` / ``commit`` / ``lengths``. Rolling back a rejected
 draft moves the length back (the pages stay the row's); retiring a row moves its block-table
 row, never its keys and values. A forward's physical indices (``locate``) are made once, in
-the ``ForwardMeta`` every layer shares; attention then reads a contiguous copy of the rows' keys
-(``index_select``), the same values in the same shapes as the fixed cache's slice, so SDPA
-gives the same bits.
+the ``ForwardMeta`` every layer shares. SDPA then reads a contiguous copy of the rows' keys
+(``index_select``), the same values in the same shapes as the fixed cache's slice, so it gives
+the same bits. flex reads the pool itself through a block mask over pages
+(model/block_mask.py), for which the cache keeps the table's inverse, ``logical``: each page's
+block in the row that holds it. Both tables are device tensors changed in place, so CUDA graphs
+captured over them stay valid as rows come and go.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class PagedKVCache:
         self.capacity = self.max_blocks * page
         self.table = torch.full((batch, self.max_blocks), SCRATCH, dtype=torch.int64,
                                 device=device)
+        self.logical = torch.zeros(n_pages, dtype=torch.int64, device=device)
         self.pages: list[list[int]] = [[] for _ in range(batch)]  # the table's host mirror
         self.lengths = [0] * batch
 
@@ -63,7 +67,9 @@ class PagedKVCache:
                              f"or the scratch page among them")
         self.pages[row] = list(pages)
         if pages:
-            self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            index = torch.tensor(pages, dtype=torch.int64).to(self.table.device)
+            self.table[row, :len(pages)] = index
+            self.logical[index] = torch.arange(len(pages), device=self.table.device)
 
     def release(self, row: int) -> list[int]:
         """Empty a row; the pages it held."""
@@ -89,22 +95,27 @@ class PagedKVCache:
                              "reserved positions")
         self.lengths[row] = length
 
-    def locate(self, rows: slice, positions: torch.Tensor, kv_len: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, rows: slice, positions: torch.Tensor, kv_len: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Physical positions of the new tokens [B, T], and of each row's first ``kv_len``
-        keys [B * kv_len]: made once per forward, shared by every layer."""
+        keys [B * kv_len] (None: flex, which reads the pool): made once per forward, shared
+        by every layer."""
         table = self.table[rows]
         slots = table.gather(1, positions // self.page) * self.page + positions % self.page
+        if kv_len is None:
+            return slots, None
         keys = torch.arange(kv_len, device=table.device)
         gather = table[:, keys // self.page] * self.page + keys % self.page
         return slots, gather.reshape(-1)
 
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [B, T, KV, hd] at ``meta.slots``; the rows' first ``meta.kv_len`` keys and
-        values, [B, KV, kv_len, hd]."""
+        values, [B, KV, kv_len, hd], or (flex: no ``meta.gather``) the pool, [1, KV, pool, hd]."""
         kp, vp = self.k[layer], self.v[layer]
         kp[:, meta.slots] = k.permute(2, 0, 1, 3)
         vp[:, meta.slots] = v.permute(2, 0, 1, 3)
+        if meta.gather is None:
+            return kp[None], vp[None]
         b, kv = k.shape[0], kp.shape[0]
         shape = (kv, b, meta.kv_len, kp.shape[-1])
         return (kp.index_select(1, meta.gather).view(shape).transpose(0, 1),

@@ -68,8 +68,9 @@ import torch.distributed as dist
 
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.memory import free_bytes, kv_bytes_per_token, positions_that_fit
-from knapspec_dist.engine.pages import CPU_PAGE
+from knapspec_dist.engine.pages import page_size
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import dtype_name
@@ -308,7 +309,7 @@ def _check(mode: str, contexts: Sequence[int], batch: int, max_q: int, repeats: 
     return contexts
 
 
-def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int = CPU_PAGE,
+def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int | None = None,
                   generator: torch.Generator | None = None) -> KVCache | PagedKVCache:
     """The cache the profiler measures over: ``batch`` rows of ``capacity`` positions, fixed
     slots or distinct pages in a shuffled order (``kv="paged"``); a UserError, naming the
@@ -325,6 +326,7 @@ def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int
     if kv == "fixed":
         return KVCache(cfg, batch, capacity, dtype=model.dtype, device=model.device,
                        kv_heads=heads)
+    page = page or page_size(model.backend or default_backend(model.device))
     blocks = -(-capacity // page)
     cache = PagedKVCache(cfg, batch, capacity, batch * blocks + 1, page, dtype=model.dtype,
                          device=model.device, kv_heads=heads)
@@ -428,7 +430,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
             repeats: int = 5, *, warmup: int = 1, fill: str = "random", group=None,
             shape: dict[str, Any] | None = None, allreduce_sizes: Sequence[int] | None = None,
             seed: int = 0, mode: str = "eager", kv: str = "fixed",
-            page: int = CPU_PAGE) -> LatencyProfile:
+            page: int | None = None) -> LatencyProfile:
     """Measure ``model`` (a loaded ``Transformer``) and fit its latency profile.
 
     contexts: context lengths n (tokens already in the KV cache); batch: sequences per forward;
@@ -439,7 +441,8 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     shape: the model shape to record (defaults to ``model.cfg.shape()``; a TP shard passes the
     full model's); mode: "eager" (hooked sublayers) or "graph" (replayed forwards, the way
     decoding runs on a GPU; see replay.py); kv: "fixed" slots or "paged" (pages of ``page``
-    positions). See the module docstring for the method.
+    positions, by default the backend's: engine/pages.py's ``page_size``). See the module
+    docstring for the method.
     """
     contexts = _check(mode, contexts, batch, max_q, repeats, warmup, kv)
     device, dtype, cfg = model.device, model.dtype, model.cfg

@@ -32,7 +32,6 @@ import ray
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
 from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
-from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.engine.sampling import prompt_keys
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.engine.sequence import row_capacity
@@ -193,7 +192,7 @@ class RayEngine:
     def measure_profile(self, contexts: list[int], *, replica: int = 0, batch: int = 1,
                         max_q: int = 11, repeats: int = 5, warmup: int = 1,
                         fill: str = "random", kv: str = "fixed",
-                        page: int = CPU_PAGE) -> LatencyProfile:
+                        page: int | None = None) -> LatencyProfile:
         """A latency profile measured on one replica's shards (all ranks, MAX over ranks,
         with the all-reduce when tp > 1); see profiles/profiler.py for the method."""
         self._check_replica(replica)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from knapspec_dist.engine.memory import KVBudget, kv_bytes_per_token_of, plan_kv, uses_pages
+from knapspec_dist.engine.memory import KVBudget, kv_bytes_per_token_of, plan_kv
+from knapspec_dist.engine.pages import page_size
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.attention import default_backend
@@ -76,7 +77,7 @@ def check_kv_memory(config: ModelConfig, tp: int, dtype: str, device: str,
     free = (node_bytes if device == "cuda" else node_bytes // 2) if node_bytes else 0
     kv = plan_kv(per_token=kv_bytes_per_token_of(config, tp, resolve_dtype(dtype)), free=free,
                  capacity=budget.capacity or row_capacity(config.max_position_embeddings, 0),
-                 paged=uses_pages(default_backend(device)) and not budget.fixed_slots,
+                 paged=not budget.fixed_slots, page=page_size(default_backend(device)),
                  cuda=device == "cuda", kv_cache_memory=budget.kv_cache_memory,
                  memory_utilization=budget.memory_utilization, max_num_seqs=budget.max_num_seqs)
     check_kv(kv, budget, where="the largest node's memory, before the weights")

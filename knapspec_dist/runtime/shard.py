@@ -25,10 +25,9 @@ from knapspec_dist.engine.memory import (
     free_bytes,
     kv_bytes_per_token,
     plan_kv,
-    uses_pages,
 )
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.pages import CPU_PAGE, KVUse
+from knapspec_dist.engine.pages import KVUse, page_size
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -94,7 +93,7 @@ class Shard:
     def measure_profile(self, contexts: list[int], repeats: int, *, batch: int = 1,
                         max_q: int = profiler.DEFAULT_MAX_Q, warmup: int = 1,
                         fill: str = "random", mode: str = "eager", kv: str = "fixed",
-                        page: int = CPU_PAGE) -> dict:
+                        page: int | None = None) -> dict:
         """Measure a latency profile (collective: every rank of the replica calls it); the
         arguments are profiler.measure's."""
         group = dist.group.WORLD if self.world > 1 else None
@@ -123,9 +122,9 @@ class Shard:
         model = self.model
         capacity = budget.capacity or row_capacity(model.cfg.max_position_embeddings, 0)
         free = self.free_memory()
-        paged = uses_pages(model.backend or default_backend(model.device))
+        page = page_size(model.backend or default_backend(model.device))
         kv = plan_kv(per_token=kv_bytes_per_token(model), free=free, capacity=capacity,
-                     paged=paged and not budget.fixed_slots, cuda=model.device.type == "cuda",
+                     paged=not budget.fixed_slots, cuda=model.device.type == "cuda", page=page,
                      kv_cache_memory=budget.kv_cache_memory,
                      memory_utilization=budget.memory_utilization,
                      max_num_seqs=budget.max_num_seqs)

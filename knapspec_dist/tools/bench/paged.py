@@ -3,10 +3,12 @@
     knapspec throughput --model smollm2 --kv-cache-memory 1.5GiB --lengths 200-3000 \\
         --documents 16 --new-tokens 64 --strategies ar --out bench/paged
 
-The budget is the bytes of K/V a replica may hold. Fixed slots give every row the model's
-window (as a job does, ``row_capacity(window, 0)``), so the budget holds ``budget / (window x
-bytes per position)`` rows whatever the documents; paged, the same bytes are one pool, and a
-row is admitted while the free pages cover its own prompt, new tokens and lookahead. Documents
+The budget is the bytes of K/V a replica may hold, sized by the engine's own rule
+(engine/memory.py's ``plan_kv``, as ``--kv-cache-memory``). Fixed slots give every row the
+model's window (as a job without paging would, ``row_capacity(window, 0)``), so the budget holds
+``budget / (window x bytes per position)`` rows whatever the documents; paged, the same bytes
+are one pool, and a row is admitted while the free pages cover its own prompt, new tokens and
+lookahead. Documents
 of lengths spread evenly over ``--lengths`` (in a fixed shuffled order, so short and long ones
 mix) go through both, interleaved when repeated. Reported per (strategy, mode): the rows the
 budget holds at the documents' real lengths, the mean rows in flight, tokens/s over the run and
@@ -20,12 +22,13 @@ import random
 from collections.abc import Callable
 
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.memory import CPU_CAP, GPU_CAP, kv_bytes_per_token
-from knapspec_dist.engine.pages import CPU_PAGE, Paging
+from knapspec_dist.engine.memory import KVBudget, kv_bytes_per_token, plan_kv
+from knapspec_dist.engine.pages import page_size
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.tools.bench.prompts import build_prompts
 
@@ -50,12 +53,21 @@ def documents(tokenizer, lo: int, hi: int, count: int, window: int,
     return rows
 
 
+def plan(model: Transformer, budget: int, capacity: int, paged: bool,
+         page: int | None = None) -> KVBudget:
+    """The cache ``plan_kv`` gives ``budget`` bytes of K/V for rows of ``capacity``."""
+    page = page or page_size(model.backend or default_backend(model.device))
+    return plan_kv(per_token=kv_bytes_per_token(model), free=0, capacity=capacity,
+                   paged=paged, cuda=model.device.type == "cuda", kv_cache_memory=budget,
+                   page=page)
+
+
 def window_rows(model: Transformer, budget: int) -> tuple[int, int]:
-    """Rows of the model's whole window that ``budget`` bytes of K/V hold (a UserError when
-    none), and the positions of one."""
+    """Rows of the model's whole window that ``budget`` bytes of K/V hold as fixed slots (a
+    UserError when none), and the positions of one."""
     per_token = kv_bytes_per_token(model)
     window = row_capacity(model.cfg.max_position_embeddings, 0)
-    rows = budget // (per_token * window)
+    rows = plan(model, budget, window, paged=False).pages
     if rows < 1:
         raise UserError(f"--kv-cache-memory {budget} bytes holds no row of the model's "
                         f"{window}-position window ({per_token * window} bytes)")
@@ -64,17 +76,18 @@ def window_rows(model: Transformer, budget: int) -> tuple[int, int]:
 
 def compare(model: Transformer, build_strategy: Callable[[str], Strategy], labels: list[str],
             rows: list[tuple[str, list[int]]], config: GenerationConfig, budget: int,
-            page: int = CPU_PAGE, repeats: int = 1) -> list[dict]:
+            page: int | None = None, repeats: int = 1) -> list[dict]:
     """Fixed slots and pages under ``budget`` bytes of K/V, per strategy, ``repeats`` times
     interleaved; one entry per (strategy, mode), the median run by tokens/s."""
     fixed_rows, window = window_rows(model, budget)
-    pool = budget // kv_bytes_per_token(model)
     ids = [p for _, p in rows]
     needs = [row_capacity(len(p), config.max_new_tokens) for p in ids]
     capacity = max(needs)
-    cap = GPU_CAP if model.device.type == "cuda" else CPU_CAP
-    holds = min(len(ids), cap, pool / (sum(needs) / len(needs)))
-    modes = {"fixed": (fixed_rows, None), "paged": (cap, Paging(pool, page))}
+    paged = plan(model, budget, capacity, paged=True, page=page)
+    pool = paged.tokens
+    holds = min(len(ids), paged.max_num_seqs,
+                pool / (sum(paged.row_tokens(n) for n in needs) / len(needs)))
+    modes = {"fixed": (fixed_rows, None), "paged": (paged.max_num_seqs, paged.paging())}
     entries = []
     for label in labels:
         runs: dict[str, list[dict]] = {m: [] for m in modes}

@@ -23,8 +23,8 @@ import psutil
 # attention backend, per-sublayer draft graphs), so that a crash there, which may poison the
 # CUDA context, costs nothing measured before it. Measurements within a section go smallest
 # first: what is skipped is the largest part.
-SHARES = {"shapes": 0.28, "correctness": 0.14, "bf16": 0.06, "bench": 0.12, "batched": 0.12,
-          "findings": 0.08, "backends": 0.08, "drafting": 0.04, "pieces": 0.08}
+SHARES = {"shapes": 0.24, "correctness": 0.14, "bf16": 0.06, "bench": 0.10, "batched": 0.10,
+          "findings": 0.08, "paged": 0.08, "backends": 0.08, "drafting": 0.04, "pieces": 0.08}
 
 
 def process_start() -> float:

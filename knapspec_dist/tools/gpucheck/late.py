@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from knapspec_dist.model.attention import BACKENDS, default_backend
-from knapspec_dist.model.forward_meta import SKIP_Q_BLOCKS, length_block_mask
+from knapspec_dist.model.block_mask import SKIP_Q_BLOCKS, length_block_mask
 from knapspec_dist.tools.gpucheck import shapes as S
 from knapspec_dist.tools.gpucheck.budget import Section
 from knapspec_dist.tools.gpucheck.measure import ShapeCheck, release

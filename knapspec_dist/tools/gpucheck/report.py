@@ -49,6 +49,14 @@ SECTIONS = [
         ("status", "status")]),
 ]
 LATE = [
+    ("paged", "Paged KV against fixed slots (replayed forward of T tokens a row, equal batch)", [
+        ("model", "model"), ("context", "context"), ("batch", "batch"), ("t", "T"),
+        ("page", "page"), ("fixed_ms", "fixed ms"), ("paged_ms", "paged ms"),
+        ("ratio", "paged / fixed"), ("status", "status")]),
+    ("paged_identity", "Paged against fixed slots as long as the pool, fp32 logits", [
+        ("model", "model"), ("context", "context"), ("batch", "batch"), ("t", "T"),
+        ("identical", "same bits"), ("max_diff", "max diff"),
+        ("pool_positions", "pool positions"), ("status", "status")]),
     ("backends", "Attention backend A/B (decode, batch 1)", [
         ("model", "model"), ("context", "context"), ("backend", "backend"), ("ms", "step ms"),
         ("vs_default", "vs default"), ("status", "status")]),
