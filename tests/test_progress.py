@@ -16,6 +16,7 @@ import pytest
 
 from knapspec_dist.engine.scheduler import Work
 from knapspec_dist.jobs.progress import Progress
+from knapspec_dist.runtime.messages import KVReport
 
 MARKS = (0.1, 0.25, 0.5, 0.75)  # fractions of the job at which the ETA is checked
 
@@ -199,3 +200,21 @@ def test_one_rows_rate_is_its_tokens_per_round_over_a_rounds_seconds():
                          decoded=60, rounds=10, row_rounds=20)
     done_each = 62 / 12  # the 12 rows' tokens so far, each
     assert progress.eta() == pytest.approx((96 - done_each) / 3.0)
+
+
+def test_rows_waiting_for_memory_make_the_waves_as_wide_as_the_pool_held():
+    """A cap of 16 rows, but the pool held 4 at once and rows waited for pages: 12 rows left
+    go in waves of 4, not 16 (the ETA once said a third of the real time)."""
+    kv = KVReport(paged=True, page_size=16, pages=100, tokens=1600, bytes=1, max_num_seqs=16,
+                  peak_tokens=1600, peak_use=1.0, peak_rows=4, mean_rows=3.5,
+                  memory_wait_s=2.0, rows_waited=3)
+    progress = Progress(total=12, every=0.0, label="rows", bar_enabled=False, max_new_tokens=10,
+                        live=lambda: None, slots=16, memory=lambda: kv)
+    progress.work = Work(emitted=4, prefilled=5000, prefill_s=50.0, decode_s=1.0, decoded=4,
+                         rounds=1, row_rounds=4)
+    progress.tick()
+    assert progress.in_flight() == 4
+    row_rate = 1.0  # a token a round, a round a second
+    assert progress.eta() == pytest.approx((10 - 1 + 2 * 10) / row_rate)
+    progress.kv = None
+    assert progress.in_flight() == 16

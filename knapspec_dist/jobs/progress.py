@@ -17,7 +17,9 @@ measured for it (a replica prefills and decodes in turn, and the replicas run si
   slots: in a prefill-heavy pass rows join one by one between prefill chunks, so only a few
   decode at once until late, and that divided a row's rate by the idle slots too. A row
   still decoding is expected to need at least half of what its ``max_new_tokens`` leaves
-  (rows that stopped early at EOS do not make the others short).
+  (rows that stopped early at EOS do not make the others short). Once rows have waited for
+  KV memory, the pages, not the row cap, bound the rows in flight: the waves are then as wide
+  as the most rows the pools held at once (``KVReport.peak_rows``, per replica).
 
 The line ends with the replicas' KV cache (``memory``, runtime/messages.py's ``KVReport``):
 its size, peak use, the rows in flight (mean and peak) and the seconds rows waited for memory.
@@ -120,18 +122,27 @@ class Progress:
         per_row = self.finished_tokens / ok if ok else self.max_new_tokens
         generated = max(0, self.tokens - self.finished_tokens)  # by the unfinished rows
         rows_left = self.total - self.done
-        if not self.slots:
+        slots = self.in_flight()
+        if not slots:
             return max(0.0, rows_left * per_row - generated) / rate
-        flying = min(self.slots, rows_left)
+        flying = min(slots, rows_left)
         if not flying:
             return 0.0
-        waves = -(-(rows_left - flying) // self.slots)
+        waves = -(-(rows_left - flying) // slots)
         done_each = generated / flying
         # A row still decoding has outlived the early finishers: expect at least half of what
         # its budget leaves, not the finished rows' mean (which early EOS rows pull down).
         ahead = max(per_row - done_each, (self.max_new_tokens - done_each) / 2, 0.0)
         steps = ahead + waves * per_row
         return steps / row_rate
+
+    def in_flight(self) -> int | None:
+        """Rows decoding at once over the replicas: the row cap, or once rows have waited for
+        memory, the most the replicas' pools held at once."""
+        kv = self.kv
+        if self.slots and kv is not None and kv.rows_waited and kv.peak_rows:
+            return min(self.slots, kv.peak_rows * self.replicas)
+        return self.slots
 
     def tick(self, force: bool = False) -> None:
         now = self.clock()
