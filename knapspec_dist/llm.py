@@ -6,7 +6,9 @@ import logging
 from dataclasses import dataclass
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION, plan_for
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
@@ -34,11 +36,27 @@ def load(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
 
 
 def generate_texts(loaded: LoadedModel, prompts: list[list[int]], options: StrategyOptions,
-                   config: GenerationConfig, max_num_seqs: int | None = None
-                   ) -> list[GenerationResult]:
-    """Every prompt, ``max_num_seqs`` decoding at once (None: all together)."""
-    strategy = build_strategy(options, loaded.model)
-    results = generate(strategy, loaded.model, prompts, config, max_num_seqs=max_num_seqs)
+                   config: GenerationConfig, max_num_seqs: int | None = None, *,
+                   kv_cache_memory: int | None = None,
+                   memory_utilization: float = MEMORY_UTILIZATION) -> list[GenerationResult]:
+    """Every prompt, continuously batched over a paged KV cache sized as a replica's is
+    (engine/memory.py): ``kv_cache_memory`` bytes, else ``memory_utilization`` of the free
+    memory; at most ``max_num_seqs`` rows at once (default 256 on a GPU, 16 on a CPU). A
+    prompt the empty cache cannot hold is refused before any is generated."""
+    model = loaded.model
+    needs = [row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts]
+    kv = plan_for(model, max(needs, default=1), paged=True, kv_cache_memory=kv_cache_memory,
+                  memory_utilization=memory_utilization, max_num_seqs=max_num_seqs)
+    for i, need in enumerate(needs):
+        if not kv.holds(need):
+            raise UserError(f"prompt {i}: {len(prompts[i])} tokens with "
+                            f"{config.max_new_tokens} new tokens need {need} cache positions; "
+                            f"the KV cache holds {kv.tokens} ({kv.bytes / 2 ** 20:.1f} MiB): "
+                            "give more --kv-cache-memory or fewer --max-new-tokens")
+    strategy = build_strategy(options, model)
+    results = generate(strategy, model, prompts, config,
+                       max_num_seqs=max(1, min(kv.max_num_seqs, len(prompts))),
+                       paging=kv.paging())
     for r in results:
         r.text = loaded.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     return results

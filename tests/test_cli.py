@@ -14,13 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from knapspec_dist.cli import demo, standalone
 from knapspec_dist.cli.main import main
 from knapspec_dist.cli.main import parser as knapspec_parser
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.memory import kv_bytes_per_token_of
+from knapspec_dist.engine.pages import CPU_PAGE
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.jobs.termination import JobTerminated
+from knapspec_dist.model.config import load_config
 from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.tools.corpus import document_of_tokens
@@ -101,6 +106,29 @@ def test_prompt_longer_than_context_window(capsys, cli_model, smollm2, tmp_path)
     long = tmp_path / "long.txt"
     long.write_text(document_of_tokens(smollm2.tokenizer, 4300))
     user_error(capsys, gen(cli_model, "--prompt-file", str(long)), "context window", "4096")
+
+
+def test_generate_sizes_its_kv_cache_as_a_replica_does(capsys, cli_model):
+    """``--kv-cache-memory`` in process: a budget that holds one row decodes the prompts one
+    at a time with the tokens of the default budget's batch; one that holds none is one error
+    naming the prompt; a bad size or utilization is one error naming the option."""
+    per_token = kv_bytes_per_token_of(load_config(cli_model), 1, torch.float32)
+    prompts = ["--prompt", "hello there", "--prompt", "one more prompt", "--json"]
+    assert main(gen(cli_model, *prompts)) == 0
+    batched = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    needs = [row_capacity(r["stats"]["prompt_tokens"], 4) for r in batched]
+    pages = -(-max(needs) // CPU_PAGE)
+    assert sum(-(-n // CPU_PAGE) for n in needs) > pages  # the two rows never fit together
+    one_row = str(per_token * pages * CPU_PAGE)  # the longer row's pages: not both at once
+    assert main(gen(cli_model, *prompts, "--kv-cache-memory", one_row)) == 0
+    alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in alone] == [r["token_ids"] for r in batched]
+    user_error(capsys, gen(cli_model, "--prompt", "hello", "--kv-cache-memory", "1KB"),
+               "prompt 0:", "cache positions", "the KV cache holds 0")
+    user_error(capsys, gen(cli_model, "--prompt", "hello", "--kv-cache-memory", "lots"),
+               "--kv-cache-memory")
+    user_error(capsys, gen(cli_model, "--prompt", "hello", "--memory-utilization", "0"),
+               "--memory-utilization")
 
 
 @pytest.mark.parametrize("skip,needle", [("a99", "a99"), ("x3", "x3"), ("a1,m", "'m'")])

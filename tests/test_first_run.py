@@ -136,7 +136,8 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
     """The start must not measure (the shards' measurement outlasts the start-up timeout:
     today's engines failed here with "did not prepare within 20s"); it prepares at once
     and generates ar's tokens. ``knapspec:fixed`` (no calibration) must measure: that takes
-    longer than the timeout and still prepares, since it is not counted."""
+    longer than the timeout and still prepares, since it is not counted, and measures over the
+    paged cache the replica decodes over."""
     from knapspec_dist.runtime import RayEngine
     from knapspec_dist.speculation.options import StrategyOptions
 
@@ -161,4 +162,5 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
                                            tau_conf=0.0))
         info = engine.replica_info(0)
         assert info.profile["origin"] == "measured", info
+        assert info.profile["key"].endswith("__paged"), info  # over the pages it decodes over
         assert [r.token_ids for r in engine.generate(prompts, **greedy)] == expected

@@ -201,6 +201,11 @@ def test_a_paged_profile_is_measured_over_pages_keyed_and_priced_apart(model, di
     found = store.lookup(None, [device], shape, "fp32", need=16, kv="paged")
     assert found.profile.kv == "paged" and [s.batch for s in found.siblings] == [4]
     assert {s.kv for s in found.siblings} == {"paged"}
+    for p in paged:  # only the fixed-slot profile left: a starting point for a paged run
+        (repo / f"{p.key()}.json").unlink()
+    assert store.lookup(None, [device], shape, "fp32", need=16, kv="paged") is None
+    found = store.lookup(None, [device], shape, "fp32", need=16, kv="paged", borrow=True)
+    assert found.profile.kv == "fixed" and found.path.endswith(f"{fixed.key()}.json")
 
 
 def test_a_profile_batch_the_memory_cannot_hold_is_refused_with_what_fits(model, monkeypatch):

@@ -30,8 +30,9 @@ import psutil
 import torch
 
 from knapspec_dist.engine.model_runner import CAPACITY_STEP, MIN_CAPACITY
-from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, Paging
+from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, Paging, page_size
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.attention import default_backend
 
 GPU_CAP, CPU_CAP = 256, 16
 MEMORY_UTILIZATION = 0.9  # of the free memory: activations, logits and the allocator's slack
@@ -138,12 +139,16 @@ def free_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available // 2)
 
 
-def max_num_seqs_for(model, capacity: int) -> int:
-    """Fixed slots of ``capacity`` positions a loaded model's free memory holds by the rule
-    (at least 1): an in-process run's default batch."""
-    plan = plan_kv(per_token=kv_bytes_per_token(model), free=free_bytes(model.device),
-                   capacity=capacity, paged=False, cuda=model.device.type == "cuda")
-    return max(1, plan.max_num_seqs)
+def plan_for(model, capacity: int, *, paged: bool, kv_cache_memory: int | None = None,
+             memory_utilization: float = MEMORY_UTILIZATION,
+             max_num_seqs: int | None = None) -> KVBudget:
+    """``plan_kv`` for a loaded model in this process, from its device's free memory now (an
+    in-process run: rows of up to ``capacity`` positions)."""
+    return plan_kv(per_token=kv_bytes_per_token(model), free=free_bytes(model.device),
+                   capacity=capacity, paged=paged, cuda=model.device.type == "cuda",
+                   kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
+                   max_num_seqs=max_num_seqs,
+                   page=page_size(model.backend or default_backend(model.device)))
 
 
 def kv_memory_option(value: int | str | None) -> int | None:

@@ -33,7 +33,7 @@ from knapspec_dist.engine.generation import (
     check_prompt,
     finish,
 )
-from knapspec_dist.engine.memory import max_num_seqs_for
+from knapspec_dist.engine.memory import plan_for
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
 from knapspec_dist.engine.pages import KVUse, PagePool, Paging
 from knapspec_dist.engine.sampling import choose, prompt_keys, row_seed
@@ -302,6 +302,7 @@ def generate(strategy: Strategy, model: Transformer, prompts: list[list[int]],
     all of them, as far as memory holds them: engine/memory.py); results in input order."""
     capacity = max((row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts),
                    default=1)
-    rows = max_num_seqs or min(max(1, len(prompts)), max_num_seqs_for(model, capacity))
+    rows = max_num_seqs or min(max(1, len(prompts)),
+                               max(1, plan_for(model, capacity, paged=False).max_num_seqs))
     return Scheduler(strategy, model, config, rows, capacity, runner=runner,
                      clock=clock, paging=paging).run(prompts)

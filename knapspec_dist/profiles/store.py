@@ -296,7 +296,8 @@ def lookup(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *
     and covers ``need`` (with its batch siblings), else with ``borrow`` a ``starting_point``;
     None (with a WARNING saying so) when one must be measured. Ranks on different devices
     never match a stored profile. ``kv``: the KV layout the run decodes over ("fixed",
-    "paged"), which the profile must have been measured over."""
+    "paged"), which the profile must have been measured over; with ``borrow``, this device's
+    profile over the other layout is the next best starting point (calibration refits it)."""
     if path:
         return ProfileChoice(load_profile(path, shape), str(path), "loaded")
     device, mode = devices[0], decode_mode(devices[0])
@@ -307,6 +308,14 @@ def lookup(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *
         return None
     found = find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need, kv)
     if found is not None:
+        found.siblings = batch_siblings(found.profile)
+        return found
+    other = "fixed" if kv == "paged" else "paged"
+    if borrow and (found := find_profile(search_dirs(), device, shape, dtype, 1, tp, mode, need,
+                                         other)) is not None:
+        log.warning("no latency profile of this device was measured over a %s KV cache: "
+                    "starting from %s, measured over %s, which online calibration refits "
+                    "from the run's own timed rounds", kv, found.path, other)
         found.siblings = batch_siblings(found.profile)
         return found
     what = (f"device {device.get('name')!r}, model {shape}, {dtype}, batch 1, tp {tp}, {mode}"

@@ -1,9 +1,11 @@
 """The coordinator actor of one replica: it resolves the latency profile and orders requests.
 
 * Profiles: resolved by profiles/store.py's ``lookup`` for the replica's devices, model
-  shape, dtype, tp and mode: the one the user named, or the stored one that covers the job's
-  longest context (``profiles/``, then the profile cache). When none matches, a strategy that
-  refits its prices online (knapspec, unless ``fixed`` or ``paper``) starts at once from a
+  shape, dtype, tp, mode and KV layout (the cache is planned first, so a paged replica is
+  priced by a profile measured over pages, or where it may borrow, by this device's over fixed
+  slots): the one the user named, or the stored one that covers the job's longest context
+  (``profiles/``, then the profile cache). When none matches, a strategy that refits its
+  prices online (knapspec, unless ``fixed`` or ``paper``) starts at once from a
   starting point (this machine's last online refit, else another device's profile of the
   same model), said in the log; any other has the shards measure one (all ranks, MAX over
   ranks, the all-reduce included), awaited without blocking this actor's loop, and keeps it
@@ -132,18 +134,18 @@ class Coordinator:
         self.shards = shards
         self.profile_description = None
         self._decode([])  # load the tokenizer now, not on the first request
+        plans = await asyncio.gather(*[s.plan_memory.remote(budget) for s in shards])
+        kv = KVBudget.least(plans)  # every rank holds the same cache, decides the same
+        check_kv(kv, budget)  # the start-up wait names the replica
         profiles = None
-        if options.name in ("knapspec", "clasp"):
-            choice = await self._find(options, infos, measure)
+        if options.name in ("knapspec", "clasp"):  # priced over the layout it decodes over
+            choice = await self._find(options, infos, measure, "paged" if kv.paged else "fixed")
             self.profile_description = choice.describe()
             if choice.profile.tp != self.tp:
                 log.warning("replica %d: profile %s was measured at tp=%d, this replica runs "
                             "tp=%d: its all-reduce costs do not match", self.replica,
                             choice.path, choice.profile.tp, self.tp)
             profiles = [p.to_json() for p in choice.profiles]
-        plans = await asyncio.gather(*[s.plan_memory.remote(budget) for s in shards])
-        kv = KVBudget.least(plans)  # every rank holds the same cache, decides the same
-        check_kv(kv, budget)  # the start-up wait names the replica
         await asyncio.gather(*[s.configure.remote(replace(options, profile=None), profiles, kv)
                                for s in shards])
         self.kv, self.max_num_seqs = kv, kv.max_num_seqs
@@ -152,29 +154,31 @@ class Coordinator:
         return self.info()
 
     async def _find(self, options: StrategyOptions, infos: list[ShardInfo],
-                    measure: MeasureOptions) -> ProfileChoice:
-        """profiles/store.py's lookup for this replica's devices (files only, in a thread);
-        where a strategy refits its prices online, a starting point rather than a
-        measurement; else the shards measure one, awaited, never blocking this loop."""
+                    measure: MeasureOptions, kv: str) -> ProfileChoice:
+        """profiles/store.py's lookup for this replica's devices and KV layout ``kv`` (files
+        only, in a thread); where a strategy refits its prices online, a starting point rather
+        than a measurement; else the shards measure one over ``kv``, awaited, never blocking
+        this loop."""
         config = load_config(self.path)
         devices = [i.device for i in infos]
         need = measure.need
         choice = await asyncio.to_thread(lookup, options.profile, devices, config.shape(),
                                          self.dtype, tp=self.tp, need=need,
-                                         borrow=calibrates(options))
+                                         borrow=calibrates(options), kv=kv)
         if choice is not None:
             return choice
         contexts = list(measure.contexts or contexts_for(need, config.max_position_embeddings))
-        profile = await self._measure(contexts, decode_mode(devices[0]), measure.repeats)
+        profile = await self._measure(contexts, decode_mode(devices[0]), measure.repeats, kv)
         return await asyncio.to_thread(adopt, profile)
 
-    async def _measure(self, contexts: list[int], mode: str, repeats: int) -> LatencyProfile:
+    async def _measure(self, contexts: list[int], mode: str, repeats: int,
+                       kv: str = "fixed") -> LatencyProfile:
         """A profile measured by every shard (samples MAX-reduced over the ranks)."""
         start = time.perf_counter()
         self.measuring = Measuring(tuple(contexts), repeats, time.time())
         try:
             outs = await asyncio.gather(*[s.measure_profile.remote(list(contexts), repeats,
-                                                                   mode=mode)
+                                                                   mode=mode, kv=kv)
                                           for s in self.shards])
         finally:
             self.measuring = None
