@@ -9,6 +9,8 @@ import argparse
 
 import pytest
 import torch
+from test_scheduler import NAME as SCHEDULER_MODEL
+from test_scheduler import prompts
 
 from knapspec_dist.cli.job import add_job_args, config_from_args
 from knapspec_dist.engine.generation import GenerationConfig
@@ -29,10 +31,12 @@ from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.runtime import ray_engine
-from knapspec_dist.runtime.messages import KVReport, ReplicaBudget, ReplicaInfo
+from knapspec_dist.runtime.messages import Admission, KVReport, ReplicaBudget, ReplicaInfo
 from knapspec_dist.runtime.processor import ProcessorConfig
 from knapspec_dist.runtime.setup import check_kv, check_kv_memory
+from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.options import StrategyOptions
 
 from conftest import random_prompt
 
@@ -212,3 +216,26 @@ def test_a_scheduler_reports_its_peaks_and_the_rows_that_waited_for_pages(engine
     fixed = Scheduler(Autoregressive(), model, config, 2, max(needs), clock=TickClock())
     fixed.run(ps)  # slots, not pages: nobody waits for memory
     assert fixed.use == KVUse(peak_tokens=2 * fixed.capacity, peak_rows=2)
+
+
+def test_a_shard_schedules_with_the_budget_its_config_carries(checkpoints, engine_model):
+    """The budget crosses to a shard inside the GenerationConfig each ``advance`` gets (what a
+    coordinator sends over Ray), and its rows get the tokens of an in-process run."""
+    model = engine_model(SCHEDULER_MODEL)
+    config = GenerationConfig(max_new_tokens=10, stop_at_eos=False, max_num_batched_tokens=5)
+    ps = prompts(model.cfg.vocab_size)
+    want = Scheduler(Autoregressive(), model, GenerationConfig(max_new_tokens=10,
+                     stop_at_eos=False), 2, 256).run(ps)
+    shard = Shard(0, 0, 1, 1, "cpu")
+    shard.setup(str(checkpoints[SCHEDULER_MODEL]), "", 0, "fp32")
+    budget = ReplicaBudget(capacity=256, max_num_seqs=2)
+    shard.configure(StrategyOptions(name="ar"), None, shard.plan_memory(budget))
+    admit = [Admission(i, tuple(p), i) for i, p in enumerate(ps)]
+    done = {}
+    while len(done) < len(ps):
+        out = shard.advance(config, admit, 1000, 2)
+        admit = []
+        assert not out.refused
+        done.update(out.finished)
+        assert shard.scheduler.max_num_batched_tokens == 5
+    assert [done[i].token_ids for i in range(len(ps))] == [r.token_ids for r in want]

@@ -21,8 +21,6 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
-from knapspec_dist.runtime.messages import Admission, ReplicaBudget
-from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.speculation import knapsack, tpt
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.knapspec import (
@@ -31,7 +29,6 @@ from knapspec_dist.speculation.knapspec import (
     Selection,
     choose_by_tpt,
 )
-from knapspec_dist.speculation.options import StrategyOptions
 from knapspec_dist.speculation.schedule import Frontier
 from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
 
@@ -140,29 +137,6 @@ def test_the_default_prefill_budget_is_the_devices():
     asked = GenerationConfig(max_num_batched_tokens=100)
     assert max_num_batched_tokens(asked, torch.device("cuda")) == 100
     assert max_num_batched_tokens(GenerationConfig(), "cuda") == 8192
-
-
-def test_a_shard_schedules_with_the_budget_its_config_carries(checkpoints, engine_model):
-    """The budget crosses to a shard inside the GenerationConfig each ``advance`` gets (what a
-    coordinator sends over Ray), and its rows get the tokens of an in-process run."""
-    model = engine_model(NAME)
-    config = GenerationConfig(max_new_tokens=10, stop_at_eos=False, max_num_batched_tokens=5)
-    ps = prompts(model.cfg.vocab_size)
-    want = Scheduler(Autoregressive(), model, GenerationConfig(max_new_tokens=10,
-                     stop_at_eos=False), 2, 256).run(ps)
-    shard = Shard(0, 0, 1, 1, "cpu")
-    shard.setup(str(checkpoints[NAME]), "", 0, "fp32")
-    budget = ReplicaBudget(capacity=256, max_num_seqs=2)
-    shard.configure(StrategyOptions(name="ar"), None, shard.plan_memory(budget))
-    admit = [Admission(i, tuple(p), i) for i, p in enumerate(ps)]
-    done = {}
-    while len(done) < len(ps):
-        out = shard.advance(config, admit, 1000, 2)
-        admit = []
-        assert not out.refused
-        done.update(out.finished)
-        assert shard.scheduler.max_num_batched_tokens == 5
-    assert [done[i].token_ids for i in range(len(ps))] == [r.token_ids for r in want]
 
 
 def test_batched_sampling_runs_per_row(engine_model):
