@@ -13,9 +13,10 @@ Backends, one per device kind, pinned rather than left to a library default:
   verify fold each KV head's query group into rows, ``[B, KV, g*T, hd]``, so each cached key is
   read once per KV head (1.6-1.8x faster attention at 8k on the CPU than per query head).
 - ``flex`` (CUDA): ``flex_attention`` compiled, with a block mask built on the device from
-  ``starts`` (``length_block_mask``): key blocks wholly visible are "full" (no mask_mod), the
+  ``starts`` (model/block_mask.py): key blocks wholly visible are "full" (no mask_mod), the
   one or two blocks at each row's causal edge are "partial", blocks past a row's length are
-  never read. GQA without repeating K/V; flex-decoding splits long rows over thread blocks
+  never read. Over a paged cache the keys are the page pool itself (batch 1, broadcast over
+  the rows) and the mask's blocks are the rows' pages. GQA without repeating K/V; flex-decoding splits long rows over thread blocks
   where query heads / KV heads is a power of two (torch's lowering takes it only then: a
   model with 9 / 3 heads, SmolLM2, gets the main flex kernel, with no split over the keys).
   Its shapes are static (all ``capacity`` keys, lengths in the block mask), so the same call
