@@ -16,8 +16,9 @@ Backends, one per device kind, pinned rather than left to a library default:
   ``starts`` (model/block_mask.py): key blocks wholly visible are "full" (no mask_mod), the
   one or two blocks at each row's causal edge are "partial", blocks past a row's length are
   never read. Over a paged cache the keys are the page pool itself (batch 1, broadcast over
-  the rows) and the mask's blocks are the rows' pages. GQA without repeating K/V; flex-decoding splits long rows over thread blocks
-  where query heads / KV heads is a power of two (torch's lowering takes it only then: a
+  the rows) and the mask's blocks are the rows' pages. GQA without repeating K/V;
+  flex-decoding splits long rows over thread blocks where query heads / KV heads is a power
+  of two (torch's lowering takes it only then: a
   model with 9 / 3 heads, SmolLM2, gets the main flex kernel, with no split over the keys).
   Its shapes are static (all ``capacity`` keys, lengths in the block mask), so the same call
   is captured in CUDA graphs; the batch and head dims are integers in the compiled graph (the
