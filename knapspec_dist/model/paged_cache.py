@@ -1,7 +1,9 @@
 """A KV cache in pages: rows hold only the positions they were given, not a whole window.
 
-Per layer one K and one V pool, ``[kv_heads, n_pages * page, head_dim]``, allocated once, and
-a block table ``[rows, max_blocks]`` mapping each row's logical block to a physical page. Page
+Per layer one K and one V pool, ``[n_pages * page, kv_heads, head_dim]``, allocated once, and
+a block table ``[rows, max_blocks]`` mapping each row's logical block to a physical page. The
+pool is position-major: a gather then copies whole positions (every KV head at once), 2.5-3x
+faster on a CPU than one head's rows at a time (SmolLM2's 3 x 64 floats a position). Page
 0 is a scratch page that no row owns: free rows' tables point only at it, so a padded or free
 row writes there and never into a live row's pages. Which pages a row gets is decided outside
 (engine/pages.py); the cache only records them.
@@ -34,7 +36,7 @@ class PagedKVCache:
         if page < 1 or n_pages < 2:
             raise ValueError(f"a paged cache needs page >= 1 and 2+ pages, got {page}, {n_pages}")
         kv = kv_heads if kv_heads is not None else cfg.num_kv_heads
-        shape = (kv, n_pages * page, cfg.head_dim)
+        shape = (n_pages * page, kv, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.page, self.n_pages = page, n_pages
@@ -52,7 +54,7 @@ class PagedKVCache:
 
     @property
     def kv_heads(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1]
 
     def reserved(self, row: int) -> int:
         """Positions a row may fill: its pages'."""
@@ -110,19 +112,20 @@ class PagedKVCache:
 
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [B, T, KV, hd] at ``meta.slots``; the rows' first ``meta.kv_len`` keys and
-        values, [B, KV, kv_len, hd], or (flex: no ``meta.gather``) the pool, [1, KV, pool, hd]."""
+        values, [B, KV, kv_len, hd], or (flex: no ``meta.gather``) the pool, [1, KV, pool, hd]
+        (views)."""
         kp, vp = self.k[layer], self.v[layer]
-        kp[:, meta.slots] = k.permute(2, 0, 1, 3)
-        vp[:, meta.slots] = v.permute(2, 0, 1, 3)
+        kp[meta.slots] = k
+        vp[meta.slots] = v
         if meta.gather is None:
-            return kp[None], vp[None]
-        b, kv = k.shape[0], kp.shape[0]
-        shape = (kv, b, meta.kv_len, kp.shape[-1])
-        return (kp.index_select(1, meta.gather).view(shape).transpose(0, 1),
-                vp.index_select(1, meta.gather).view(shape).transpose(0, 1))
+            return kp.permute(1, 0, 2)[None], vp.permute(1, 0, 2)[None]
+        shape = (k.shape[0], meta.kv_len, kp.shape[1], kp.shape[2])
+        return (kp.index_select(0, meta.gather).view(shape).transpose(1, 2),
+                vp.index_select(0, meta.gather).view(shape).transpose(1, 2))
 
     def row_kv(self, layer: int, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` keys and values of one row, [1, KV, n, hd] each (a copy)."""
         keys = torch.arange(n, device=self.table.device)
         idx = self.table[row, keys // self.page] * self.page + keys % self.page
-        return (self.k[layer].index_select(1, idx)[None], self.v[layer].index_select(1, idx)[None])
+        return (self.k[layer].index_select(0, idx).transpose(0, 1)[None],
+                self.v[layer].index_select(0, idx).transpose(0, 1)[None])

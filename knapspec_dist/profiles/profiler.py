@@ -152,7 +152,7 @@ def fill_cache(model, cache, length: int, fill: str = "random", chunk: int = 512
     if fill == "random":
         for layer in range(len(cache.k)):
             for t in (cache.k[layer], cache.v[layer]):
-                # a paged pool [kv, positions, hd] is filled whole: every row's pages are in it
+                # a paged pool [positions, kv, hd] is filled whole: every row's pages are in it
                 part = t if isinstance(cache, PagedKVCache) else t[:, :, :length]
                 part.normal_(generator=generator if t.device.type == "cpu" else None)
     elif fill == "prefill":
