@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import copy
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.options import format_skip
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 
+from batching import with_eos
 from conftest import CONFIG_NAMES, random_prompt
 
 NO_EOS = dict(stop_at_eos=False)
@@ -40,13 +39,6 @@ def ar(model, prompts, n, **kw):
 def static(model, prompt, skip, gamma, tau, n, **kw):
     strategy = SelfSpeculative(StaticSelector(frozenset(skip), gamma), tau_conf=tau)
     return generate(strategy, model, [prompt], GenerationConfig(max_new_tokens=n, **kw))[0]
-
-
-def with_eos(model, token: int):
-    """The same weights, with ``token`` as the model's EOS id."""
-    m = copy.copy(model)
-    m.cfg = replace(model.cfg, eos_token_ids=(token,))
-    return m
 
 
 def tiny_prompts(vocab: int) -> list[list[int]]:

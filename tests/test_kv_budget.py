@@ -9,8 +9,6 @@ import argparse
 
 import pytest
 import torch
-from test_scheduler import NAME as SCHEDULER_MODEL
-from test_scheduler import prompts
 
 from knapspec_dist.cli.job import add_job_args, config_from_args
 from knapspec_dist.engine.generation import GenerationConfig
@@ -38,6 +36,7 @@ from knapspec_dist.runtime.shard import Shard
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.options import StrategyOptions
 
+from batching import mixed_prompts
 from conftest import random_prompt
 
 PER_TOKEN = 1000  # bytes a position, made up: every number below follows from it
@@ -221,13 +220,13 @@ def test_a_scheduler_reports_its_peaks_and_the_rows_that_waited_for_pages(engine
 def test_a_shard_schedules_with_the_budget_its_config_carries(checkpoints, engine_model):
     """The budget crosses to a shard inside the GenerationConfig each ``advance`` gets (what a
     coordinator sends over Ray), and its rows get the tokens of an in-process run."""
-    model = engine_model(SCHEDULER_MODEL)
+    model = engine_model("llama-gqa")
     config = GenerationConfig(max_new_tokens=10, stop_at_eos=False, max_num_batched_tokens=5)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size, (9, 70, 23, 140, 4), seed=300)
     want = Scheduler(Autoregressive(), model, GenerationConfig(max_new_tokens=10,
                      stop_at_eos=False), 2, 256).run(ps)
     shard = Shard(0, 0, 1, 1, "cpu")
-    shard.setup(str(checkpoints[SCHEDULER_MODEL]), "", 0, "fp32")
+    shard.setup(str(checkpoints["llama-gqa"]), "", 0, "fp32")
     budget = ReplicaBudget(capacity=256, max_num_seqs=2)
     shard.configure(StrategyOptions(name="ar"), None, shard.plan_memory(budget))
     admit = [Admission(i, tuple(p), i) for i, p in enumerate(ps)]

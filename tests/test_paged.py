@@ -9,8 +9,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_generate import with_eos
-from test_scheduler import STRATEGIES
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import parse_size
@@ -24,16 +22,13 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 from knapspec_dist.speculation.autoregressive import Autoregressive
 
+from batching import STRATEGIES, check_pool, mixed_prompts, run_rows, with_eos
 from conftest import random_prompt
 from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
 LENGTHS = (9, 70, 23, 140, 4, 51, 33)
 PAGE = 16
-
-
-def prompts(vocab: int, lengths=LENGTHS) -> list[list[int]]:
-    return [random_prompt(n, vocab, seed=500 + n) for n in lengths]
 
 
 def strategy(name: str, model):
@@ -43,44 +38,6 @@ def strategy(name: str, model):
 
 def capacity(ps, config) -> int:
     return max(row_capacity(len(p), config.max_new_tokens) for p in ps)
-
-
-def check_pool(sched: Scheduler) -> None:
-    """The pool's invariants: every page either free or held by exactly one live row, free
-    rows on the scratch page only, each live row holding its whole reservation."""
-    b = sched.batch
-    pool, cache = b.pool, b.cache
-    held = [p for pages in cache.pages for p in pages]
-    assert len(held) == len(set(held)), "a page in two rows"
-    assert SCRATCH not in held and SCRATCH not in pool.free
-    assert set(held).isdisjoint(pool.free) and len(pool.free) == len(set(pool.free))
-    assert len(held) + len(pool.free) == pool.total == cache.n_pages - 1
-    live = dict(enumerate(b.rows))
-    if b.prefilling is not None:
-        live[b.size] = b.prefilling
-    for slot in range(cache.batch):
-        table = cache.table[slot].tolist()
-        if slot not in live:
-            assert not cache.pages[slot] and cache.lengths[slot] == 0
-            assert set(table) == {SCRATCH}
-            continue
-        row, pages = live[slot], cache.pages[slot]
-        assert len(pages) == pool.pages_for(row_capacity(len(row.prompt), row.limit))
-        assert table[:len(pages)] == pages and set(table[len(pages):]) <= {SCRATCH}
-        assert cache.lengths[slot] <= cache.reserved(slot)
-    assert sum(cache.reserved(s) for s in live) <= pool.tokens
-
-
-def run(sched: Scheduler, ps: list[list[int]], checked: bool = False):
-    for rid, p in enumerate(ps):
-        sched.add(rid, p)
-    done = {}
-    while sched.busy:
-        for row in sched.step():
-            done[row.rid] = row
-        if checked:
-            check_pool(sched)
-    return [done[i] for i in range(len(ps))]
 
 
 def assert_all_free(sched: Scheduler) -> None:
@@ -95,7 +52,7 @@ def test_paged_forwards_give_the_fixed_caches_bits(engine_model):
     fixed slots."""
     model = engine_model(NAME)
     vocab, cap = model.cfg.vocab_size, 256
-    seqs = prompts(vocab, (37, 5, 100))
+    seqs = mixed_prompts(vocab, (37, 5, 100))
     fixed = KVCache(model.cfg, 3, cap, dtype=model.dtype, device="cpu")
     paged = PagedKVCache(model.cfg, 3, cap, n_pages=60, page=PAGE, dtype=model.dtype,
                          device="cpu")
@@ -136,16 +93,16 @@ def test_paged_rows_get_the_tokens_of_fixed_slots(engine_model, name, config):
     """More rows than slots, mixed lengths, prompts prefilled in 16-token chunks, admission
     waiting for pages: every row's tokens equal fixed slots', and every page comes back."""
     model = engine_model(NAME)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size)
     cap = capacity(ps, config)
     fixed = Scheduler(strategy(name, model), model, replace(config, max_num_batched_tokens=16),
                       2, cap)
-    want = run(fixed, ps)
+    want = run_rows(fixed, ps)
     paging = Paging(tokens=2 * cap, page=PAGE)  # what the fixed cache's 2 slots hold
     paged = Scheduler(strategy(name, model), model, replace(config, max_num_batched_tokens=16),
                       6, cap,
                       paging=paging)
-    got = run(paged, ps, checked=True)
+    got = run_rows(paged, ps, checked=True)
     assert [r.out for r in got] == [r.out for r in want]
     assert_all_free(paged)
     assert paged.work.mean_batch > fixed.work.mean_batch  # the pages' point
@@ -158,11 +115,11 @@ def test_admission_is_first_come_first_served(engine_model):
     wait too, so rows start in the order they came."""
     model = engine_model(NAME)
     config = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
-    ps = prompts(model.cfg.vocab_size, (20, 150, 5, 6, 7))
+    ps = mixed_prompts(model.cfg.vocab_size, (20, 150, 5, 6, 7))
     cap = capacity(ps, config)
     sched = Scheduler(Autoregressive(), model, config, 5, cap,
                       paging=Paging(tokens=cap + 16, page=PAGE))
-    rows = run(sched, ps, checked=True)
+    rows = run_rows(sched, ps, checked=True)
     starts = [r.admitted_s for r in rows]
     assert starts == sorted(starts)
     assert rows[2].admitted_s >= rows[0].finished_s  # the 150-token row held it back
@@ -187,23 +144,23 @@ def test_a_row_bigger_than_the_pool_is_refused_alone(engine_model):
 
 def test_no_page_leaks_when_rows_end_by_eos_or_at_their_first_token(engine_model):
     model = engine_model(NAME)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size)
     cap = capacity(ps, GREEDY)
     paging = Paging(tokens=3 * cap, page=PAGE)
-    plain = run(Scheduler(Autoregressive(), model, GREEDY, 4, cap, paging=paging), ps)
+    plain = run_rows(Scheduler(Autoregressive(), model, GREEDY, 4, cap, paging=paging), ps)
     eos = plain[1].out[5]  # ends row 1 (and maybe others) early
     first = plain[2].out[0]  # ends row 2 at its first token
     for token in (eos, first):
         m = with_eos(model, token)
         config = GenerationConfig(max_new_tokens=16, stop_at_eos=True)
         sched = Scheduler(Autoregressive(), m, config, 4, cap, paging=paging)
-        rows = run(sched, ps, checked=True)
+        rows = run_rows(sched, ps, checked=True)
         assert {r.reason for r in rows} == {"eos", "length"}
         assert_all_free(sched)
     assert len(rows[2].out) == 1 and rows[2].reason == "eos"
     one = GenerationConfig(max_new_tokens=1, stop_at_eos=False)  # every row done at once
     sched = Scheduler(Autoregressive(), model, one, 4, cap, paging=paging)
-    assert all(len(r.out) == 1 for r in run(sched, ps, checked=True))
+    assert all(len(r.out) == 1 for r in run_rows(sched, ps, checked=True))
     assert_all_free(sched)
 
 
@@ -227,19 +184,19 @@ def test_a_scheduler_rebuilt_after_a_failed_round_starts_with_every_page_free(en
     """A round raises with rows holding pages; the next scheduler on the same runner (and
     cache) starts from a full pool and gives the tokens of a fresh one."""
     model = engine_model(NAME)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size)
     cap = capacity(ps, GREEDY)
     paging = Paging(tokens=3 * cap, page=PAGE)
     runner = ModelRunner(model)
     broken = Scheduler(FailingRounds(5), model, GREEDY, 4, cap, runner=runner, paging=paging)
     with pytest.raises(Boom):
-        run(broken, ps)
+        run_rows(broken, ps)
     assert broken.batch.pool.reserved > 0
     again = Scheduler(Autoregressive(), model, GREEDY, 4, cap, runner=runner, paging=paging)
     assert again.batch.cache is broken.batch.cache
     assert_all_free(again)
-    got = run(again, ps, checked=True)
-    fresh = run(Scheduler(Autoregressive(), model, GREEDY, 4, cap, paging=paging), ps)
+    got = run_rows(again, ps, checked=True)
+    fresh = run_rows(Scheduler(Autoregressive(), model, GREEDY, 4, cap, paging=paging), ps)
     assert [r.out for r in got] == [r.out for r in fresh]
     assert_all_free(again)
 
@@ -280,7 +237,7 @@ def test_static_shape_forwards_over_pages_give_fixed_slots_tokens(engine_model, 
     runner's graph stand-in) over pages, with admissions and retires between rounds: fixed
     slots' tokens on the same path, and the graphs captured once per shape, not per row."""
     model = engine_model(NAME)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size)
     cap = capacity(ps, GREEDY)
     outs = []
     for paging in (None, Paging(tokens=2 * cap, page=PAGE)):
@@ -288,7 +245,7 @@ def test_static_shape_forwards_over_pages_give_fixed_slots_tokens(engine_model, 
         sched = Scheduler(strategy(name, model), model,
                           replace(GREEDY, max_num_batched_tokens=16),
                           2 if paging is None else 4, cap, runner=runner, paging=paging)
-        outs.append([r.out for r in run(sched, ps, checked=paging is not None)])
+        outs.append([r.out for r in run_rows(sched, ps, checked=paging is not None)])
         assert runner.captures == len(runner._graphs) > 0  # each shape captured once
     assert outs[0] == outs[1]
     assert_all_free(sched)

@@ -14,7 +14,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_paged import check_pool, prompts, run
 from torch.nn.attention.flex_attention import flex_attention
 
 from knapspec_dist.engine.capture import EmulatedGraph
@@ -29,6 +28,7 @@ from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
 
+from batching import check_pool, mixed_prompts, run_rows
 from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
@@ -139,7 +139,7 @@ def flex_run(model, name: str, config, ps, paging: Paging | None, seqs: int,
     try:
         sched = Scheduler(strategy(name, model), model, config, seqs, cap, runner=runner,
                           paging=paging)
-        return sched, run(sched, ps, checked=paging is not None)
+        return sched, run_rows(sched, ps, checked=paging is not None)
     finally:
         model.backend = None
 
@@ -153,7 +153,7 @@ def test_paged_flex_rows_get_the_tokens_of_fixed_flex_slots(engine_model, flex_c
     for pages, padded to batch buckets: the flex backend over pages gives every row the
     tokens it gets over fixed slots, and every page comes back."""
     model = engine_model(NAME)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size)
     cap = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
     _, want = flex_run(model, name, config, ps, None, 2)
     sched, got = flex_run(model, name, config, ps, Paging(tokens=2 * cap, page=PAGE), 4)
@@ -171,7 +171,7 @@ def test_emulated_capture_over_pages_gives_eager_fixed_tokens(engine_model, flex
     them (nothing runs during a capture) and replayed while rows are admitted and retired
     between rounds: eager fixed slots' tokens, and no capture per admission."""
     model = engine_model(NAME)
-    ps = prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size)
     cap = max(row_capacity(len(p), GREEDY.max_new_tokens) for p in ps)
     _, want = flex_run(model, name, GREEDY, ps, None, 2)
     runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)

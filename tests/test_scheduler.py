@@ -30,8 +30,9 @@ from knapspec_dist.speculation.knapspec import (
     choose_by_tpt,
 )
 from knapspec_dist.speculation.schedule import Frontier
-from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
 
+from batching import STRATEGIES
 from conftest import random_prompt
 from synthetic import LINEAR_ATTENTION, synthetic_profile
 
@@ -49,14 +50,6 @@ def run(strategy, model, config, max_num_seqs: int, chunk: int = 512):
     sched = Scheduler(strategy, model, replace(config, max_num_batched_tokens=chunk),
                       max_num_seqs, capacity)
     return sched.run(ps), sched
-
-
-STRATEGIES = {
-    "ar": lambda profile: Autoregressive(),
-    "static": lambda profile: SelfSpeculative(StaticSelector(frozenset({2, 5, 7}), 3), 0.3),
-    "knapspec": lambda profile: SelfSpeculative(
-        KnapSpecSelector(profile, KnapSpecConfig(interval=8)), tau_conf=0.0, name="knapspec"),
-}
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
