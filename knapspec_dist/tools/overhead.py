@@ -1,9 +1,10 @@
 """Control-plane share and all-reduce cost of the Ray engine at several TP degrees.
 
-    python -m knapspec_dist.tools.overhead --tp 1,2 --new-tokens 64 --json out.json
+    python -m knapspec_dist.tools.overhead --tp 1,2 --new-tokens 64 --repeats 3 --json out.json
 
 For every TP degree: start one replica (a local Ray unless ``--address``), warm it up, then
-generate ``--new-tokens`` tokens from the same prompts with each strategy, and report the
+generate ``--new-tokens`` tokens from the same prompts with each strategy, ``--repeats``
+times with the strategy order rotating from repeat to repeat, and report the
 time split of the job (runtime/accounting.py): model compute, communication (inside
 collectives), Ray calls, other Python, idle -- the control-plane share is Ray + other
 Python + idle over wall time. It also microbenchmarks one all-reduce at the decode message
@@ -23,6 +24,7 @@ import argparse
 import json
 import logging
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,7 @@ from knapspec_dist.ratio import ratio
 from knapspec_dist.runtime.cluster import connect
 from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.tools.corpus import document_of_tokens
+from knapspec_dist.tools.interleave import interleaved
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +78,15 @@ def smollm2_shaped_checkpoint() -> Path:
 
 def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prompt_tokens: int,
         prompts: int, cores: int, address: str | None, profile_contexts: list[int],
-        max_num_seqs: int | None = None) -> dict:
+        max_num_seqs: int | None = None, repeats: int = 1) -> dict:
     """Every TP degree, one replica each: the time split of each strategy's generation."""
     path = str(smollm2_shaped_checkpoint()) if model == "smollm2-shape" else model
     tokenizer = load_tokenizer(resolve_model_path(path))
     texts = [document_of_tokens(tokenizer, prompt_tokens, start_chapter=k)
              for k in range(prompts)]
     out = {"model": model, "path": path, "new_tokens": new_tokens,
-           "prompt_tokens": prompt_tokens, "prompts": prompts, "cores": cores, "runs": []}
+           "prompt_tokens": prompt_tokens, "prompts": prompts, "cores": cores,
+           "repeats": repeats, "runs": []}
     connect(address or "local", num_cpus=None if address else max(cores, max(tps)))
     for tp in tps:
         threads = max(1, cores // tp)
@@ -93,15 +97,23 @@ def run(model: str, tps: list[int], strategies: list[str], new_tokens: int, prom
             startup = time.perf_counter() - started
             sizes = decode_allreduce_sizes(engine.config.hidden_size, 1, 1, torch.float32)
             micro = engine.measure_allreduce(sizes)
-            for strategy in strategies:
+            for repeat, strategy in interleaved(strategies, repeats):
                 job, rates = _strategy_split(engine, strategy, texts, new_tokens)
                 run_ = {"tp": tp, "threads_per_rank": threads, "strategy": strategy,
-                        "startup_s": startup, **job,
+                        "repeat": repeat, "startup_s": startup, **job,
                         "allreduce_micro_us": micro[0][1] * 1e6 if tp > 1 else 0.0,
                         "allreduce_bytes": micro[0][0], **rates}
                 out["runs"].append(run_)
                 log.info("tp=%d %s: %s", tp, strategy, _line(run_))
     return out
+
+
+def spreads(runs: list[dict]) -> dict[tuple[int, str], tuple[float, float, float]]:
+    """(tp, strategy) -> the control-plane share's median, lowest and highest over repeats."""
+    by: dict[tuple[int, str], list[float]] = {}
+    for r in runs:
+        by.setdefault((r["tp"], r["strategy"]), []).append(r["control_plane_share"])
+    return {key: (statistics.median(v), min(v), max(v)) for key, v in by.items()}
 
 
 def _strategy_split(engine: RayEngine, strategy: str, texts: list[str],
@@ -144,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=2, help="cores shared by the ranks of a replica")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="rows a replica decodes at once (default: the memory rule)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each strategy, the order rotating from repeat to repeat")
     p.add_argument("--profile-contexts", default="64,512")
     p.add_argument("--address", default=None)
     p.add_argument("--json", default=None, help="write the results here")
@@ -152,9 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = run(args.model, [int(t) for t in args.tp.split(",")], args.strategies.split(","),
               args.new_tokens, args.prompt_tokens, args.prompts, args.cores, args.address,
-              [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs)
+              [int(n) for n in args.profile_contexts.split(",")], args.max_num_seqs,
+              args.repeats)
     for r in out["runs"]:
-        log.info("tp=%s %s: %s", r["tp"], r["strategy"], _line(r))
+        log.info("tp=%s %s (repeat %d): %s", r["tp"], r["strategy"], r["repeat"], _line(r))
+    for (tp, strategy), (median, low, high) in spreads(out["runs"]).items():
+        log.info("tp=%d %s: control plane %.1f %% of wall time (median of %d; %.1f-%.1f %%)",
+                 tp, strategy, 100 * median, args.repeats, 100 * low, 100 * high)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

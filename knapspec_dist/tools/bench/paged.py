@@ -31,6 +31,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.tools.bench.prompts import build_prompts
+from knapspec_dist.tools.interleave import interleaved
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +93,18 @@ def compare(model: Transformer, build_strategy: Callable[[str], Strategy], label
     for label in labels:
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         texts: dict[str, list] = {}
-        for rep in range(repeats):
-            order = list(modes) if rep % 2 == 0 else list(modes)[::-1]
-            for mode in order:
-                seqs, paging = modes[mode]
-                sched = Scheduler(build_strategy(label), model, config, seqs, capacity,
-                                  paging=paging)
-                out = [r.token_ids for r in sched.run(ids)]
-                if texts.setdefault(mode, out) != out:
-                    raise RuntimeError(f"{label} {mode}: a repeat gave other tokens")
-                runs[mode].append(sched.work.to_dict())
-                t = runs[mode][-1]
-                log.info("%s %s (run %d of %d): %.1f tok/s, %.1f decode tok/s, %.2f rows in "
-                         "flight", label, mode, rep + 1, repeats, t["tokens_per_s"],
-                         t["decode_tokens_per_s"], t["mean_batch"])
+        for rep, mode in interleaved(list(modes), repeats):
+            seqs, paging = modes[mode]
+            sched = Scheduler(build_strategy(label), model, config, seqs, capacity,
+                              paging=paging)
+            out = [r.token_ids for r in sched.run(ids)]
+            if texts.setdefault(mode, out) != out:
+                raise RuntimeError(f"{label} {mode}: a repeat gave other tokens")
+            runs[mode].append(sched.work.to_dict())
+            t = runs[mode][-1]
+            log.info("%s %s (run %d of %d): %.1f tok/s, %.1f decode tok/s, %.2f rows in "
+                     "flight", label, mode, rep + 1, repeats, t["tokens_per_s"],
+                     t["decode_tokens_per_s"], t["mean_batch"])
         same = sum(a == b for a, b in zip(texts["fixed"], texts["paged"]))
         for mode, (seqs, paging) in modes.items():
             median = sorted(runs[mode], key=lambda r: r["tokens_per_s"])[(repeats - 1) // 2]

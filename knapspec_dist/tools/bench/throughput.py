@@ -35,6 +35,7 @@ from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.tools.bench.prompts import build_prompts
+from knapspec_dist.tools.interleave import interleaved
 from knapspec_dist.tools.ties import check_divergence
 
 log = logging.getLogger(__name__)
@@ -81,15 +82,13 @@ def measure(model: Transformer, build_strategy: Callable[[str], Strategy], label
                      for name, c in draws.items()}
         configs = [(label, b, d) for label in labels for b in batches for d in draws]
         done: dict[tuple[str, int, str], list[dict]] = {c: [] for c in configs}
-        for rep in range(repeats):
-            k = rep % len(configs)
-            for label, b, d in configs[k:] + configs[:k]:
-                done[(label, b, d)].append(_one_run(model, build_strategy(label), draws[d], b,
-                                                    capacity, rows, reference[d]))
-                t = done[(label, b, d)][-1]
-                log.info("context %d %s batch %d %s (run %d of %d): %.1f tok/s, %.1f decode "
-                         "tok/s, mean batch %.1f", n, label, b, d, rep + 1, repeats,
-                         t["tokens_per_s"], t["decode_tokens_per_s"], t["mean_batch"])
+        for rep, (label, b, d) in interleaved(configs, repeats):
+            done[(label, b, d)].append(_one_run(model, build_strategy(label), draws[d], b,
+                                                capacity, rows, reference[d]))
+            t = done[(label, b, d)][-1]
+            log.info("context %d %s batch %d %s (run %d of %d): %.1f tok/s, %.1f decode "
+                     "tok/s, mean batch %.1f", n, label, b, d, rep + 1, repeats,
+                     t["tokens_per_s"], t["decode_tokens_per_s"], t["mean_batch"])
         for label, b, d in configs:
             runs = done[(label, b, d)]
             median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
