@@ -105,6 +105,22 @@ def test_a_drifted_cost_model_is_detected_refitted_and_changes_the_selection(cap
     assert online["factors"]["attention"] == pytest.approx(3.0, rel=0.05)
 
 
+def test_a_refit_of_batched_rounds_is_kept_at_batch_1_too():
+    """The next run's starting point is this machine's batch-1 refit (store.starting_point):
+    a job whose rounds all ran at batch 3 keeps its refit at batch 3 and at batch 1, both
+    with the factors fitted from the batch-3 rounds."""
+    stored, saved = cost_model(), []
+    cal = Calibration(lambda b: replace(stored, batch=b), LAYERS, saved.append)
+    true = cost_model(attention_scale=3.0)
+    for t in rounds(true, 3 * calibration.REFRESH):
+        cal.observe(replace(t, batch=3))
+    assert saved and sorted({p.batch for p in saved}) == [1, 3]
+    last = {p.batch: p for p in saved}
+    assert all(p.origin == "online" for p in last.values())
+    assert (last[1].samples["online"]["factors"]["attention"]
+            == last[3].samples["online"]["factors"]["attention"] == pytest.approx(3.0, rel=0.05))
+
+
 def test_no_refit_when_the_clock_agrees_with_the_profile():
     stored = cost_model()
     cal = Calibration(lambda b: stored, LAYERS, lambda p: pytest.fail("saved"))

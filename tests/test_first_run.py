@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,35 @@ def test_this_machines_online_refit_comes_before_another_cpus(model, dirs):
     assert again.profile.mlp == refit.mlp and again.profile.device == here
     # the source of the prices is still the other CPU's file
     assert again.profile.samples["borrowed"]["device"]["name"] == OTHER_CPU["name"]
+
+
+def test_a_paged_run_borrows_relabelled_over_pages_and_finds_its_paged_refit(model, dirs):
+    """The shipped profiles are over fixed slots; a run over pages starts from one relabelled
+    over pages, so its refit is kept over pages, and found by the next paged run only."""
+    here, shape = device_info(model.device), model.cfg.shape()
+    first = store.lookup(None, [here], shape, "fp32", borrow=True, kv="paged")
+    assert first.origin == "borrowed" and first.profile.kv == "paged"
+    assert all(s.kv == "paged" for s in first.siblings)
+    refit = LatencyProfile.from_json({**first.profile.to_json(), "origin": "online",
+                                      "mlp": 2 * first.profile.mlp})
+    path = store.keep_online(refit)
+    assert path.endswith("__paged.json")
+    again = store.lookup(None, [here], shape, "fp32", borrow=True, kv="paged")
+    assert again.path == path and again.profile.mlp == refit.mlp
+    fixed = store.lookup(None, [here], shape, "fp32", borrow=True)  # over fixed slots
+    assert fixed.path != path and fixed.profile.kv == "fixed"
+
+
+def test_this_devices_profile_over_the_other_layout_is_relabelled_for_the_run(
+        model, dirs, other_cpus_profile):
+    shipped, _ = dirs
+    here, shape = device_info(model.device), model.cfg.shape()
+    mine = replace(other_cpus_profile, device=here)  # as if measured here, over fixed slots
+    mine.save(shipped / f"{mine.key()}.json")
+    choice = store.lookup(None, [here], shape, "fp32", borrow=True, kv="paged")
+    assert choice.origin == "borrowed" and choice.path == str(shipped / f"{mine.key()}.json")
+    assert choice.profile.kv == "paged" and choice.profile.mlp == mine.mlp
+    assert choice.profile.samples["borrowed"]["why"] == "measured over fixed KV"
 
 
 @pytest.mark.parametrize("name", ["knapspec", "knapspec:paper", "knapspec:fixed",

@@ -205,7 +205,9 @@ def test_a_paged_profile_is_measured_over_pages_keyed_and_priced_apart(model, di
         (repo / f"{p.key()}.json").unlink()
     assert store.lookup(None, [device], shape, "fp32", need=16, kv="paged") is None
     found = store.lookup(None, [device], shape, "fp32", need=16, kv="paged", borrow=True)
-    assert found.profile.kv == "fixed" and found.path.endswith(f"{fixed.key()}.json")
+    assert found.path.endswith(f"{fixed.key()}.json") and found.origin == "borrowed"
+    assert found.profile.kv == "paged"  # relabelled for the run: its refits are over pages
+    assert found.profile.mlp == fixed.mlp and found.profile.verify == fixed.verify
 
 
 def test_a_profile_batch_the_memory_cannot_hold_is_refused_with_what_fits(model, monkeypatch):

@@ -316,13 +316,15 @@ def lookup(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *
         log.warning("no latency profile of this device was measured over a %s KV cache: "
                     "starting from %s, measured over %s, which online calibration refits "
                     "from the run's own timed rounds", kv, found.path, other)
-        found.siblings = batch_siblings(found.profile)
-        return found
+        why, path = f"measured over {other} KV", Path(found.path)
+        return ProfileChoice(borrowed(found.profile, device, path, why, kv), found.path,
+                             "borrowed", [borrowed(s, device, path, why, kv)
+                                          for s in batch_siblings(found.profile)])
     what = (f"device {device.get('name')!r}, model {shape}, {dtype}, batch 1, tp {tp}, {mode}"
             f"{f', contexts up to {need}' if need else ''}")
     where = " or ".join(map(str, search_dirs()))
     if borrow:
-        found = starting_point(device, shape, dtype, tp, mode, need)
+        found = starting_point(device, shape, dtype, tp, mode, need, kv)
         if found is not None:
             log.warning("no latency profile in %s matches %s: starting from %s (%s), which "
                         "online calibration refits to this machine from the run's own timed "
@@ -367,43 +369,47 @@ def _profiles_in(directories: Sequence[Path]) -> list[tuple[Path, LatencyProfile
 
 
 def starting_point(device: dict, shape: dict, dtype: str, tp: int = 1, mode: str = "eager",
-                   need: int | None = None) -> ProfileChoice | None:
+                   need: int | None = None, kv: str = "fixed") -> ProfileChoice | None:
     """What prices a run that online calibration refits when no profile of ``device``
-    matches: this device's last online refit of the model (``online_profiles_dir()``), else
-    another device's profile of the same model, kind of device, dtype, batch 1, tp and mode
-    (preferring one that covers ``need``, then the same CPU model, then the same thread
-    count), with that device's stored batch siblings. Relabelled as ``device``'s
-    (``borrowed``); None when there is none."""
+    matches: this device's last online refit of the model over ``kv`` at batch 1
+    (``online_profiles_dir()``), else another device's profile of the same model, kind of
+    device, dtype, batch 1, tp and mode (preferring one that covers ``need``, then one over
+    ``kv``, then the same CPU model, then the same thread count), with that device's stored
+    batch siblings. Relabelled as ``device``'s over ``kv`` (``borrowed``); None when there is
+    none."""
     for path, profile in _profiles_in([online_profiles_dir()]):
-        if matches(profile, device, shape, dtype, 1, tp, mode):
+        if matches(profile, device, shape, dtype, 1, tp, mode, kv):
             return ProfileChoice(borrowed(profile, device, path, "this machine's online refit "
-                                          "of an earlier run"), str(path), "borrowed")
+                                          "of an earlier run", kv), str(path), "borrowed")
     kind = device.get("kind")
     candidates = [(path, p) for path, p in _profiles_in(search_dirs())
                   if p.device.get("kind") == kind and p.origin == "measured"
-                  and matches(p, p.device, shape, dtype, 1, tp, mode)]
+                  and matches(p, p.device, shape, dtype, 1, tp, mode, p.kv)]
     if not candidates:
         return None
 
     def rank(item: tuple[Path, LatencyProfile]) -> tuple:
         p = item[1]
-        return (need is not None and p.max_context < need,
+        return (need is not None and p.max_context < need, p.kv != kv,
                 p.device.get("cpu_model") != device.get("cpu_model"),
                 p.device.get("threads") != device.get("threads"))
 
     path, source = min(candidates, key=rank)  # min is stable: the first in lookup order
     why = f"measured on {source.device.get('name')!r}"
-    siblings = [borrowed(s, device, path, why) for s in batch_siblings(source)]
-    return ProfileChoice(borrowed(source, device, path, why), str(path), "borrowed", siblings)
+    siblings = [borrowed(s, device, path, why, kv) for s in batch_siblings(source)]
+    return ProfileChoice(borrowed(source, device, path, why, kv), str(path), "borrowed",
+                         siblings)
 
 
-def borrowed(profile: LatencyProfile, device: dict, path: Path, why: str) -> LatencyProfile:
-    """``profile`` as the starting point of ``device``'s calibration: keyed by ``device``
-    (so its online refits are kept as this device's), origin "borrowed", and where it came
-    from in ``samples["borrowed"]`` (source device, key and file; kept through refits)."""
+def borrowed(profile: LatencyProfile, device: dict, path: Path, why: str,
+             kv: str | None = None) -> LatencyProfile:
+    """``profile`` as the starting point of ``device``'s calibration over the ``kv`` layout
+    the run decodes over (default: the profile's): keyed by both (so its online refits are
+    kept as this device's, over that layout), origin "borrowed", and where it came from in
+    ``samples["borrowed"]`` (source device, key and file; kept through refits)."""
     source = profile.samples.get("borrowed") or {"device": profile.device, "key": profile.key(),
                                                  "path": str(path)}
-    out = replace(profile, device=dict(device), origin="borrowed")
+    out = replace(profile, device=dict(device), origin="borrowed", kv=kv or profile.kv)
     out.samples = {**profile.samples, "borrowed": {**source, "why": why}}
     return out
 

@@ -312,7 +312,11 @@ class Calibration:
         log.info("online calibration (%s): %s against the stored profile", why,
                  pooled.describe())
         if self.save is not None:
-            self.save(self.online_profile(max(self.regimes, key=lambda b: len(self.regimes[b]))))
+            most = max(self.regimes, key=lambda b: len(self.regimes[b]))
+            # batch 1 too: the next run starts from this machine's batch-1 refit (store.py
+            # ``starting_point``), whatever batch this run's rounds ran at
+            for batch in sorted({1, most}):
+                self.save(self.online_profile(batch))
 
     def departure(self, f: Factors, samples: list[RoundTiming]) -> float:
         """The largest relative difference of a round's seconds between ``f`` and the last
