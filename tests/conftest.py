@@ -8,6 +8,8 @@ Everything heavy is built once per session and cached:
   ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` loaded from the same folder;
 * ``smollm2`` (``knapspec_dist.llm.load("smollm2")``) and ``smollm2_hf`` (transformers
   loading the same converted folder);
+* ``tiny_vocab_checkpoint`` / ``tiny``: a 3-layer model with an 8-token vocabulary (the
+  checkpoint, and our model of it), for distribution tests;
 * ``corpus_prompt``: a ~1k-token document from the corpus (shared corpus, else the bundled
   sample), as SmolLM2 token ids.
 
@@ -29,6 +31,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import models` under any runner
 
 from knapspec_dist.model import attention  # noqa: E402
+from knapspec_dist.model.weights import load_model  # noqa: E402
 
 from models import CONFIGS, hf_model, make_checkpoint  # noqa: E402
 
@@ -83,6 +86,11 @@ def tiny_vocab_checkpoint(tmp_path_factory) -> Path:
     """A random 3-layer Llama with an 8-token vocabulary, for distribution tests."""
     return make_checkpoint("llama-tied-llama3rope", tmp_path_factory.mktemp("tiny_vocab"),
                            vocab_size=8, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_vocab_checkpoint):
+    return load_model(tiny_vocab_checkpoint)
 
 
 @pytest.fixture(scope="session")

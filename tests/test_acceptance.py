@@ -8,7 +8,8 @@ import torch
 from knapspec_dist.speculation import tpt
 from knapspec_dist.speculation.acceptance import AcceptanceBook, Estimate, similarity
 from knapspec_dist.speculation.knapspec import KnapSpecSelector
-from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
+
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 
 def test_book_pools_the_dp_and_the_run_by_subnet_overlap():

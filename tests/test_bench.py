@@ -9,6 +9,7 @@ import torch
 
 from knapspec_dist.cli import standalone
 from knapspec_dist.cli.main import main, parser
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import kv_bytes_per_token_of, slot_size
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -16,9 +17,13 @@ from knapspec_dist.model.config import load_config
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
+from knapspec_dist.tools.bench.findings import findings_markdown, run_findings
+from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
 from knapspec_dist.tools.bench.report import command_line, summarize, write_markdown
 from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.tools.ties import Divergence, RunCheck, classify
+
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -333,10 +338,6 @@ def test_findings_preset_writes_the_four_findings(checkpoint, tmp_path, capsys):
 def test_run_findings_is_callable_without_the_cli(engine_model):
     """What the gpu-check calls: the findings' strategies on given prompts, priced by the given
     profiles, each run checked against ar, and the table's lines."""
-    from knapspec_dist.engine.generation import GenerationConfig
-    from knapspec_dist.tools.bench.findings import findings_markdown, run_findings
-    from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
-    from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
 
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=100.0)

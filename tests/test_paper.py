@@ -18,7 +18,8 @@ from knapspec_dist.speculation.knapspec import KnapSpecConfig
 from knapspec_dist.speculation.options import StrategyOptions, check_options, parse_strategy
 from knapspec_dist.speculation.paper import PaperCadence, PaperSelector, rank
 from knapspec_dist.speculation.selfspec import SelfSpeculative
-from tests.test_knapspec import LINEAR_ATTENTION, synthetic_profile
+
+from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 
 def test_cadence_gathers_rounds_2_to_6_and_selects_at_7_every_64_rounds():

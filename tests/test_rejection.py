@@ -26,7 +26,8 @@ from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-from tests.test_sampling import (
+
+from distributions import (
     NEW,
     PROMPT,
     assert_fits,
@@ -34,7 +35,6 @@ from tests.test_sampling import (
     exact_distribution,
     hf_probs,
     seeds_of,
-    tiny,  # noqa: F401  (a fixture)
 )
 
 V, G = 300, 2  # vocabulary, drafts per round
