@@ -45,7 +45,7 @@ def check_pool(sched: Scheduler) -> None:
     held = [p for pages in cache.pages for p in pages]
     assert len(held) == len(set(held)), "a page in two rows"
     assert SCRATCH not in held and SCRATCH not in pool.free
-    assert set(held).isdisjoint(pool.free) and len(pool.free) == len(set(pool.free))
+    assert set(held).isdisjoint(pool.free) and pool.free == sorted(set(pool.free))
     assert len(held) + len(pool.free) == pool.total == cache.n_pages - 1
     live = dict(enumerate(b.rows))
     if b.prefilling is not None:
@@ -57,6 +57,7 @@ def check_pool(sched: Scheduler) -> None:
             assert set(table) == {SCRATCH}
             continue
         row, pages = live[slot], cache.pages[slot]
+        assert cache.consecutive[slot] == (pages == list(range(pages[0], pages[0] + len(pages))))
         assert len(pages) == pool.pages_for(row_capacity(len(row.prompt), row.limit))
         assert table[:len(pages)] == pages and set(table[len(pages):]) <= {SCRATCH}
         assert cache.lengths[slot] <= cache.reserved(slot)

@@ -13,7 +13,7 @@ import torch
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import parse_size
 from knapspec_dist.engine.model_runner import ModelRunner, prefill
-from knapspec_dist.engine.pages import Paging
+from knapspec_dist.engine.pages import PagePool, Paging
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
@@ -47,19 +47,21 @@ def assert_all_free(sched: Scheduler) -> None:
 
 
 def test_paged_forwards_give_the_fixed_caches_bits(engine_model):
-    """Rows of mixed lengths on scattered pages, prefilled in chunks, then verify-sized (T = 5,
-    masked) and decode (T = 1, equal and unequal starts) forwards: logits bit for bit those of
-    fixed slots."""
+    """Rows of mixed lengths, one on consecutive pages (read in place) and two on scattered
+    ones (gathered), prefilled in chunks, then verify-sized (T = 5, masked) and decode (T = 1,
+    equal and unequal starts) forwards: logits bit for bit those of fixed slots."""
     model = engine_model(NAME)
     vocab, cap = model.cfg.vocab_size, 256
     seqs = mixed_prompts(vocab, (37, 5, 100))
     fixed = KVCache(model.cfg, 3, cap, dtype=model.dtype, device="cpu")
     paged = PagedKVCache(model.cfg, 3, cap, n_pages=60, page=PAGE, dtype=model.dtype,
                          device="cpu")
-    order = list(range(1, 60))
+    order = list(range(17, 60))
     random.Random(3).shuffle(order)
-    for row in range(3):
+    paged.assign(0, list(range(1, 17)))
+    for row in (1, 2):
         paged.assign(row, order[row * 16:(row + 1) * 16])
+    assert paged.consecutive == [True, False, False]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for cache in (fixed, paged):
@@ -80,6 +82,30 @@ def test_paged_forwards_give_the_fixed_caches_bits(engine_model):
         for row in range(3):
             assert all(torch.equal(a, b) for a, b in zip(fixed.row_kv(1, row, fixed.lengths[row]),
                                                          paged.row_kv(1, row, paged.lengths[row])))
+
+
+def test_a_row_gets_the_lowest_run_of_consecutive_free_pages(engine_model):
+    """The block manager: the lowest run of free pages that holds a row, else the lowest free
+    pages (the row is then gathered, not read in place); the same admissions, the same
+    pages."""
+    cfg = engine_model(NAME).cfg
+    cache = PagedKVCache(cfg, 4, 64, n_pages=12, page=4, dtype=torch.float32, device="cpu")
+    pool = PagePool(cache)
+    for row, tokens in ((0, 12), (1, 8), (2, 16)):
+        pool.admit(row, tokens)
+    assert cache.pages[:3] == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    pool.release(1)
+    assert pool.free == [4, 5, 10, 11]
+    pool.admit(1, 12)  # no run of 3: the lowest three
+    assert cache.pages[1] == [4, 5, 10] and cache.consecutive == [True, False, True, False]
+    pool.release(0)
+    pool.admit(3, 8)
+    assert cache.pages[3] == [1, 2] and cache.consecutive[3] and pool.free == [3, 11]
+    cache.move_row(3, 0)
+    assert cache.consecutive == [True, False, True, False]
+    slots, gather, offsets = cache.locate(slice(0, 3), torch.tensor([[0], [0], [0]]), 16,
+                                          (5, 9, 16))
+    assert offsets == (4, None, 24) and gather.tolist() == [16, 17, 18, 19, 20, 21, 22, 23, 40]
 
 
 SAMPLED = GenerationConfig(max_new_tokens=16, stop_at_eos=False,

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from knapspec_dist.engine.memory import kv_bytes_per_token
 from knapspec_dist.errors import UserError
@@ -173,16 +172,18 @@ def test_one_resolver_measures_through_its_callback_for_any_ranks(model, dirs):
 
 
 def test_a_paged_profile_is_measured_over_pages_keyed_and_priced_apart(model, dirs):
-    """``kv="paged"``: measured over a PagedKVCache whose rows hold distinct pages; the layout
+    """``kv="paged"``: measured over a PagedKVCache whose rows hold distinct pages, one run
+    each, as the block manager hands them out on an empty pool; the layout
     is recorded and keyed, a run over fixed slots never picks it up, and a paged run's lookup
     finds it with its batch siblings of the same layout only."""
     repo, _ = dirs
     repo.mkdir(parents=True, exist_ok=True)
-    cache = profile_cache(model, 3, 40, kv="paged", page=8,
-                          generator=torch.Generator().manual_seed(0))
+    cache = profile_cache(model, 3, 40, kv="paged", page=8)
     assert isinstance(cache, PagedKVCache) and cache.capacity >= 40
     owned = [p for row in cache.pages for p in row]
     assert len(owned) == len(set(owned)) == 3 * 5 and SCRATCH not in owned
+    assert cache.pages == [list(range(1 + 5 * r, 6 + 5 * r)) for r in range(3)]
+    assert all(cache.consecutive)
     fixed = measure(model, [16], batch=1, max_q=2, repeats=1)
     paged = [measure(model, [16], batch=b, max_q=2, repeats=1, kv="paged", page=8)
              for b in (1, 4)]

@@ -2,14 +2,17 @@
 
 A row is given every page it can need when it is admitted (its prompt, its new tokens and the
 draft lookahead: ``row_capacity``) and gives them all back when it ends, so the decode loop
-never allocates, never runs out and never preempts, and a rejected draft keeps its pages. Pages
-are handed out first freed, first reused, so the same admissions give the same pages.
+never allocates, never runs out and never preempts, and a rejected draft keeps its pages. A row
+gets the lowest run of consecutive free pages that holds it, where there is one, else the
+lowest free pages: on a CPU a row on consecutive pages is read in place, not gathered
+(model/paged_cache.py). The same admissions give the same pages.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
@@ -49,7 +52,7 @@ class PagePool:
         if any(cache.pages):
             raise ValueError("a page pool starts on a cache whose rows are all empty")
         self.cache = cache
-        self.free: deque[int] = deque(p for p in range(cache.n_pages) if p != SCRATCH)
+        self.free: list[int] = [p for p in range(cache.n_pages) if p != SCRATCH]  # sorted
         self.total = len(self.free)
 
     @property
@@ -73,11 +76,22 @@ class PagePool:
         n = self.pages_for(tokens)
         if n > len(self.free):
             raise ValueError(f"{n} pages asked, {len(self.free)} free")
-        self.cache.assign(row, [self.free.popleft() for _ in range(n)])
+        self.cache.assign(row, self._take(n))
+
+    def _take(self, n: int) -> list[int]:
+        """The lowest run of ``n`` consecutive free pages, else the ``n`` lowest free pages."""
+        free = np.asarray(self.free)
+        ends = np.flatnonzero(np.diff(free) != 1) + 1  # where each run of the free pages ends
+        starts = np.concatenate(([0], ends))
+        runs = np.flatnonzero(np.concatenate((ends, [len(free)])) - starts >= n)
+        at = int(starts[runs[0]]) if len(runs) else 0  # no run: the lowest pages, from 0
+        taken = self.free[at:at + n]
+        del self.free[at:at + n]
+        return taken
 
     def release(self, row: int) -> None:
         """A row ended: its pages are free again and its cache row empty."""
-        self.free.extend(self.cache.release(row))
+        self.free = sorted(self.free + self.cache.release(row))
 
     @property
     def reserved(self) -> int:

@@ -9,8 +9,11 @@ start together), which lets the CPU path slice the cache and drop the mask.
 Backends, one per device kind, pinned rather than left to a library default:
 
 - ``sdpa`` (CPU): PyTorch SDPA. A fresh prefill takes the ``is_causal`` kernel (it skips masked
-  blocks); decode at equal lengths needs no mask; anything else gets a boolean mask. Decode and
-  verify fold each KV head's query group into rows, ``[B, KV, g*T, hd]``, so each cached key is
+  blocks). Every other forward attends row by row, each row over its own keys
+  (``ForwardMeta.key_counts``): no key is read for padding a row to the longest one, a decode
+  (T = 1) needs no mask, and a row's result does not depend on the rows beside it; over a
+  paged cache a row on consecutive pages is read in place (model/paged_cache.py). Decode and
+  verify fold each KV head's query group into rows, ``[KV, g*T, hd]``, so each cached key is
   read once per KV head (1.6-1.8x faster attention at 8k on the CPU than per query head).
 - ``flex`` (CUDA): ``flex_attention`` compiled, with a block mask built on the device from
   ``starts`` (model/block_mask.py): key blocks wholly visible are "full" (no mask_mod), the
@@ -120,9 +123,14 @@ def canonical(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta) -> torch.Tensor:
-    """q [B, H, T, hd] against keys / values [B, KV, S, hd] -> [B, T, H*hd]."""
+def attend(q: torch.Tensor, keys, values, meta) -> torch.Tensor:
+    """q [B, H, T, hd] against keys / values [B, KV, S, hd], or per-row lists of [1, KV, n, hd]
+    (``meta.key_counts``) -> [B, T, H*hd]."""
     b, h, t, hd = q.shape
+    if meta.key_counts is not None:
+        o = torch.cat([_sdpa(q[i:i + 1], keys[i], values[i], meta, i)
+                       for i in range(b)])
+        return o.transpose(1, 2).reshape(b, t, h * hd)
     kv = keys.shape[1]
     if meta.backend == "flex" and not meta.causal:
         q = canonical(q)
@@ -136,14 +144,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta) -> t
     return o.transpose(1, 2).reshape(b, t, h * hd)
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta,
+          row: int | None = None) -> torch.Tensor:
+    """``row``: one row of the batch against its own keys (no padding, no mask at T = 1)."""
     b, h, t, hd = q.shape
     kv = keys.shape[1]
     if meta.causal:  # fresh prefill: the kernel's causal path, KV heads shared by GQA
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True,
                                               enable_gqa=h != kv)
     g = h // kv
-    mask = meta.mask()
+    mask = meta.mask() if row is None or t > 1 else None
+    if mask is not None and row is not None:
+        mask = mask[row:row + 1, :, :, :keys.shape[2]]
     if mask is not None:
         mask = mask.repeat(1, 1, g, 1)
     o = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, hd), keys, values, attn_mask=mask)

@@ -29,8 +29,9 @@ class KVCache:
         return len(self.lengths)
 
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, T, KV, hd] at ``meta.positions``; return the keys/values to attend to
-        (the first ``meta.kv_len`` of each row: the longest row's length, or the capacity)."""
+        """Store k, v [B, T, KV, hd] at ``meta.positions``; return the keys/values to attend to:
+        the first ``meta.kv_len`` of each row (the longest row's length, or the capacity), or,
+        for per-row attention, a list of each row's own ``meta.key_counts`` [1, KV, n, hd]."""
         kc, vc = self.k[layer][meta.rows], self.v[layer][meta.rows]
         if meta.start is not None:
             t = k.shape[1]
@@ -40,6 +41,9 @@ class KVCache:
             b = torch.arange(k.shape[0], device=k.device)[:, None]
             kc[b, :, meta.positions] = k
             vc[b, :, meta.positions] = v
+        if meta.key_counts is not None:  # per-row attention: each row's own keys (views)
+            return ([kc[b:b + 1, :, :n] for b, n in enumerate(meta.key_counts)],
+                    [vc[b:b + 1, :, :n] for b, n in enumerate(meta.key_counts)])
         return kc[:, :, :meta.kv_len], vc[:, :, :meta.kv_len]
 
     def commit(self, row: int, length: int) -> None:
@@ -48,10 +52,11 @@ class KVCache:
             raise ValueError(f"length {length} outside cache capacity {self.capacity}")
         self.lengths[row] = length
 
-    def locate(self, rows: slice, positions: torch.Tensor, kv_len: int):
+    def locate(self, rows: slice, positions: torch.Tensor, kv_len: int,
+               key_counts: tuple[int, ...] | None = None):
         """Physical indices of a forward's writes and reads: none for fixed slots (a row's
         positions are its indices)."""
-        return None, None
+        return None, None, None
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``dst`` takes row ``src``'s keys, values and length (a retire's move)."""

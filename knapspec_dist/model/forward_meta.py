@@ -35,6 +35,9 @@ class ForwardMeta:
     block_mask: object | None = None  # flex: built once per forward, shared by all layers
     slots: torch.Tensor | None = None  # paged cache: physical positions of the new tokens
     gather: torch.Tensor | None = None  # paged sdpa: physical positions of the keys read
+    key_counts: tuple[int, ...] | None = None  # per-row attention: each row's keys (host)
+    row_offsets: tuple[int | None, ...] | None = None  # paged, per row: where its keys start
+    # in the pool when they are consecutive there (None: gathered)
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -86,7 +89,14 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     cos = (emb.cos() * model.rope_scale).to(model.dtype)
     sin = (emb.sin() * model.rope_scale).to(model.dtype)
     flex = backend == "flex" and not causal
-    slots, gather = cache.locate(rows, positions, None if flex else kv_len)
+    # On a CPU each row attends to its own keys: no key is read for padding to the longest
+    # row, and a row's result does not depend on the rows beside it (model/attention.py).
+    key_counts = None
+    if not flex and not causal and not isinstance(starts, torch.Tensor) \
+            and torch.device(model.device).type == "cpu":
+        key_counts = tuple(s + t for s in starts)
+    slots, gather, row_offsets = cache.locate(rows, positions, None if flex else kv_len,
+                                              key_counts)
     block_mask = None
     if flex and slots is not None:  # the pool's keys, read through the block table
         block_mask = paged_block_mask(starts_dev, t, cache.table[rows], cache.logical,
@@ -94,5 +104,5 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     elif flex:
         block_mask = length_block_mask(starts_dev, t, kv_len)
     return ForwardMeta(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
-                       block_mask, slots, gather)
+                       block_mask, slots, gather, key_counts, row_offsets)
 

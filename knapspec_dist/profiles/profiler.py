@@ -12,10 +12,11 @@ by default;
 at 8k on a CPU and changes no timing: attention reads the same number of cached values
 whatever they are). A context length n is then just ``cache.lengths = n``; forwards at n
 write at positions n.. and are never committed, so every repeat sees the same n. With
-``kv="paged"`` it is a ``PagedKVCache`` (model/paged_cache.py) whose rows hold distinct pages
-handed out in a shuffled order, as a pool is after rows of many lengths came and went, so
-the attention measured is the paged one (its per-forward gather included). The cache must fit
-in the memory left beside the weights (engine/memory.py's rule): a large batch at long
+``kv="paged"`` it is a ``PagedKVCache`` (model/paged_cache.py) whose rows hold the pages the
+block manager gives them (engine/pages.py: on a pool just large enough, one run of
+consecutive pages each, read in place on a CPU), so the attention measured is the paged one.
+The cache must fit in the memory left beside the weights (engine/memory.py's rule): a large
+batch at long
 contexts that does not is refused with the longest context that would fit, since every row
 holds the longest context measured.
 
@@ -68,7 +69,7 @@ import torch.distributed as dist
 
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.memory import free_bytes, kv_bytes_per_token, positions_that_fit
-from knapspec_dist.engine.pages import page_size
+from knapspec_dist.engine.pages import PagePool, page_size
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache, kv_heads
@@ -309,10 +310,10 @@ def _check(mode: str, contexts: Sequence[int], batch: int, max_q: int, repeats: 
     return contexts
 
 
-def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int | None = None,
-                  generator: torch.Generator | None = None) -> KVCache | PagedKVCache:
+def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int | None = None
+                  ) -> KVCache | PagedKVCache:
     """The cache the profiler measures over: ``batch`` rows of ``capacity`` positions, fixed
-    slots or distinct pages in a shuffled order (``kv="paged"``); a UserError, naming the
+    slots or pages as the block manager hands them out (``kv="paged"``); a UserError, naming the
     longest context that would fit, where the memory beside the weights cannot hold it."""
     per_token = kv_bytes_per_token(model)
     free = free_bytes(model.device)
@@ -330,9 +331,9 @@ def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int
     blocks = -(-capacity // page)
     cache = PagedKVCache(cfg, batch, capacity, batch * blocks + 1, page, dtype=model.dtype,
                          device=model.device, kv_heads=heads)
-    order = (torch.randperm(batch * blocks, generator=generator) + 1).tolist()  # not the scratch
+    pool = PagePool(cache)
     for row in range(batch):
-        cache.assign(row, order[row * blocks:(row + 1) * blocks])
+        pool.admit(row, capacity)
     return cache
 
 
@@ -448,7 +449,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     device, dtype, cfg = model.device, model.dtype, model.cfg
     tp = _world(group) if group is not None else 1
     gen = torch.Generator().manual_seed(seed)
-    cache = profile_cache(model, batch, contexts[-1] + max_q, kv, page, gen)
+    cache = profile_cache(model, batch, contexts[-1] + max_q, kv, page)
     load_before = _load_average()
     started = time.perf_counter()
     fill_cache(model, cache, contexts[-1], fill, generator=gen)

@@ -51,7 +51,7 @@ def copy_rows(fixed: KVCache, paged: PagedKVCache, n: int) -> None:
         at = paged.table[row, keys // paged.page] * paged.page + keys % paged.page
         for src, dst in ((fixed.k, paged.k), (fixed.v, paged.v)):
             for layer in range(len(src)):
-                dst[layer][at] = src[layer][row, :, :n].transpose(0, 1)
+                dst[layer][:, at] = src[layer][row, :, :n]
         paged.commit(row, n)
 
 
