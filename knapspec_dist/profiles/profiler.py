@@ -16,9 +16,8 @@ write at positions n.. and are never committed, so every repeat sees the same n.
 block manager gives them (engine/pages.py: on a pool just large enough, one run of
 consecutive pages each, read in place on a CPU), so the attention measured is the paged one.
 The cache must fit in the memory left beside the weights (engine/memory.py's rule): a large
-batch at long
-contexts that does not is refused with the longest context that would fit, since every row
-holds the longest context measured.
+batch at long contexts that does not is refused with the longest context that would fit,
+since every row holds the longest context measured.
 
 For each repeat, round-robin over the contexts (so a burst of load from elsewhere spreads
 over all contexts instead of spoiling one), at each n:
