@@ -61,6 +61,25 @@ def test_a_negative_cost_is_refused_like_zero(tmp_path, edit, message):
         store.load_profile(path)
 
 
+@pytest.mark.parametrize("cpus, threads, load, busy", [
+    (2, 2, [0.4, 2.1], False),  # its own two threads fill the average after: quiet
+    (2, 2, [0.4, 3.1], True),   # one more busy process beside them
+    (2, 2, [0.6, 2.0], False),  # its own model load in the minute before: quiet
+    (2, 2, [1.9, 2.0], True),   # the minute before was busy
+    (2, 1, [0.3, 2.0], False),  # one thread and one other process on two cores
+    (16, 1, [0.5, 11.0], False),
+    (16, 1, [0.5, 14.0], True),  # above 0.75 x the CPUs, though cores were idle
+    (2, 2, [0.4], False),
+    (2, 2, [2.0], True),
+])
+def test_a_busy_cpu_is_the_load_beside_the_measurement_not_its_own(cpus, threads, load, busy):
+    from knapspec_dist.profiles.device import cpu_busy
+    info = {"kind": "cpu", "threads": threads, "logical_cpus": cpus, "load_average": load}
+    assert (cpu_busy(info) is not None) == busy
+    assert cpu_busy({**info, "kind": "cuda"}) is None
+    assert cpu_busy({k: v for k, v in info.items() if k != "load_average"}) is None
+
+
 def test_the_spread_is_recorded_and_round_trips():
     p = profile(spread=0.1)
     assert p.spread() == pytest.approx(0.1)
@@ -90,7 +109,8 @@ def test_a_profile_measured_on_a_busy_machine_is_used_not_cached(tmp_path, monke
         choice = store.resolve(None, [device], SHAPE, "float32",
                                measure=lambda contexts, mode: loaded_cpu, need=256)
     assert choice.path is None and not (tmp_path / "cache").exists()
-    assert any("load average was 5.9 on 2 CPUs" in r.getMessage() for r in caplog.records)
+    assert any("load beside the measurement was 5.5 on 2 CPUs" in r.getMessage()
+               for r in caplog.records)
 
     steady = profile(spread=0.05, load=[0.2, 0.3])
     kept = store.resolve(None, [device], SHAPE, "float32",

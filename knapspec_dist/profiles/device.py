@@ -16,6 +16,11 @@ except ImportError:  # NVML is optional: torch's device name is still a real ide
 
 log = logging.getLogger(__name__)
 
+#: A CPU measurement beside more other load than this many times the logical CPUs was busy.
+LOAD_LIMIT = 0.75
+#: ... or beside more than this many CPUs of other load once its own threads fill the CPUs.
+SPARE_LOAD = 0.75
+
 
 def device_info(device: torch.device | str) -> dict[str, Any]:
     """Who measured: NVML name and memory on NVIDIA GPUs; CPU model and thread count otherwise.
@@ -33,6 +38,35 @@ def device_info(device: torch.device | str) -> dict[str, Any]:
                             "machine": platform.machine()}
     info.update(_cpuinfo_details())
     return info
+
+
+def other_load(info: dict[str, Any]) -> float | None:
+    """The load beside a CPU measurement, from the 1-minute load average it recorded before and
+    after (``info["load_average"]``): the larger of the one before and the one after less the
+    measuring threads' own, which count in the average while they run. None: not recorded."""
+    load = info.get("load_average")
+    if not isinstance(load, list) or not load:
+        return None
+    after = load[-1] - info.get("threads", 0) if len(load) > 1 else load[0]
+    return max(load[0], after)
+
+
+def cpu_busy(info: dict[str, Any]) -> str | None:
+    """Why a CPU measurement ran on a busy machine, or None: the load beside it
+    (:func:`other_load`) above ``LOAD_LIMIT`` x the logical CPUs, or above ``SPARE_LOAD``
+    more than the CPUs its threads leave idle: one busy process beside two threads on two
+    cores adds 1.0 and halves their speed; the profiler's own model load, in the minute
+    before its first reading, about 0.6."""
+    cpus, other = info.get("logical_cpus"), other_load(info)
+    if info.get("kind") != "cpu" or not cpus or other is None:
+        return None
+    limit = min(LOAD_LIMIT * cpus, max(cpus - info.get("threads", 0), 0) + SPARE_LOAD)
+    if other <= limit:
+        return None
+    load = info["load_average"]
+    return (f"the load beside the measurement was {other:.1f} on {cpus} CPUs (> {limit:.1f}; "
+            f"load average {' -> '.join(f'{x:.1f}' for x in load)}, less its own "
+            f"{info.get('threads', 0)} threads after)")
 
 
 def cpu_model_name() -> str:

@@ -50,7 +50,8 @@ samples are reduced with MAX (a replica runs at its slowest rank's pace), and
 
 Other processes on the machine distort every number (on a 2-core CPU with two OpenMP threads,
 a load average of 10 made decode steps ~20x slower), so the 1-minute load average before and
-after is stored in ``device["load_average"]`` and a busy CPU is warned about.
+after is stored in ``device["load_average"]`` and a busy CPU is warned about (``device.cpu_busy``:
+the measuring threads' own load is not counted against it).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from knapspec_dist.model.attention import default_backend
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import dtype_name
-from knapspec_dist.profiles.device import device_info
+from knapspec_dist.profiles.device import cpu_busy, device_info
 from knapspec_dist.profiles.profile import KV_LAYOUTS, MODES, LatencyProfile, fit_profile
 from knapspec_dist.profiles.replay import ReplayTimer
 
@@ -412,16 +413,15 @@ def _log_cross_check(raw: dict[str, dict], contexts: list[int]) -> None:
 
 def _device_record(device: torch.device, load_before: float | None) -> dict[str, Any]:
     """``device_info`` with the 1-minute load average before and after measuring; a busy CPU
-    is warned about."""
+    (``device.cpu_busy``) is warned about."""
     info = device_info(device)
     load = [load_before, _load_average()]
     if None not in load:
         info["load_average"] = load
-        if device.type == "cpu" and max(load) > 0.75 * (os.cpu_count() or 1):
-            log.warning("the machine was busy while measuring "
-                        "(load average %.1f -> %.1f on %d CPUs): timings include contention "
-                        "from other processes; re-run on an idle machine",
-                        load[0], load[1], os.cpu_count() or 1)
+        busy = cpu_busy(info)
+        if busy:
+            log.warning("the machine was busy while measuring: %s; timings include contention "
+                        "from other processes; re-run on an idle machine", busy)
     return info
 
 
