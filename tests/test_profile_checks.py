@@ -10,6 +10,7 @@ import pytest
 
 from knapspec_dist.profiles import batching, store
 from knapspec_dist.profiles.batching import BatchPricing
+from knapspec_dist.profiles.device import cpu_busy
 from knapspec_dist.profiles.profile import LatencyProfile, fit_profile
 
 SHAPE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4,
@@ -73,7 +74,6 @@ def test_a_negative_cost_is_refused_like_zero(tmp_path, edit, message):
     (2, 2, [2.0], True),
 ])
 def test_a_busy_cpu_is_the_load_beside_the_measurement_not_its_own(cpus, threads, load, busy):
-    from knapspec_dist.profiles.device import cpu_busy
     info = {"kind": "cpu", "threads": threads, "logical_cpus": cpus, "load_average": load}
     assert (cpu_busy(info) is not None) == busy
     assert cpu_busy({**info, "kind": "cuda"}) is None
