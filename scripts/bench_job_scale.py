@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from knapspec_dist.jobs import JobConfig, run_job  # noqa: E402
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, book_path  # noqa: E402
 
+from stub_engine import StubBackend, StubEngines  # noqa: E402
+
 log = logging.getLogger("bench_job_scale")
 
 
@@ -96,7 +98,6 @@ def child(args) -> None:
                        progress_seconds=10, progress_bar=False, address="local")
     kw = {}
     if args.kind != "ar":
-        from stub_engine import StubBackend, StubEngines
         kw = dict(engine_factory=StubEngines(args.delay, args.max_num_seqs),
                   backend_factory=StubBackend)
     result = run_job(config, on_row=lambda row: times.append(time.monotonic()), **kw)

@@ -30,8 +30,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import models` under any runner
 
+from knapspec_dist import llm as local  # noqa: E402
 from knapspec_dist.model import attention  # noqa: E402
+from knapspec_dist.model.tokenizer import encode  # noqa: E402
 from knapspec_dist.model.weights import load_model  # noqa: E402
+from knapspec_dist.tools.corpus import document_of_tokens  # noqa: E402
 
 from models import CONFIGS, hf_model, make_checkpoint  # noqa: E402
 
@@ -56,8 +59,6 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def engine_model(checkpoints):
     """name -> our fp32 Transformer loaded from the test checkpoint (cached)."""
-    from knapspec_dist.model.weights import load_model
-
     cache: dict[str, object] = {}
 
     def get(name: str):
@@ -95,8 +96,6 @@ def tiny(tiny_vocab_checkpoint):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from knapspec_dist import llm as local
-
     return local.load("smollm2")
 
 
@@ -108,9 +107,6 @@ def smollm2_hf(smollm2):
 @pytest.fixture(scope="session")
 def corpus_prompt(smollm2) -> list[int]:
     """About 1000 SmolLM2 tokens of a public-domain chapter (shared corpus or bundled)."""
-    from knapspec_dist.model.tokenizer import encode
-    from knapspec_dist.tools.corpus import document_of_tokens
-
     ids = encode(smollm2.tokenizer, document_of_tokens(smollm2.tokenizer, 1000))
     assert 950 <= len(ids) <= 1050, len(ids)
     return ids

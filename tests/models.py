@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 
 # Larger-than-default init keeps logits well separated, so greedy ties (which fp32 rounding
 # could break differently in two correct implementations) do not occur.
@@ -31,8 +32,6 @@ CONFIGS = {
 
 def make_checkpoint(name: str, root: Path, vocab_size: int = 256, seed: int = 0) -> Path:
     """Write a random checkpoint (config.json + safetensors) and return its folder."""
-    import transformers
-
     spec = dict(CONFIGS[name])
     arch, shard = spec.pop("arch"), spec.pop("shard", False)
     cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if arch == "llama"
@@ -48,6 +47,4 @@ def make_checkpoint(name: str, root: Path, vocab_size: int = 256, seed: int = 0)
 
 
 def hf_model(path: Path):
-    import transformers
-
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from knapspec_dist.engine.sequence import Batch, Row
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.speculation import tpt
 from knapspec_dist.speculation.acceptance import AcceptanceBook, Estimate, similarity
 from knapspec_dist.speculation.knapspec import KnapSpecSelector
@@ -48,9 +50,6 @@ def test_expected_tokens_under_the_confidence_exit():
 def test_references_are_the_last_m_rounds(engine_model):
     """Six rounds of two committed positions each: the DP judges the last five rounds' ten
     positions, ending at the row's end."""
-    from knapspec_dist.engine.sequence import Batch, Row
-    from knapspec_dist.model.cache import KVCache
-
     model = engine_model("llama-gqa")
     selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION))
     selector.start(model)

@@ -19,9 +19,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from knapspec_dist.cli.job import main as job_main
 from knapspec_dist.cli.main import main as knapspec_main
+from knapspec_dist.model.embedded import resolve_model_path
 
 from conftest import subprocess_env
 
@@ -156,8 +158,6 @@ def test_a_kv_cache_too_small_for_one_row_is_refused_before_ray(tmp_path, capsys
 @pytest.fixture(scope="module")
 def corrupt_model(tmp_path_factory) -> Path:
     """SmolLM2's folder with garbage in model.safetensors."""
-    from knapspec_dist.model.embedded import resolve_model_path
-
     source = resolve_model_path("smollm2")
     folder = tmp_path_factory.mktemp("corrupt")
     for f in source.iterdir():
@@ -183,8 +183,6 @@ def test_corrupt_weights_are_one_error_line_naming_the_file(tmp_path, corrupt_mo
 @pytest.mark.e2e
 def test_cuda_on_a_cluster_without_gpus_fails_in_seconds(tmp_path):
     """Case 7: the job checks the cluster's GPUs before waiting for a placement group."""
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     a = write_input(tmp_path / "A.parquet", ["a1"], ["Some text."])

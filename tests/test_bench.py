@@ -14,12 +14,13 @@ from knapspec_dist.engine.memory import kv_bytes_per_token_of, slot_size
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
+from knapspec_dist.profiles import profiler
 from knapspec_dist.speculation.selfspec import SelfSpeculative
 from knapspec_dist.tools.bench import compare
 from knapspec_dist.tools.bench.compare import bugs
-from knapspec_dist.tools.bench.findings import findings_markdown, run_findings
+from knapspec_dist.tools.bench.findings import STRATEGIES, findings_markdown, run_findings
 from knapspec_dist.tools.bench.prompts import ByteTokenizer, build_prompts
-from knapspec_dist.tools.bench.report import command_line, summarize, write_markdown
+from knapspec_dist.tools.bench.report import PLANS_SHOWN, command_line, summarize, write_markdown
 from knapspec_dist.tools.bench.specs import parse_strategies
 from knapspec_dist.tools.ties import Divergence, RunCheck, classify
 
@@ -197,8 +198,6 @@ def test_bench_report_lists_every_divergence_with_its_margin(tmp_path):
 def test_bench_report_gives_the_top_plans_of_a_strategy_that_priced_them(tmp_path):
     """Per context and strategy that priced its plans: the top plans by seconds, summed over
     the prompts, the rest as other; realized and predicted tok/s. Unpriced plans: no table."""
-    from knapspec_dist.tools.bench.report import PLANS_SHOWN
-
     def tally(rounds, tokens, seconds, rate):
         return {"rounds": rounds, "tokens": tokens, "seconds": seconds,
                 "predicted_tokens": rate * seconds, "priced_s": seconds}
@@ -317,8 +316,6 @@ def test_a_sampled_bench_says_how_it_sampled(checkpoint, tmp_path, capsys, metho
 def test_findings_preset_writes_the_four_findings(checkpoint, tmp_path, capsys):
     """``--preset findings``: knapspec:paper and its ablations beside ar and knapspec, every
     run token-identical to ar, the findings table and its plot (tiny sizes here)."""
-    from knapspec_dist.tools.bench.findings import STRATEGIES
-
     code = main(["bench", "--model", str(checkpoint), "--preset", "findings", "--contexts",
                  "96", "--new-tokens", "24", "--interval", "8", "--tau-conf", "0",
                  "--out", str(tmp_path)])
@@ -388,8 +385,6 @@ def test_throughput_measures_one_profile_per_run_and_keeps_it_when_steady(
     twice each, measures one profile for all four runs. Measured on a busy machine (a load
     average far above the CPUs) it is not cached, so the next command measures once again;
     measured on a quiet one it is kept and the next command measures none."""
-    from knapspec_dist.profiles import profiler
-
     monkeypatch.setenv("KNAPSPEC_PROFILES", str(tmp_path / "repo-profiles"))
     monkeypatch.setenv("KNAPSPEC_PROFILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KNAPSPEC_PROFILE_MAX_SPREAD", "1e9")  # only the load decides here

@@ -8,6 +8,7 @@ import json
 import random
 import statistics
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,13 +17,17 @@ from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.errors import UserError
 from knapspec_dist.profiles import store
 from knapspec_dist.profiles.profile import LatencyProfile, fit_profile, integer_weights
 from knapspec_dist.speculation import calibration, tpt
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.calibration import Calibration, RoundTiming
+from knapspec_dist.speculation.factory import build_selector
 from knapspec_dist.speculation.knapspec import Decision, KnapSpecConfig, KnapSpecSelector
-from knapspec_dist.speculation.selfspec import SelfSpeculative
+from knapspec_dist.speculation.options import parse_strategy
+from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative
+from knapspec_dist.speculation.spmd import SyncedSelector
 
 LAYERS = 4
 MLP = 7e-4
@@ -333,11 +338,6 @@ def test_calibration_through_the_engine_keeps_tokens_and_refits_only_a_drift(eng
 def test_every_tp_rank_is_fed_rank0s_seconds():
     """Under TP each rank times its own rounds; its calibration is fed rank 0's seconds (on the
     plan's broadcast, one round later), so every rank prices the next DP alike."""
-    from types import SimpleNamespace
-
-    from knapspec_dist.speculation.selfspec import Plan
-    from knapspec_dist.speculation.spmd import SyncedSelector
-
     class Inner:
         def __init__(self):
             self.fed = []
@@ -371,11 +371,6 @@ def test_every_tp_rank_is_fed_rank0s_seconds():
 def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
     """Every rank refits alike from rank 0's seconds, but one online file is written and one
     line logged per report: rank 0's (a fake comm, no Ray or gloo)."""
-    from types import SimpleNamespace
-
-    from knapspec_dist.speculation.selfspec import Plan
-    from knapspec_dist.speculation.spmd import SyncedSelector
-
     stored = cost_model()
 
     class Inner:  # as KnapSpecSelector: its calibration made at start, fed by ``timed``
@@ -414,10 +409,6 @@ def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
 
 
 def test_on_for_knapspec_off_for_the_authors_and_named_by_flags(engine_model):
-    from knapspec_dist.errors import UserError
-    from knapspec_dist.speculation.factory import build_selector
-    from knapspec_dist.speculation.options import parse_strategy
-
     model = engine_model("llama-gqa")
     profile = cost_model(layers=model.cfg.num_layers, shape=model.cfg.shape())
 

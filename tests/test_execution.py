@@ -6,6 +6,7 @@ under CUDA graphs on a GPU (tests/test_gpu.py, ``knapspec gpu-check``)."""
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.model.attention import FLEX_BLOCK
 from knapspec_dist.model.block_mask import length_block_mask
 from knapspec_dist.model.cache import KVCache
+from knapspec_dist.profiles.profiler import measure
+from knapspec_dist.profiles.replay import ReplayTimer
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
 from knapspec_dist.tools.gpucheck.late import block_mask_ops
@@ -190,8 +193,6 @@ def test_flex_backend_matches_sdpa_on_cpu(engine_model):
 def test_replay_timer_recovers_sublayer_costs_by_difference(engine_model, monkeypatch):
     """Graph-mode pricing: with replayed forwards costing head + attention per executed
     attention + mlp per executed MLP, the split returns exactly those costs."""
-    from knapspec_dist.profiles.replay import ReplayTimer
-
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     cost = {"head": 3e-4, "mlp": 2e-4}
@@ -213,10 +214,6 @@ def test_replay_timer_recovers_sublayer_costs_by_difference(engine_model, monkey
 
 def test_graph_mode_profile_runs_on_the_cpu(engine_model):
     """The profiler's graph mode end to end (the graph stand-in re-runs the forwards)."""
-    import math
-
-    from knapspec_dist.profiles.profiler import measure
-
     model = engine_model(NAME)
     profile = measure(model, [32, 64], batch=1, max_q=3, repeats=1, mode="graph")
     assert all(math.isfinite(profile.verify_time(q, n)) for q in (1, 3) for n in (32, 64))

@@ -21,10 +21,10 @@ from knapspec_dist.profiles import store
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.profiles.profiler import measure
-from knapspec_dist.runtime import replica
+from knapspec_dist.runtime import RayEngine, replica
 from knapspec_dist.runtime.coordinator import calibrates
 from knapspec_dist.speculation.factory import build_selector
-from knapspec_dist.speculation.options import parse_strategy
+from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 from conftest import random_prompt
 from faults import slow_measure
@@ -168,9 +168,6 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
     and generates ar's tokens. ``knapspec:fixed`` (no calibration) must measure: that takes
     longer than the timeout and still prepares, since it is not counted, and measures over the
     paged cache the replica decodes over."""
-    from knapspec_dist.runtime import RayEngine
-    from knapspec_dist.speculation.options import StrategyOptions
-
     shipped, cache = dirs
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=50 + n) for n in (7, 12)]
     greedy = dict(max_new_tokens=10, stop_at_eos=False)

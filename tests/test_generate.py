@@ -10,6 +10,7 @@ import torch
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.options import format_skip
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
@@ -213,8 +214,6 @@ def smol_plans() -> list[tuple[set[int], int, float]]:
 
 @pytest.fixture(scope="module")
 def smol_prompts(smollm2, corpus_prompt):
-    from knapspec_dist.model.tokenizer import encode
-
     tok = smollm2.tokenizer
     return [encode(tok, "Write a short poem about the sea and the wind.", chat=True),
             encode(tok, "Summarize in one sentence:\n\n" + tok.decode(corpus_prompt[200:420]),

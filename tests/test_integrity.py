@@ -10,6 +10,7 @@ start no Ray; one rerun for both), and a ``--max-num-seqs`` that cannot fit.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -23,7 +24,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray.exceptions as rx
 import torch
+from ray.exceptions import RayTaskError
 
 from knapspec_dist.cli.job import add_job_args, config_from_args
 from knapspec_dist.errors import UserError
@@ -189,8 +192,6 @@ class OomBackend(t.FakeBackend):
 
 
 def _ray_task_error(cause: BaseException) -> BaseException:
-    from ray.exceptions import RayTaskError
-
     return RayTaskError("generate", "traceback", cause).as_instanceof_cause()
 
 
@@ -209,8 +210,6 @@ def test_out_of_memory_restarts_the_replica_smaller_and_retries_the_row():
 
 
 def test_oom_and_ray_oom_killer_are_replica_failures():
-    import ray.exceptions as rx
-
     for exc in (rx.OutOfMemoryError("the OOM killer stopped the worker"),
                 _ray_task_error(torch.OutOfMemoryError("out of memory")),
                 _ray_task_error(MemoryError())):
@@ -238,8 +237,6 @@ def test_retry_failed_retries_every_failed_row_and_a_plain_rerun_does_not(tmp_pa
     retried, e3 = t.run(t.job(tmp_path, baseline_fraction=0, retry_failed=True))
     assert [len(s[1]) for s in e3.submits] == [11]
     assert retried.summary["rows"]["ok"] == 3 and retried.summary["rows"]["failed"] == 0
-
-    import argparse
 
     p = argparse.ArgumentParser()
     add_job_args(p)

@@ -9,8 +9,12 @@ model and for Ray, so each rule is tested exactly and fast.  The real engine, Ra
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pyarrow as pa
@@ -20,11 +24,14 @@ import pytest
 from knapspec_dist.cli.job import add_job_args, config_from_args, main, register
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs import JobConfig, run_job
+from knapspec_dist.jobs import summary as summary_mod
 from knapspec_dist.jobs.baseline import choose_baseline
 from knapspec_dist.jobs.inputs import iter_texts, read_input
 from knapspec_dist.jobs.output import OutputDir, PartWriter, output_schema, result_row
 from knapspec_dist.jobs.report import report
-from knapspec_dist.jobs.summary import summarize
+from knapspec_dist.jobs.summary import summarize, throughput
+from knapspec_dist.model.embedded import ensure_smollm2
+from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.runtime.dispatch import Dispatcher, Task
 from knapspec_dist.runtime.messages import KVReport
 from knapspec_dist.runtime.prompts import Prompt, PromptBuilder
@@ -145,9 +152,6 @@ def test_truncate_cuts_the_end_of_the_document_to_fit():
 
 
 def test_truncate_with_the_real_tokenizer_fits_exactly():
-    from knapspec_dist.model.embedded import ensure_smollm2
-    from knapspec_dist.model.tokenizer import load_tokenizer
-
     tok = load_tokenizer(ensure_smollm2())
     b = PromptBuilder(tok, "text", "Summarize:", 300, 50, True, "document")
     doc = ("It is a truth universally acknowledged, that a single man in possession of a good "
@@ -509,10 +513,6 @@ except JobTerminated:
 
 @pytest.mark.e2e
 def test_sigterm_writes_the_finished_rows_before_exiting(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
     inp = write_input(tmp_path / "in.parquet", list("abcdefgh"), docs_of(range(3, 11)))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_DRIVER, os.path.dirname(__file__),
@@ -571,8 +571,6 @@ def test_summary_speedup_and_buckets_from_rows():
     """The speedup compares the baseline pass of the job's strategy with ar's (each pass's
     throughput); the job's own rows only count for token identity. Here the main pass ran
     in a batch (its rows overlap in time: a per-row comparison with ar would say 0.5x)."""
-    import datetime as dt
-
     schema = output_schema("id", pa.string())
     t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -615,8 +613,6 @@ def test_summary_speedup_and_buckets_from_rows():
 def test_summary_plans_predicted_and_realized_tokens_per_second():
     """Per plan, summed over the ok rows (written through the output schema): realized
     tokens over the rounds' seconds, predicted tokens over the seconds priced."""
-    from knapspec_dist.jobs import summary as summary_mod
-
     schema = output_schema("id", pa.string())
 
     def row(i, plans, error=None):
@@ -646,10 +642,6 @@ def test_summary_plans_predicted_and_realized_tokens_per_second():
 def test_summary_throughput_counts_time_some_row_was_generating():
     """Overlapping rows share wall time: throughput is tokens over the union of the rows'
     admission-to-finish intervals (a gap between runs excluded), less prefill per replica."""
-    import datetime as dt
-
-    from knapspec_dist.jobs.summary import throughput
-
     t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
     def row(start, end, prefill, batch):

@@ -28,9 +28,12 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import matplotlib.image
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from knapspec_dist.tools.corpus import bundled_sample_path
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_SH = REPO / "cluster" / "local.sh"
@@ -93,8 +96,6 @@ def head():
 
 
 def _words(n: int, offset: int = 0) -> str:
-    from knapspec_dist.tools.corpus import bundled_sample_path
-
     text = pq.read_table(bundled_sample_path(), columns=["document"]).column(0)[1].as_py()
     return " ".join(text.split()[offset:offset + n])
 
@@ -111,7 +112,6 @@ def _rows(out: Path, sub: str = "rows") -> list[dict]:
 
 def test_ray_job_submit_end_to_end(head, tmp_path):
     docs = _good_docs()
-    from knapspec_dist.tools.corpus import bundled_sample_path
 
     sample = pq.read_table(bundled_sample_path(), columns=["document"]).column(0).to_pylist()
     too_long = "\n\n".join(sample[:3])  # ~9.3k tokens: over SmolLM2's 8192-token window
@@ -173,8 +173,6 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     assert [x["bucket"] for x in s["buckets"]] == ["0-512", "8k-16k"]
     assert s["buckets"][0]["ok"] == 4 and s["buckets"][1]["failed"] == 1
     assert s["job"]["strategy"] == "knapspec" and s["run"]["rows_generated"] == 4
-
-    import matplotlib.image
 
     png = matplotlib.image.imread(out / "speedup.png")
     assert png.shape[0] > 400 and png.shape[1] > 400

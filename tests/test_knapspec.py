@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -9,15 +10,17 @@ import torch
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.engine.sequence import Batch, Row
 from knapspec_dist.model.attention import prefix_attention, reference_prefix_attention
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture
-from knapspec_dist.speculation import knapspec
+from knapspec_dist.speculation import knapspec, tpt
 from knapspec_dist.speculation.acceptance import fit_acceptance, smoothed_alpha
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.clasp import ClaspSelector
 from knapspec_dist.speculation.guard import PlanRun
 from knapspec_dist.speculation.hidden_states import HiddenStateEvaluator, Reference
+from knapspec_dist.speculation.knapsack import Candidate
 from knapspec_dist.speculation.knapspec import (
     KnapSpecConfig,
     KnapSpecSelector,
@@ -125,9 +128,6 @@ def test_smoothed_alpha():
 def test_speculation_needs_its_estimate_less_its_noise_to_pay(engine_model):
     """The margin is the estimate's own spread: a candidate drafts only where its acceptance
     less ``noise_z`` standard deviations still beats plain decoding at the chosen gamma."""
-    from knapspec_dist.speculation import tpt
-    from knapspec_dist.speculation.knapsack import Candidate
-
     model = engine_model("llama-gqa")
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0)
     n, layers = 1000, model.cfg.num_layers
@@ -256,10 +256,6 @@ def test_pruned_dp_chooses_what_the_full_dp_chooses(engine_model, monkeypatch):
     (``least_paying_weight``): its candidates are the full DP's at or above that weight, and
     the plan chosen from them is the full DP's, at every price (acceptance stood in by a
     function of each candidate's value, so that some plans pay)."""
-    import math
-
-    from knapspec_dist.engine.sequence import Batch, Row
-
     model = engine_model("llama-gqa")
     gen = torch.Generator().manual_seed(5)
     m, cache, references = 5, KVCache(model.cfg, 2, 100, dtype=model.dtype, device="cpu"), []
@@ -313,8 +309,6 @@ def test_references_spread_m_positions_over_the_longest_rows(engine_model):
     """In a batch the DP judges drafts on m positions in all: the last 3 of the longest row
     and the last 2 of the next (m = 5, two reference rows), each starting where its kept
     positions do."""
-    from knapspec_dist.engine.sequence import Batch, Row
-
     model = engine_model("llama-gqa")
     selector = KnapSpecSelector(synthetic_profile(model, LINEAR_ATTENTION))
     selector.start(model)

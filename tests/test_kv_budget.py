@@ -21,7 +21,7 @@ from knapspec_dist.engine.memory import (
     slot_size,
 )
 from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, KVUse, Paging, page_size
-from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.scheduler import Scheduler, Work
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs import JobConfig
@@ -164,8 +164,6 @@ class FakeReplica:
 
 
 def test_the_report_of_replicas_takes_the_smallest_pool_and_the_peaks():
-    from knapspec_dist.engine.scheduler import Work
-
     a, b = paged(free=10 ** 6), paged(free=5 * 10 ** 5)
     infos = [ReplicaInfo(0, kv=a, use=KVUse(480, 4, 1.5, 2), work=Work(rounds=10, row_rounds=30)),
              ReplicaInfo(1, kv=b, use=KVUse(400, 6, 0.5, 1), work=Work(rounds=10, row_rounds=10)),

@@ -12,6 +12,7 @@ from knapspec_dist.profiles import batching, store
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.profiles.device import cpu_busy
 from knapspec_dist.profiles.profile import LatencyProfile, fit_profile
+from knapspec_dist.profiles.profiler import _samples, relative_spread
 
 SHAPE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4,
          "intermediate": 16, "vocab": 32}
@@ -122,8 +123,6 @@ def test_a_profile_measured_on_a_busy_machine_is_used_not_cached(tmp_path, monke
 
 
 def test_the_profiler_records_each_points_relative_spread():
-    from knapspec_dist.profiles.profiler import _samples, relative_spread
-
     assert relative_spread([1.0, 2.0, 3.0]) == pytest.approx(1.0)
     raw = {"attention": {8: [1.0, 1.1, 1.0]}, "mlp": {8: [2.0, 2.0, 2.0]},
            "head": {8: [1.0, 3.0, 1.0]}, "total": {8: [5.0, 5.0, 5.0]},

@@ -17,6 +17,8 @@ from knapspec_dist.model.weights import load_model
 from knapspec_dist.profiles import LatencyProfile, profiler, store
 from knapspec_dist.profiles.profiler import measure, profile_cache
 from knapspec_dist.runtime.messages import ReplicaInfo
+from knapspec_dist.speculation.factory import build_selector
+from knapspec_dist.speculation.options import StrategyOptions
 
 from fakes import FakeEngines, docs_of, job, run, write_input
 from models import make_checkpoint
@@ -47,8 +49,6 @@ def test_measured_once_kept_in_the_cache_and_loaded_by_the_next_run(model, dirs,
     assert sorted({int(n) for n, _ in first.profile.samples["attention"]}) == [64, 100]
     assert first.path == str(cache / f"{first.profile.key()}.json")
     assert Path(first.path).is_file()
-
-    from knapspec_dist.profiles import profiler
 
     monkeypatch.setattr(profiler, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = store.resolve_for_model(None, model, need=80)  # a shorter run: the kept one covers it
@@ -129,9 +129,6 @@ def test_the_job_summary_says_which_profile_priced_the_run(tmp_path):
 def test_profiles_at_other_batch_sizes_price_batched_rounds(model, dirs, tmp_path):
     """A stored batch-8 profile beside the batch-1 one: knapspec's selector gets both and
     prices a round of 4 rows between them."""
-    from knapspec_dist.speculation.factory import build_selector
-    from knapspec_dist.speculation.options import StrategyOptions
-
     repo, _ = dirs
     one = store.resolve_for_model(None, model, need=64).profile
     eight = measure(model, [64], batch=8, max_q=3, repeats=1)

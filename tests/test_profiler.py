@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from knapspec_dist.cli.main import main
 from knapspec_dist.cli.profile import parse_contexts
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.weights import load_model
+from knapspec_dist.parallel import destroy_distributed
 from knapspec_dist.profiles import LatencyProfile
 from knapspec_dist.profiles.profiler import fill_cache, measure, measure_allreduce
 
@@ -92,8 +95,6 @@ def test_measure_leaves_no_hooks_and_an_untouched_model(checkpoint) -> None:
 
 
 def test_fill_cache_prefill_writes_exactly_the_requested_positions(checkpoint) -> None:
-    from knapspec_dist.model.cache import KVCache
-
     model = load_model(checkpoint)
     cache = KVCache(model.cfg, 2, 40, dtype=model.dtype, device="cpu")
     with torch.inference_mode():
@@ -157,10 +158,6 @@ def test_cli_profile_bad_options_are_one_line_errors(checkpoint, tmp_path, capsy
 
 
 def _gloo_worker(rank: int, world: int, store: str, checkpoint: str, outdir: str) -> None:
-    import torch.distributed as dist
-
-    from knapspec_dist.parallel import destroy_distributed
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:

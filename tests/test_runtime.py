@@ -21,15 +21,19 @@ import os
 
 import pytest
 import torch
+from ray._private import state
 
+from knapspec_dist.cli.main import main
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import kv_bytes_per_token_of
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.runner import default_engine_factory, run_job
+from knapspec_dist.model.tokenizer import encode
+from knapspec_dist.profiles import LatencyProfile
+from knapspec_dist.runtime import StartupError, replica
 from knapspec_dist.runtime import cluster as ray_cluster
-from knapspec_dist.runtime import replica
 from knapspec_dist.runtime.messages import KVPages, MeasureOptions
 from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.speculation.factory import build_strategy
@@ -59,8 +63,6 @@ def cluster(tmp_path_factory):
 
 def leftovers() -> list[str]:
     """RayEngine actors not DEAD and engine placement groups not REMOVED, by name."""
-    from ray._private import state
-
     left = [f"actor {a.get('Name')} {a.get('State')}" for a in state.actors().values()
             if (a.get("Name") or "").startswith("knapspec-") and a.get("State") != "DEAD"]
     left += [f"placement group {p.get('name')} {p.get('state')}"
@@ -70,19 +72,12 @@ def leftovers() -> list[str]:
 
 
 def local_tokens(model, strategy, prompts, **options) -> list[list[int]]:
-    from knapspec_dist.engine.generation import GenerationConfig
-    from knapspec_dist.speculation.factory import build_strategy
-    from knapspec_dist.speculation.options import StrategyOptions
-
     s = build_strategy(StrategyOptions(name=strategy, **options), model)
     config = GenerationConfig(max_new_tokens=NEW, stop_at_eos=False)
     return [generate(s, model, [p], config)[0].token_ids for p in prompts]
 
 
 def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_path):
-
-    from knapspec_dist.runtime import RayEngine
-
     model = engine_model("llama-gqa")
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=40 + n) for n in (5, 11)]
     profile = tmp_path / "profile.json"  # named by path: it prices tp=1 and tp=2 alike
@@ -94,9 +89,6 @@ def test_tp2_engine_tokens_equal_tp1(cluster, checkpoints, engine_model, tmp_pat
             if i:
                 engine.reconfigure(StrategyOptions(name=name, **options))
             if name == "ar":  # a bad row fails on every rank alike; the replica lives on
-                from knapspec_dist.engine.generation import GenerationConfig
-                from knapspec_dist.errors import UserError
-
                 too_long = [5] * model.cfg.max_position_embeddings
                 with pytest.raises(UserError, match="context window"):
                     ray.get(engine.submit(0, too_long, GenerationConfig(max_new_tokens=2)))
@@ -217,11 +209,6 @@ def test_a_job_stopped_early_after_a_replica_restart_leaves_every_page_free(clus
 
 @pytest.mark.e2e
 def test_replicas_spread_prompts_in_input_order(cluster, smollm2):
-    from knapspec_dist.engine.generation import GenerationConfig
-    from knapspec_dist.errors import UserError
-    from knapspec_dist.model.tokenizer import encode
-    from knapspec_dist.runtime import RayEngine
-
     texts = ["The capital of France is", "One, two, three,", "Water boils at",
              "The quick brown fox", "In the beginning"]
     ids = [encode(smollm2.tokenizer, t) for t in texts]
@@ -261,9 +248,6 @@ def _dead_actor(exc: BaseException) -> bool:
 @pytest.mark.parametrize("case", ["indivisible", "missing", "rank-dies", "unplaceable"])
 def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, case,
                                                monkeypatch):
-    from knapspec_dist.errors import UserError
-    from knapspec_dist.runtime import RayEngine, StartupError
-
     ckpt = str(checkpoints["llama-gqa"])  # 4 heads, 2 KV heads
     kwargs, error, match = {
         "indivisible": (dict(model=ckpt, tp=4), UserError, "KV heads 2 not divisible by 4"),
@@ -283,8 +267,6 @@ def test_startup_failures_leave_nothing_behind(cluster, checkpoints, tmp_path, c
 
 
 def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
-    from knapspec_dist.cli.main import main
-
     code = main(["generate", "--model", str(checkpoints["llama-gqa"]), "--prompt", "hi",
                  "--tp", "4", "--strategy", "ar"])
     assert code == 2
@@ -295,9 +277,6 @@ def test_cli_generate_tp_goes_through_the_engine(cluster, checkpoints, capsys):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_profile_tp2_measures_the_allreduce(cluster, checkpoints, tmp_path, capsys):
-    from knapspec_dist.cli.main import main
-    from knapspec_dist.profiles import LatencyProfile
-
     code = main(["profile", "--model", str(checkpoints["llama-gqa"]), "--tp", "2",
                  "--contexts", "16,32", "--repeats", "1", "--max-q", "2",
                  "--out", str(tmp_path) + "/"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import (
     Scheduler,
     default_max_num_batched_tokens,
@@ -22,6 +23,7 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.profiles import batching
 from knapspec_dist.profiles.batching import BatchPricing
 from knapspec_dist.speculation import knapsack, tpt
+from knapspec_dist.speculation.acceptance import smoothed_alpha
 from knapspec_dist.speculation.autoregressive import Autoregressive
 from knapspec_dist.speculation.knapspec import (
     KnapSpecConfig,
@@ -134,7 +136,6 @@ def test_the_default_prefill_budget_is_the_devices():
 
 def test_batched_sampling_runs_per_row(engine_model):
     model = engine_model(NAME)
-    from knapspec_dist.engine.sampling import SamplingConfig
 
     config = GenerationConfig(max_new_tokens=12, stop_at_eos=False,
                               sampling=SamplingConfig(temperature=0.9, seed=5))
@@ -263,8 +264,6 @@ def test_selection_is_skipped_where_no_draft_could_pay(engine_model):
 def test_least_paying_weight_is_the_exact_threshold(engine_model):
     """Below the weight it returns, no subnet (drafting at the best acceptance the DP can
     estimate) beats plain decoding by min_gain; at it, the bound's draft time does."""
-    from knapspec_dist.speculation.acceptance import smoothed_alpha
-
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.3)
@@ -347,8 +346,6 @@ def test_a_frontier_is_priced_with_the_noise_margin_its_dp_chose_by(engine_model
 def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engine_model):
     """Once a DP has cost s seconds, the next runs only if drafting at the best rate any
     subnet could reach, until the longest remaining row is done, could save more than s."""
-    from knapspec_dist.engine.sequence import Row
-
     model = engine_model(NAME)
     layers = model.cfg.num_layers
     profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=0.0, verify_scale=3.0)

@@ -11,16 +11,37 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 
+from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.scheduler import generate
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.cache import KVCache, kv_heads
+from knapspec_dist.model.weights import load_model, random_llama_weights
+from knapspec_dist.parallel import (
+    destroy_distributed,
+    free_port,
+    init_distributed,
+    load_sharded,
+    parameter_bytes,
+)
+from knapspec_dist.speculation.autoregressive import Autoregressive
+from knapspec_dist.speculation.factory import build_strategy
+from knapspec_dist.speculation.knapspec import Decision
+from knapspec_dist.speculation.options import StrategyOptions
+from knapspec_dist.speculation.schedule import ScheduleClock, SelectionSchedule
+from knapspec_dist.speculation.selfspec import Plan, SelfSpeculative, StaticSelector
+from knapspec_dist.speculation.spmd import SyncedSelector, decode, encode, spmd_strategy
 
 from conftest import random_prompt
 from models import hf_model, make_checkpoint
@@ -40,12 +61,6 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _strategies(model):
     """name -> strategy; self-speculative ones made SPMD-safe (plans broadcast from rank 0)."""
-    from knapspec_dist.speculation.autoregressive import Autoregressive
-    from knapspec_dist.speculation.factory import build_strategy
-    from knapspec_dist.speculation.options import StrategyOptions
-    from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
-    from knapspec_dist.speculation.spmd import spmd_strategy
-
     knapspec = build_strategy(StrategyOptions(name="knapspec", interval=8, tau_conf=0.0),
                               model, [drafting_profile()])
     return {"ar": Autoregressive(),
@@ -56,9 +71,6 @@ def _strategies(model):
 
 def _run_model(model) -> dict:
     """Logits of a prefill + cached decode steps, and greedy tokens of every strategy."""
-    from knapspec_dist.engine.generation import GenerationConfig
-    from knapspec_dist.model.cache import KVCache, kv_heads
-
     out: dict = {}
     cache = KVCache(model.cfg, 1, 32, dtype=model.dtype, device="cpu", kv_heads=kv_heads(model))
     rows = slice(0, 1)
@@ -90,7 +102,6 @@ def _run_model(model) -> dict:
 
 def _tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]], out: str) -> None:
     torch.set_num_threads(1)
-    from knapspec_dist.parallel import destroy_distributed, init_distributed, load_sharded
 
     init_distributed(rank, world, "127.0.0.1", port)
     try:
@@ -104,8 +115,6 @@ def _tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]], ou
 
 
 def _spawn(fn, world: int, *args) -> None:
-    from knapspec_dist.parallel import free_port
-
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
     mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
@@ -149,8 +158,6 @@ def test_tp2_logits_match_transformers(tp_runs, name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_tokens_equal_tp1(tp_runs, name):
-    from knapspec_dist.model.weights import load_model
-
     paths, results = tp_runs
     single = _run_model(load_model(paths[name]))
     rank0, rank1 = results[name]
@@ -176,17 +183,11 @@ def test_tp2_tokens_equal_tp1(tp_runs, name):
                                          ("llama-gqa", 3, "attention heads 4"),
                                          ("qwen3-headdim", 4, "KV heads 2")])
 def test_indivisible_heads_is_a_clear_error(checkpoints, cfg, tp, what):
-    from knapspec_dist.errors import UserError
-    from knapspec_dist.parallel import load_sharded
-
     with pytest.raises(UserError, match=f"tp={tp}.*{what}.*not divisible by {tp}"):
         load_sharded(checkpoints[cfg], 0, tp)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    from knapspec_dist.errors import UserError
-    from knapspec_dist.parallel import load_sharded
-
     with pytest.raises(UserError, match="does not exist"):
         load_sharded(tmp_path / "nope", 0, 2)
 
@@ -198,10 +199,6 @@ BIG = dict(vocab=16000, hidden=1024, intermediate=4096, layers=4, heads=16, kv_h
 
 def write_big_checkpoint(root: Path) -> tuple[Path, int]:
     """A random Llama of ~370 MB (fp32), written directly with safetensors (fast)."""
-    from safetensors.torch import save_file
-
-    from knapspec_dist.model.weights import random_llama_weights
-
     b, hd = BIG, BIG["hidden"] // BIG["heads"]
     h, i, v = b["hidden"], b["intermediate"], b["vocab"]
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=v,
@@ -229,15 +226,7 @@ def _memory_worker(rank: int, world: int, port: int, big: str, warm: str, out: s
     """Load a tiny checkpoint first (imports, allocator, gloo buffers: the fixed overhead),
     then the big one; report parameter bytes, RSS growth and peak RSS growth (VmHWM, reset
     just before loading), with every parameter touched so lazily mapped pages count too."""
-    import gc
-
     torch.set_num_threads(1)
-    from knapspec_dist.parallel import (
-        destroy_distributed,
-        init_distributed,
-        load_sharded,
-        parameter_bytes,
-    )
 
     if world > 1:
         init_distributed(rank, world, "127.0.0.1", port)
@@ -295,13 +284,6 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     """What a rank measured on its own clock (KnapSpec's next selection and the cost of its
     last DP, which decides whether the next DP runs) must not differ between ranks, or one
     rank would run a DP's collectives alone: rank 0's values are broadcast with its plan."""
-    from types import SimpleNamespace
-
-    from knapspec_dist.speculation.knapspec import Decision
-    from knapspec_dist.speculation.schedule import SelectionSchedule
-    from knapspec_dist.speculation.selfspec import Plan
-    from knapspec_dist.speculation.spmd import SyncedSelector
-
     class Inner:  # as a DP selector: decides, then adopts rank 0's decision
         def __init__(self, plan, next_selection, last_select_s):
             self.p = plan
@@ -341,11 +323,6 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
 def test_a_decision_without_a_schedule_crosses_the_broadcast_as_it_is():
     """The authors' selector has no wall-clock schedule: its decision is its plan alone, and
     a round with no seconds timed feeds nothing."""
-    from knapspec_dist.speculation.knapspec import Decision
-    from knapspec_dist.speculation.schedule import ScheduleClock
-    from knapspec_dist.speculation.selfspec import Plan
-    from knapspec_dist.speculation.spmd import decode, encode
-
     plan = Plan(frozenset({1, 6}), 10)
     assert decode(encode(Decision(plan), None, 8), None) == (Decision(plan), None)
     clocked = Decision(plan, ScheduleClock(37, None))
