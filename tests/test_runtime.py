@@ -300,3 +300,18 @@ def test_rays_token_auth_default_is_info_and_its_disabled_warning_stays(message,
                                None, None)
     ray_cluster._AUTH_FILTER.filter(record)
     assert record.levelno == level and record.levelname == logging.getLevelName(level)
+
+
+def test_ranks_share_the_clusters_cores_unless_told():
+    """A replica's ranks get every core of a 2-core node; ranks of several replicas share the
+    cluster's; a replica's tp ranks fit its largest node; CPUs another engine holds are not
+    shared again; never less than one."""
+    share = replica.share_cores
+    assert share([2], 2, tp=1, replicas=1) == 2
+    assert share([2], 2, tp=2, replicas=1) == 1
+    assert share([2], 2, tp=1, replicas=2) == 1
+    assert share([16, 16], 32, tp=4, replicas=2) == 4
+    assert share([8, 2], 10, tp=2, replicas=1) == 4
+    assert share([2], 2, tp=4, replicas=1) == 1
+    assert share([3], 1, tp=1, replicas=1) == 1  # two of three held by another engine
+    assert share([], 0, tp=1, replicas=1) == 1

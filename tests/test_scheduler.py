@@ -10,7 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from knapspec_dist.engine import scheduler as scheduler_module
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.model_runner import prefill
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import (
     Scheduler,
@@ -118,6 +120,29 @@ def test_a_small_prefill_budget_chunks_prompts_across_steps_and_changes_no_token
             assert sum(r.stats.drafted for r in got) > 0, "speculation never ran"
 
 
+def test_a_rows_prefill_chunks_depend_on_its_prompt_alone(engine_model, monkeypatch):
+    """Chunks start at multiples of the budget, whatever was prefilled before them in the
+    step: the same chunks at 1 and 3 rows in flight, each a whole budget but the last."""
+    model = engine_model(NAME)
+    config = GenerationConfig(max_new_tokens=4, stop_at_eos=False, max_num_batched_tokens=64)
+    ps = prompts(model.cfg.vocab_size)
+    cap = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
+    calls: list[tuple[int, int]] = []
+
+    def recorded(model, cache, row, tokens, start=0, capture=None):
+        calls.append((start, len(tokens)))
+        return prefill(model, cache, row, tokens, start, capture)
+
+    monkeypatch.setattr(scheduler_module, "prefill", recorded)
+    chunks = {}
+    for rows in (1, 3):
+        calls.clear()
+        Scheduler(Autoregressive(), model, config, rows, cap).run(ps)
+        chunks[rows] = sorted(calls)
+    want = sorted((s, min(64, n - s)) for n in LENGTHS for s in range(0, n, 64))
+    assert chunks[1] == chunks[3] == want
+
+
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "64"])
 def test_a_bad_prefill_budget_is_a_user_error(bad):
     with pytest.raises(UserError, match="--max-num-batched-tokens must be an integer >= 1"):
@@ -127,7 +152,7 @@ def test_a_bad_prefill_budget_is_a_user_error(bad):
 
 
 def test_the_default_prefill_budget_is_the_devices():
-    assert default_max_num_batched_tokens(torch.device("cpu")) == 2048
+    assert default_max_num_batched_tokens(torch.device("cpu")) == 8192
     assert default_max_num_batched_tokens(torch.device("cuda", 3)) == 8192
     asked = GenerationConfig(max_num_batched_tokens=100)
     assert max_num_batched_tokens(asked, torch.device("cuda")) == 100

@@ -113,9 +113,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--address", default=None,
                      help="Ray address ('auto' joins a running cluster; default: the job's "
                           "cluster (RAY_ADDRESS), else a new local Ray)")
-    run.add_argument("--cpus-per-rank", type=int, default=1,
+    run.add_argument("--cpus-per-rank", type=int, default=None,
                      help="CPUs reserved per tensor-parallel rank; on a CPU also its torch "
-                          "threads (default 1)")
+                          "threads (default: the cluster's cores shared by every rank)")
 
 
 def uses_engine(args: argparse.Namespace) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -47,8 +46,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     result = run_job(JobConfig(input=str(bundled_sample_path()), output=str(out.resolve()),
                                model="smollm2", strategy="knapspec",
                                instruction=DEMO_INSTRUCTION, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_p=DEMO_TOP_P, seed=args.seed,
-                               cpus_per_rank=max(1, min(4, os.cpu_count() or 1))))
+                               temperature=args.temperature, top_p=DEMO_TOP_P, seed=args.seed))
     rows = pq.read_table(result.rows_path, columns=["id", "generated_text", "error"]).to_pylist()
     first = next((r for r in sorted(rows, key=lambda r: r["id"])
                   if r["error"] is None and r["generated_text"].strip()), None)

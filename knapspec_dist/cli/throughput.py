@@ -53,7 +53,7 @@ def register(sub) -> None:
     p.add_argument("--strategies", default="ar,knapspec", help="as for bench")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prompt tokens a step prefills (default: 8192 on a GPU, 2048 on a CPU)")
+                   help="prompt tokens a step prefills (default 8192)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each configuration, interleaved; the median is reported")
     add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike

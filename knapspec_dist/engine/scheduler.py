@@ -5,12 +5,15 @@ Each ``step``: admit waiting rows into free slots and prefill them, one at a tim
 after the decoding rows (with a paged cache, a row also waits until the free pages cover all it
 can need, engine/pages.py; first come, first served, so the order is the same every run), up to
 ``max_num_batched_tokens`` prompt tokens per step (the config's, else the device's default:
-``default_max_num_batched_tokens``; a long prompt is cut into chunks across steps, so it
-never stalls the decoding rows for its whole prefill; short ones are admitted several per step);
-then one round of the strategy over every decoding row; then retire the rows that finished. The
-chunks are the same whether or not other rows decode, so a row's prefill never depends on its
-neighbours, and a job's progress sees a long prompt's prefill chunk by chunk. Every strategy
-runs through this loop, batch 1 included.
+``default_max_num_batched_tokens``; a long prompt is cut into chunks of that many tokens
+across steps, so it never stalls the decoding rows for its whole prefill; short ones are
+admitted several per step); then one round of the strategy over every decoding row; then
+retire the rows that finished. A row's chunks start at multiples of the budget: a chunk that
+does not fit what is left of a step's budget waits, whole, for the next step. So a row's chunks
+depend on its prompt alone, never on its neighbours, a prompt within the budget is one fresh
+prefill (the causal kernel, which skips the masked half: docs/batching.md), and a job's
+progress sees a long prompt's prefill chunk by chunk. Every strategy runs through this loop,
+batch 1 included.
 
 Throughput (``Work``): the finished rows' tokens over the wall time from the first admission
 to the last finish, and the same over the time spent in decoding rounds only (prefill
@@ -50,18 +53,17 @@ log = logging.getLogger(__name__)
 
 
 def default_max_num_batched_tokens(device: torch.device) -> int:
-    """Prompt tokens one step prefills when the config names no budget.
+    """Prompt tokens one step prefills when the config names no budget: 8192 on both.
 
-    Why these: to keep B rows in flight, a step must admit rows as fast as they finish, i.e.
-    prefill B x prompt / rounds-per-row tokens; at 256 rows of 4k-token documents with 512
-    new tokens that is 2048 a step for plain decoding and ~3x more when speculation emits ~3
-    tokens a round, so 2048 a step (what this was fixed at) starves a large GPU batch. CUDA:
-    8192, vLLM's offline default, which covers it, and a step of 8192 tokens is still one
-    forward of a few tens of ms on an H200. CPU: 2048; each row's chunk is its own forward,
-    so the budget changes only how prompts longer than it are cut and how many rows join
-    before a round, the batch is capped at 16 rows (engine/memory.py), and 256 / 2048 / 8192
-    measured apart by less than a loaded machine's noise (docs/batching.md)."""
-    return 8192 if torch.device(device).type == "cuda" else 2048
+    CUDA: to keep B rows in flight, a step must admit rows as fast as they finish, i.e.
+    prefill B x prompt / rounds-per-row tokens; at 256 rows of 4k-token documents with 512 new
+    tokens that is 2048 a step for plain decoding and ~3x more when speculation emits ~3 tokens
+    a round; 8192 is vLLM's offline default, and still one forward of a few tens of ms on an
+    H200. CPU: each row's chunk is its own forward, and a prompt within the budget is one fresh
+    prefill, whose causal kernel skips the masked half that a later chunk's mask computes
+    (docs/batching.md has the 12 bundled chapters at both). The cost is latency, not
+    throughput: the decoding rows wait for a long prompt's one forward."""
+    return 8192
 
 
 def max_num_batched_tokens(config: GenerationConfig, device: torch.device) -> int:
@@ -193,7 +195,9 @@ class Scheduler:
                                        "no row holding any")
                 break
             left = len(b.prefilling.prompt) - b.prefilling.prefilled
-            n = min(left, budget)
+            n = min(left, self.max_num_batched_tokens)
+            if n > budget:  # the row's next chunk waits for a step of its own, whole
+                break
             budget -= n
             row = self._prefill_chunk(n)
             if row is not None and row.reason is not None:  # done at its first token

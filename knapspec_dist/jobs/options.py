@@ -31,7 +31,8 @@ class JobConfig:
     tp: int = 1
     replicas: int = 1
     address: str | None = None  # Ray address; None: the job's cluster, or a new local one
-    cpus_per_rank: int = 1  # CPUs reserved per TP rank (its torch threads on CPU)
+    cpus_per_rank: int | None = None  # CPUs per TP rank (its torch threads on CPU); None:
+    # the cluster's cores shared by the ranks
     strategy: StrategyOptions = field(default_factory=lambda: StrategyOptions(name="knapspec"))
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -73,7 +74,8 @@ class JobConfig:
         checks = [
             (self.tp >= 1, f"--tp must be >= 1, got {self.tp}"),
             (self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}"),
-            (self.cpus_per_rank >= 1, f"--cpus-per-rank must be >= 1, got {self.cpus_per_rank}"),
+            (self.cpus_per_rank is None or self.cpus_per_rank >= 1,
+             f"--cpus-per-rank must be >= 1, got {self.cpus_per_rank}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (0 <= self.baseline_fraction <= 1,
              f"--baseline-fraction must be in [0, 1], got {self.baseline_fraction}"),

@@ -153,11 +153,11 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta,
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True,
                                               enable_gqa=h != kv)
     g = h // kv
-    mask = meta.mask() if row is None or t > 1 else None
-    if mask is not None and row is not None:
-        mask = mask[row:row + 1, :, :, :keys.shape[2]]
-    if mask is not None:
-        mask = mask.repeat(1, 1, g, 1)
+    if row is not None:  # its own keys: no mask for one query, else the forward's row mask
+        mask = meta.row_mask(row, keys.shape[2], g, q.dtype) if t > 1 else None
+    else:
+        mask = meta.mask()
+        mask = mask.repeat(1, 1, g, 1) if mask is not None else None
     o = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, hd), keys, values, attn_mask=mask)
     return o.reshape(b, h, t, hd)
 

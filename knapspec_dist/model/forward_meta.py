@@ -39,6 +39,7 @@ class ForwardMeta:
     row_offsets: tuple[int | None, ...] | None = None  # paged, per row: where its keys start
     # in the pool when they are consecutive there (None: gathered)
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _row_masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -52,6 +53,21 @@ class ForwardMeta:
             keys = torch.arange(self.kv_len, device=self.positions.device)
             self._mask = keys[None, None, None, :] <= self.positions[:, None, :, None]
         return self._mask
+
+    def row_mask(self, row: int, keys: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Row ``row``'s additive mask over its first ``keys`` keys for its queries folded by
+        KV head, ``[1, 1, group * T, keys]`` of 0 and -inf: made once per forward, not per
+        layer. SDPA turns a boolean mask into this same one on every call (``where``: 20 ms a
+        layer for a 2k chunk at 4k keys), and the fold repeats it per query group."""
+        mask = self._row_masks.get(row)
+        if mask is None:
+            seen = torch.arange(keys, device=self.positions.device)[None, :] \
+                <= self.positions[row][:, None]
+            mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+            mask.masked_fill_(~seen, float("-inf"))
+            mask = mask.repeat(group, 1)[None, None]
+            self._row_masks[row] = mask
+        return mask
 
 
 def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,

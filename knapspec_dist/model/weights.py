@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
+from knapspec_dist.model.cpu_linear import pack_linears
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
 
 log = logging.getLogger(__name__)
@@ -132,12 +133,14 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                                 f"expected {tuple(param.shape)}")
             state[name] = tensor.to(device=device, dtype=dtype)
     missing, _ = model.load_state_dict(state, assign=True, strict=False)
+    del state  # the model holds each tensor now: packing frees each dense weight as it goes
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
         missing = [m for m in missing if m != "lm_head.weight"]
     assert not missing, f"parameters not loaded: {missing}"
     model.inv_freq = rope_frequencies(cfg)[0].to(device)
     model.eval()
+    pack_linears(model)  # on a CPU: the products through oneDNN (model/cpu_linear.py)
     return model
 
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import ModelConfig, load_config
+from knapspec_dist.model.cpu_linear import PackedLinear
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.weights import checkpoint_files, hf_name, load_model
 from knapspec_dist.parallel.comm import Comm
@@ -89,10 +90,14 @@ def load_sharded(model_dir: str | Path, rank: int, world: int, *, group=None,
 
 
 def parameter_bytes(model: Transformer) -> int:
-    """Bytes of this rank's parameters (a tied weight counted once)."""
+    """Bytes of this rank's parameters (a tied weight counted once), a CPU model's packed
+    weights (model/cpu_linear.py) included."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.packed.numel() * m.packed.element_size()
     return total

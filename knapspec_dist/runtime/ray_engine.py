@@ -52,6 +52,7 @@ from knapspec_dist.runtime.replica import (
     Replica,
     ReplicaSpec,
     StartupError,
+    auto_cpus_per_rank,
     check_resources,
     node_memory,
     prepare_replicas,
@@ -71,7 +72,8 @@ class RayEngine:
 
     def __init__(self, model: str, tp: int = 1, replicas: int = 1,
                  strategy: StrategyOptions | str = "knapspec", dtype: str = "fp32",
-                 device: str = "cpu", address: str | None = None, *, cpus_per_rank: int = 1,
+                 device: str = "cpu", address: str | None = None, *,
+                 cpus_per_rank: int | None = None,
                  startup_timeout_s: float = 300.0, profile_contexts: list[int] | None = None,
                  profile_repeats: int = 3, profile_need: int | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
@@ -79,7 +81,8 @@ class RayEngine:
                  memory_utilization: float = MEMORY_UTILIZATION, fixed_slots: bool = False):
         """``strategy``: its options, or a strategy's name with default options.
         ``cpus_per_rank`` CPUs are reserved per rank, and each rank runs that many torch
-        threads (OMP_NUM_THREADS). ``profile_contexts`` / ``profile_repeats``: the
+        threads (OMP_NUM_THREADS); None: the cluster's cores shared by the ranks
+        (``auto_cpus_per_rank``). ``profile_contexts`` / ``profile_repeats``: the
         measurement made when no stored profile matches; ``profile_need``: the longest
         context the work will run, which a stored profile must cover and a measured one does
         (profiles/store.py). The KV cache (engine/memory.py's rule, on every rank):
@@ -92,7 +95,8 @@ class RayEngine:
         where the backend pages (a comparison's baseline)."""
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise UserError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        for name, value in (("tp", tp), ("replicas", replicas), ("cpus_per_rank", cpus_per_rank)):
+        for name, value in (("tp", tp), ("replicas", replicas),
+                            ("cpus_per_rank", 1 if cpus_per_rank is None else cpus_per_rank)):
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be an integer >= 1, got {value!r}")
         if device not in ("cpu", "cuda"):
@@ -114,7 +118,7 @@ class RayEngine:
                                     check_utilization(memory_utilization), max_model_len,
                                     fixed_slots)
         self.spec = ReplicaSpec(f"knapspec-{uuid.uuid4().hex[:8]}", self.path,
-                                self.config.vocab_size, tp, dtype, device, cpus_per_rank,
+                                self.config.vocab_size, tp, dtype, device, cpus_per_rank or 1,
                                 startup_timeout_s)
         try:
             self.tokenizer = load_tokenizer(path)
@@ -128,6 +132,11 @@ class RayEngine:
         self._owns_ray = connect(address)
         self._replicas: list[Replica | None] = [None] * replicas
         try:
+            if cpus_per_rank is None:
+                self.cpus_per_rank = auto_cpus_per_rank(tp, replicas, device)
+                self.spec = replace(self.spec, cpus_per_rank=self.cpus_per_rank)
+                log.info("%d CPU(s) per rank (the cluster's cores shared by %d rank(s); "
+                         "--cpus-per-rank sets it)", self.cpus_per_rank, tp * replicas)
             check_resources(self.spec, replicas)
             check_kv_memory(self.config, tp, dtype, device, self.budget, node_memory(device))
             self._replicas = start_replicas(self.spec, list(range(replicas)), self.options,

@@ -72,6 +72,29 @@ class Replica:
     info: ReplicaInfo | None = None  # its coordinator's report, once prepared
 
 
+def auto_cpus_per_rank(tp: int, replicas: int, device: str) -> int:
+    """CPUs per rank when the user names none. On a CPU the ranks share the cluster's cores,
+    as vLLM's automatic thread binding does: a rank's torch threads run its matrix products,
+    and one thread per rank left half of a 2-core machine idle. The rule: every rank the same
+    share, all ``tp x replicas`` ranks within the cluster's CPUs and within those free now
+    (another engine's are not shared again), a replica's ``tp`` within its largest node's. On
+    CUDA a rank's work is the GPU's: 1."""
+    if device == "cuda":
+        return 1
+    return share_cores([int(n.get("Resources", {}).get("CPU", 0))
+                        for n in ray.nodes() if n.get("Alive")],
+                       int(ray.available_resources().get("CPU", 0)), tp, replicas)
+
+
+def share_cores(node_cpus: list[int], free: int, tp: int, replicas: int) -> int:
+    """The rule of ``auto_cpus_per_rank`` over the nodes' CPU counts and the cluster's CPUs
+    free now; at least 1."""
+    if not node_cpus:
+        return 1
+    ranks = tp * replicas
+    return max(1, min(max(node_cpus) // tp, sum(node_cpus) // ranks, free // ranks))
+
+
 def check_resources(spec: ReplicaSpec, replicas: int) -> None:
     """Fail in seconds, naming what is missing, when the cluster cannot hold the replicas:
     GPUs (one per rank on CUDA, ``tp`` of them on one node) and CPUs (``cpus_per_rank``

@@ -1,0 +1,97 @@
+"""``knapspec peer``: one Parquet job through this engine and through vLLM, side by side.
+
+    make vllm-venv        # vLLM's CPU build (vllm where CUDA is) in .venv-vllm, once
+    knapspec peer --input knapspec_dist/data/sample_chapters.parquet --dtype fp32 \\
+        --threads 2 --new-tokens 96 --max-num-seqs 16 --strategies ar,knapspec --out bench/peer
+
+The same model folder, prompt token ids, dtype, threads, rows at once, greedy decoding and new
+tokens for both (tools/peer/compare.py says how each is timed). Prints the ratios for
+start-up, prefill, decode and end to end, and how many rows are token-identical to vLLM's;
+writes ``peer.json`` and ``peer.md`` to ``--out``. Not part of ``make test``: it takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+from pathlib import Path
+
+from knapspec_dist.cli.common import emit, existing_model_path
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION
+from knapspec_dist.tools.bench.report import command_line, machine
+from knapspec_dist.tools.bench.specs import parse_strategies
+from knapspec_dist.tools.corpus import bundled_sample_path
+from knapspec_dist.tools.peer.compare import (
+    compare,
+    default_vllm_python,
+    python_of_venv,
+    read_job,
+    run_ours,
+    run_vllm,
+    table,
+)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("peer", help="the same job through this engine and vLLM, side by side",
+                       description=__doc__.split("\n\n")[0].strip("`"))
+    p.add_argument("--input", default=None,
+                   help="Parquet file of the job (default: the bundled chapters)")
+    p.add_argument("--id-column", default="id")
+    p.add_argument("--text-column", default="document")
+    p.add_argument("--instruction", default=DEFAULT_INSTRUCTION)
+    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of each engine")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="rows at once, both engines")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--strategies", default="ar", help="ours, as for bench: ar,knapspec")
+    p.add_argument("--vllm-python", default=None,
+                   help="vLLM's venv (or its python); default .venv-vllm (make vllm-venv)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=functools.partial(cmd_peer, parser=p))
+
+
+def cmd_peer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for name in ("threads", "new_tokens", "max_num_seqs", "max_model_len"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    specs = {s.label: s.options for s in parse_strategies(args.strategies)}
+    if "ar" not in specs:
+        specs = {"ar": parse_strategies("ar")[0].options, **specs}
+    python = python_of_venv(args.vllm_python) if args.vllm_python else default_vllm_python()
+    path = existing_model_path(args.model)
+    job = read_job(args.input or str(bundled_sample_path()), str(path),
+                   id_column=args.id_column, text_column=args.text_column,
+                   instruction=args.instruction, dtype=args.dtype, threads=args.threads,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   new_tokens=args.new_tokens)
+    vllm = run_vllm(job, python)  # first: a missing venv fails before our runs
+    ours = run_ours(job, specs)
+    result = compare(job, ours, vllm)
+    header = {"command": command_line(args, parser), "machine": machine("cpu"),
+              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "torch": ours["torch"], "vllm": vllm["versions"], "model": str(path),
+              "dtype": args.dtype, "threads": args.threads, "rows": len(job.prompts),
+              "prompt_tokens": job.prompt_tokens}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peer.json").write_text(json.dumps({**header, **result, "ids": job.ids,
+                                               "tokens": {"vllm": vllm["tokens"], **{
+                                                   k: r["tokens"] for k, r in
+                                                   ours["runs"].items()}}}, indent=1))
+    lines = table(job, result)
+    m = header["machine"]
+    (out / "peer.md").write_text(
+        f"# knapspec peer ({header['date']})\n\n`{header['command']}`\n\n"
+        f"{m['cpu']}, {args.threads} threads each ({m['cpu_count']} CPUs), torch "
+        f"{header['torch']}, vLLM {vllm['versions']['vllm']}; {len(job.prompts)} rows, "
+        f"{job.prompt_tokens} prompt tokens, {args.dtype}, greedy, {args.new_tokens} new "
+        f"tokens, {args.max_num_seqs} rows at once. Speed vs vLLM: vLLM's seconds over ours "
+        "(above 1: we are faster).\n\n" + "\n".join(lines) + "\n")
+    emit("\n".join(lines))
+    return 0

@@ -1,0 +1,94 @@
+"""The decoder's matrix products on a CPU: oneDNN with each weight packed once, at load.
+
+Why: torch's CPU ``linear`` (MKL's sgemm, the weight re-read in its row-major layout on every
+call) is slow exactly where decoding lives, a few rows against a large weight, and its rows'
+results depend on how many rows the call has below 12, so a decode step and a verify of the
+same positions could round apart. oneDNN over a weight reordered once into its blocked layout
+(what inductor's CPU freezing does) measured on a 2-core AMD EPYC, SmolLM2's 30 MLP-shaped
+weights x 3 (docs/measurements.md): 2.2x faster at 12 rows, 1.8x at 1, 1.2x at a
+2048-token prefill chunk, in fp32 and bf16 alike; and a row's result is the same bits
+whatever the other rows (checked from 1 to 2048 rows), which the token-for-token identity of
+speculation with plain decoding rests on (tests/test_model.py).
+
+Applied from outside, as tensor parallelism is (parallel/layers.py): ``pack_linears`` swaps
+each sublayer's ``nn.Linear`` for a ``PackedLinear`` after the weights are loaded (and
+sharded); the packed copy is the one kept. The vocabulary head is packed in fp32,
+where its logits are the plain product (2.5x faster at 12 rows); in bf16 it keeps its fp32
+accumulation (decoder.py ``head_logits``), and under tensor parallelism its vocab-parallel
+module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from knapspec_dist.model.decoder import LMHead
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN runs this model's products: a CPU with oneDNN, in fp32 or bf16."""
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and dtype in PACKED_DTYPES)
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s product through oneDNN over its weight packed once. The packed copy is
+    the only one kept (a model's weights are not held twice); ``weight`` gives a dense copy to
+    a reader."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = _pack(linear.weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PackedHead(nn.Module):
+    """The fp32 vocabulary head through oneDNN. Its weight stays the model's (tied to the
+    embedding, or read and edited in place, as the near-tie tests do): the packed copy is made
+    again when the weight has changed since (its version counter)."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.weight = head.weight
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self._packed, self._version = _pack(head.weight), head.weight._version
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight._version != self._version:
+            self._packed, self._version = _pack(self.weight), self.weight._version
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every sublayer's ``nn.Linear`` for a ``PackedLinear`` (and an fp32 ``LMHead`` for
+    a ``PackedHead``) where ``can_pack``; the count swapped (0 elsewhere: the model is left as
+    it was)."""
+    if not can_pack(model.device, model.dtype):
+        return 0
+    swapped = 0
+    for layer in model.layers:
+        for block in (layer.attention, layer.mlp):
+            for name, child in list(block.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(block, name, PackedLinear(child))
+                    swapped += 1
+    if type(model.lm_head) is LMHead and model.dtype == torch.float32:
+        model.lm_head = PackedHead(model.lm_head)
+        swapped += 1
+    return swapped

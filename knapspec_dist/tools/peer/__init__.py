@@ -1,0 +1,1 @@
+"""``knapspec peer``: the same Parquet job through this engine and through vLLM."""

@@ -1,0 +1,223 @@
+"""``knapspec peer``'s measurement (the command: cli/peer.py): one Parquet job's prompts
+through this engine in this process and through vLLM in its own venv (vllm_side.py), with the
+same model folder, prompt token ids, dtype, threads, rows at once, greedy decoding and new
+tokens.
+
+Both engines are timed alike, each in one process: the start-up (load, a warm-up, and for
+vLLM its compile and KV allocation), a run with one new token per row (prefill: every prompt in, its
+first token out), then the full run; decode is the full run less the prefill run, over the
+tokens after each row's first. Ours runs the scheduler a replica runs (engine/scheduler.py,
+paged KV as a job sizes it), so Ray's messages are not in it (tools/overhead.py measures
+those).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.memory import plan_for
+from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.sequence import row_capacity
+from knapspec_dist.errors import UserError
+from knapspec_dist.model.precision import resolve_dtype
+from knapspec_dist.model.tokenizer import load_tokenizer
+from knapspec_dist.model.weights import load_model
+from knapspec_dist.ratio import ratio
+from knapspec_dist.runtime.prompts import PromptBuilder
+from knapspec_dist.speculation.factory import StrategyBuilder
+from knapspec_dist.speculation.options import StrategyOptions
+
+log = logging.getLogger(__name__)
+
+VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
+
+
+@dataclass(frozen=True)
+class PeerJob:
+    """What both engines run: the prompts as token ids and how to decode them."""
+
+    model: str  # the model folder
+    dtype: str
+    threads: int
+    max_model_len: int
+    max_num_seqs: int
+    new_tokens: int
+    ids: list[str]
+    prompts: list[list[int]]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def read_job(path: str, model: str, *, id_column: str, text_column: str, instruction: str,
+             dtype: str, threads: int, max_model_len: int, max_num_seqs: int,
+             new_tokens: int) -> PeerJob:
+    """The job's rows as the batch job tokenizes them (runtime/prompts.py's builder); a row
+    that the job would fail is an error here, since both engines must run every row."""
+    try:
+        table = pq.read_table(path, columns=[id_column, text_column])
+    except (OSError, KeyError, ValueError) as e:
+        raise UserError(f"{path}: cannot read columns {id_column!r}, {text_column!r} ({e})") \
+            from None
+    builder = PromptBuilder(load_tokenizer(model), "text", instruction, max_model_len,
+                            new_tokens, False, text_column)
+    ids, prompts = [], []
+    for i, row in enumerate(table.to_pylist()):
+        p = builder.build(i, row[id_column], row[text_column])
+        if p.error:
+            raise UserError(f"{path} row {i} ({id_column} {row[id_column]!r}): {p.error}")
+        ids.append(str(row[id_column]))
+        prompts.append(p.ids)
+    if not prompts:
+        raise UserError(f"{path}: no rows")
+    return PeerJob(model, dtype, threads, max_model_len, max_num_seqs, new_tokens, ids, prompts)
+
+
+def run_vllm(job: PeerJob, python: str, timeout_s: float = 3600) -> dict:
+    """vLLM's timings and tokens, from vllm_side.py run by ``python`` (vLLM's venv)."""
+    if not Path(python).exists():
+        raise UserError(f"no vLLM venv at {python}: build it with `make vllm-venv`, or pass "
+                        "--vllm-python")
+    with tempfile.TemporaryDirectory() as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request.write_text(json.dumps({
+            "model": job.model, "dtype": job.dtype, "threads": job.threads,
+            "max_model_len": job.max_model_len, "max_num_seqs": job.max_num_seqs,
+            "new_tokens": job.new_tokens, "prompts": job.prompts}))
+        env = vllm_env(job.threads)
+        log.info("vLLM: %d rows through %s (its start-up compiles the model)", len(job.prompts),
+                 python)
+        proc = subprocess.run([python, str(VLLM_SIDE), str(request), str(result)], cwd=tmp,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not result.exists():
+            tail = "\n".join(proc.stderr.splitlines()[-15:])
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
+        return json.loads(result.read_text())
+
+
+def vllm_env(threads: int, kv_cache_gib: int = 6) -> dict[str, str]:
+    """vLLM's environment: its model threads bound to cores ``0..threads-1`` (its default,
+    "auto", keeps one core for its scheduler: 1 thread on a 2-core machine), ``kv_cache_gib``
+    of KV cache, offline, no usage report; our ``OMP_NUM_THREADS`` left out (vLLM sets its
+    own)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
+    """Our timings and tokens: the start-up, one prefill run, one full run per strategy."""
+    torch.set_num_threads(job.threads)
+    start = time.perf_counter()
+    model = load_model(job.model, dtype=resolve_dtype(job.dtype))
+    runner = ModelRunner(model)
+    build = StrategyBuilder(model)
+    for options in strategies.values():  # profiles resolved in the start-up, as a job's are
+        build(options)
+    capacity = max(row_capacity(len(p), job.new_tokens) for p in job.prompts)
+    kv = plan_for(model, capacity, paged=True, max_num_seqs=job.max_num_seqs)
+
+    def timed(options: StrategyOptions, new_tokens: int, prompts: list[list[int]]) -> dict:
+        sched = Scheduler(build(options), model, GenerationConfig(max_new_tokens=new_tokens),
+                          min(job.max_num_seqs, kv.max_num_seqs), capacity, runner=runner,
+                          paging=kv.paging())
+        t0 = time.perf_counter()
+        out = sched.run(prompts)
+        return {"s": time.perf_counter() - t0, "tokens": [r.token_ids for r in out],
+                "work": sched.work.to_dict()}
+
+    # a warm-up, as vLLM's start-up has: the cache's pages touched, oneDNN's kernels made
+    timed(StrategyOptions(name="ar"), 2, [min(job.prompts, key=len)])
+    startup = time.perf_counter() - start
+
+    log.info("ours: prefill run (%d rows, %d prompt tokens)", len(job.prompts), job.prompt_tokens)
+    prefill = timed(StrategyOptions(name="ar"), 1, job.prompts)
+    runs = {}
+    for label, options in strategies.items():
+        log.info("ours: %s, %d new tokens per row", label, job.new_tokens)
+        runs[label] = timed(options, job.new_tokens, job.prompts)
+    return {"startup_s": startup, "prefill_s": prefill["s"], "prefill_work": prefill["work"],
+            "runs": runs, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def phases(startup_s: float, prefill_s: float, full_s: float, tokens: list[list[int]],
+           prompt_tokens: int) -> dict:
+    """Seconds and rates of one engine's run: prefill (prompts in, first tokens out), decode
+    (the full run less the prefill run, over the tokens after each row's first), end to end."""
+    generated = sum(len(t) for t in tokens)
+    decode_s = max(full_s - prefill_s, 1e-9)
+    return {"startup_s": startup_s, "prefill_s": prefill_s, "decode_s": decode_s,
+            "end_to_end_s": full_s, "generated": generated,
+            "prefill_tokens_per_s": ratio(prompt_tokens, prefill_s),
+            "decode_tokens_per_s": ratio(generated - len(tokens), decode_s),
+            "tokens_per_s": ratio(generated, full_s)}
+
+
+def compare(job: PeerJob, ours: dict, vllm: dict) -> dict:
+    """Per engine and strategy: phases, speed against vLLM (its time over ours: above 1 we are
+    faster) and rows token-identical to vLLM's."""
+    peer = phases(vllm["startup_s"], vllm["prefill_s"], vllm["full_s"], vllm["tokens"],
+                  job.prompt_tokens)
+    out = {"vllm": peer, "ours": {}}
+    for label, run in ours["runs"].items():
+        mine = phases(ours["startup_s"], ours["prefill_s"], run["s"], run["tokens"],
+                      job.prompt_tokens)
+        mine["speed_vs_vllm"] = {k: ratio(peer[k], mine[k]) for k in
+                                 ("startup_s", "prefill_s", "decode_s", "end_to_end_s")}
+        mine["identical_to_vllm"] = sum(a == b for a, b in zip(run["tokens"], vllm["tokens"]))
+        mine["identical_to_ar"] = sum(a == b for a, b in zip(
+            run["tokens"], ours["runs"].get("ar", run)["tokens"]))
+        out["ours"][label] = mine
+    return out
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def table(job: PeerJob, result: dict) -> list[str]:
+    """The Markdown table: seconds (rates) per phase, vLLM against each of our strategies."""
+    labels = list(result["ours"])
+    head = "| phase | vLLM | " + " | ".join(f"ours {x} | {x} speed vs vLLM" for x in labels)
+    lines = [head + " |", "|---|---:|" + "---:|---:|" * len(labels)]
+    rows = [("start-up", "startup_s", None), ("prefill", "prefill_s", "prefill_tokens_per_s"),
+            ("decode", "decode_s", "decode_tokens_per_s"),
+            ("end to end", "end_to_end_s", "tokens_per_s")]
+    peer = result["vllm"]
+    for name, key, rate in rows:
+        def cell(r: dict) -> str:
+            return f"{r[key]:.1f} s" + (f" ({r[rate]:.0f} tok/s)" if rate else "")
+        line = f"| {name} | {cell(peer)} | "
+        line += " | ".join(f"{cell(m)} | {_x(m['speed_vs_vllm'][key])}"
+                           for m in result["ours"].values())
+        lines.append(line + " |")
+    n = len(job.prompts)
+    lines.append("| rows token-identical to vLLM | - | " + " | ".join(
+        f"{m['identical_to_vllm']}/{n} | -" for m in result["ours"].values()) + " |")
+    return lines
+
+
+def python_of_venv(venv: str) -> str:
+    return str(Path(venv) / "bin" / "python") if Path(venv).is_dir() else venv
+
+
+def default_vllm_python() -> str:
+    """``.venv-vllm`` beside the project (``make vllm-venv``), else beside this interpreter."""
+    here = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
+    return str(here)
