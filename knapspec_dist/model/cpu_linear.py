@@ -4,16 +4,17 @@ Why: torch's CPU ``linear`` (MKL's sgemm, the weight re-read in its row-major la
 call) is slow exactly where decoding lives, a few rows against a large weight, and its rows'
 results depend on how many rows the call has below 12, so a decode step and a verify of the
 same positions could round apart. oneDNN over a weight reordered once into its blocked layout
-(what inductor's CPU freezing does) measured on a 2-core AMD EPYC, SmolLM2's 30 MLP-shaped
-weights x 3 (docs/measurements.md): 2.2x faster at 12 rows, 1.8x at 1, 1.2x at a
-2048-token prefill chunk, in fp32 and bf16 alike; and a row's result is the same bits
-whatever the other rows (checked from 1 to 2048 rows), which the token-for-token identity of
-speculation with plain decoding rests on (tests/test_model.py).
+(what inductor's CPU freezing does), measured on a 2-core AMD EPYC over SmolLM2's 90 MLP-shaped
+weights (docs/measurements.md#against-vllms-cpu-build): 2.2x faster at 12 rows, 1.8x at 1,
+1.2x at a 2048-row prefill chunk; in bf16 2.0x at 12 rows, 1.1x at 2048. On that CPU a row's
+result was the same bits whatever the other rows (checked from 1 to 2048 rows, a
+measurement, not a test: it is the kernel's property on one CPU), which the token-for-token
+identity of speculation with plain decoding rests on; the identity itself is tested.
 
 Applied from outside, as tensor parallelism is (parallel/layers.py): ``pack_linears`` swaps
 each sublayer's ``nn.Linear`` for a ``PackedLinear`` after the weights are loaded (and
 sharded); the packed copy is the one kept. The vocabulary head is packed in fp32,
-where its logits are the plain product (2.5x faster at 12 rows); in bf16 it keeps its fp32
+where its logits are the plain product (not timed on its own); in bf16 it keeps its fp32
 accumulation (decoder.py ``head_logits``), and under tensor parallelism its vocab-parallel
 module.
 """
@@ -62,12 +63,12 @@ class PackedHead(nn.Module):
         super().__init__()
         self.weight = head.weight
         self.in_features, self.out_features = head.in_features, head.out_features
-        self._packed, self._version = _pack(head.weight), head.weight._version
+        self.packed, self._version = _pack(head.weight), head.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight._version != self._version:
-            self._packed, self._version = _pack(self.weight), self.weight._version
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+            self.packed, self._version = _pack(self.weight), self.weight._version
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -218,6 +218,6 @@ def python_of_venv(venv: str) -> str:
 
 
 def default_vllm_python() -> str:
-    """``.venv-vllm`` beside the project (``make vllm-venv``), else beside this interpreter."""
-    here = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
-    return str(here)
+    """``.venv-vllm`` beside this interpreter's venv: the project's, where ``make vllm-venv``
+    builds it."""
+    return str(Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python")
