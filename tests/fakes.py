@@ -5,6 +5,7 @@ Ray.)"""
 from __future__ import annotations
 
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -34,8 +35,12 @@ class FakeTokenizer:
             out.append(self.vocab[w])
         return out
 
-    def __call__(self, text, add_special_tokens=True, **kwargs):
-        return {"input_ids": ([BOS] if add_special_tokens else []) + self._ids(text)}
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False, **kwargs):
+        out = {"input_ids": ([BOS] if add_special_tokens else []) + self._ids(text)}
+        if return_offsets_mapping:  # a word's characters (special tokens: none)
+            spans = [m.span() for m in re.finditer(r"\S+", text)]
+            out["offset_mapping"] = ([(0, 0)] if add_special_tokens else []) + spans
+        return out
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
         return [SYS, USER] + self._ids(messages[0]["content"]) + [END, ASSISTANT]

@@ -244,7 +244,7 @@ def test_the_commands_without_ray_have_the_options_knapspec_gives_them():
     assert sorted(alone) == ["bench", "gpu-check", "throughput"]
     assert {name: full[name] for name in alone} == alone
     # these need Ray, or (peer) vLLM's venv, which the GPU image lacks
-    assert set(full) - set(alone) == {"generate", "demo", "profile", "job", "peer"}
+    assert set(full) - set(alone) == {"generate", "demo", "profile", "job", "peer", "books"}
 
 
 @pytest.mark.parametrize("command", ["throughput", "job"])

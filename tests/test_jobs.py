@@ -209,6 +209,8 @@ def test_job_writes_one_row_per_input_row_summary_and_plot(tmp_path):
         assert r["time_taken_llm"] == pytest.approx(6 / 30)
         assert r["acceptance_rate"] == 0.5 and r["attention_skipped"] == 3.0
         assert r["attempts"] == 1 and r["replica"] == 0 and r["finished_at"] is not None
+        assert r["document_path"] == "whole" and r["tree_generations"] is None
+    assert rows["d"]["document_path"] is None  # an input error: no prompt
     # longest document first
     assert [len(s[1]) for s in engines.submits if s[3] == 0] == [35, 14, 10]
     # baseline: ceil(0.5 * 3) = 2 rows (shortest and longest) run again with the job's
@@ -222,7 +224,8 @@ def test_job_writes_one_row_per_input_row_summary_and_plot(tmp_path):
     assert set(again) == {"a", "b"} and {r["strategy"] for r in again.values()} == {"knapspec"}
     s = json.loads(open(result.summary_path).read())
     assert s["complete"] and s["rows"] == {"input": 4, "written": 4, "ok": 3, "failed": 1,
-                                           "pending": 0, "not_in_input": 0}
+                                           "pending": 0, "not_in_input": 0, "generations": 3,
+                                           "document_paths": {"whole": 3}}
     assert s["errors"] == {"'document' is null": 1}
     assert s["tokens"]["generated"] == 18
     assert s["baseline"]["rows"] == 2 and s["baseline"]["speedup"] == pytest.approx(1.5)

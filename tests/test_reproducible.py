@@ -78,3 +78,23 @@ def test_seeded_generate_of_a_prompt_ignores_the_prompts_beside_it(capsys):
     text_alone = json.loads(alone.splitlines()[0])["text"]
     assert text_alone.strip()
     assert json.loads(beside.splitlines()[1])["text"] == text_alone
+
+
+@pytest.mark.e2e
+def test_a_seeded_tree_does_not_depend_on_batching(tmp_path):
+    """A document past a small window, summarized through a tree with seeded sampling: every
+    node's tokens, and so the row's, the same one node at a time and four at once."""
+    chapter = " ".join(DOCS * 12)  # ~ 600 tokens: a tree of a dozen chunks at this window
+    path = tmp_path / "long.parquet"
+    pq.write_table(pa.table({"id": ["book"], "document": [chapter]}), path)
+    nodes = {}
+    for seqs in ("1", "4"):
+        out = tmp_path / seqs
+        run("job", "--input", str(path), "--output", str(out), *JOB, "--max-model-len", "192",
+            "--max-num-seqs", seqs)
+        table = pq.read_table(out / "nodes").to_pylist()
+        nodes[seqs] = {(n["level"], n["index"]): list(n["generated_tokens"]) for n in table}
+        row = pq.read_table(out / "rows").to_pylist()[0]
+        assert row["document_path"] == "tree" and row["tree_generations"] == len(table) > 3
+        assert list(row["generated_tokens"]) == nodes[seqs][max(nodes[seqs])]
+    assert nodes["1"] == nodes["4"]

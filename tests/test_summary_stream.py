@@ -67,7 +67,8 @@ def test_the_streamed_summary_equals_the_whole_outputs_on_a_worked_job(tmp_path)
     _close(streamed, summarize(whole, base, "id", ids.to_pylist(), {"strategy": "knapspec"},
                                {}, again=again))
     assert streamed["rows"] == {"input": 13, "written": 12, "ok": 11, "failed": 1,
-                                "pending": 1, "not_in_input": 0}
+                                "pending": 1, "not_in_input": 0, "generations": 11,
+                                "document_paths": {"whole": 11}}
     assert not streamed["complete"] and streamed["baseline"]["rows"] == 4
     written = json.loads(Path(result.summary_path).read_text())  # before the copy
     again_streamed = summarize(out.iter_rows(ROWS, schema, ["id", *COLUMNS]), base, "id",

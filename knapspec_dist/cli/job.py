@@ -26,6 +26,7 @@ from knapspec_dist.jobs import (
     report,
     run_job,
 )
+from knapspec_dist.runtime.prompts import CHUNK_INSTRUCTION, COMBINE_INSTRUCTION
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,25 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     rows = p.add_argument_group("rows")
     rows.add_argument("--truncate", action="store_true",
                       help="cut over-long documents to fit the context window (the end of the "
-                           "document, or of a --prompt-column prompt, is dropped) instead of "
-                           "failing the row")
+                           "document, or of a --prompt-column prompt, is dropped); the same "
+                           "as --long-documents truncate")
+    rows.add_argument("--long-documents", choices=("tree", "truncate", "fail"), default=None,
+                      help="a --text-column document past the window: tree (summarize its "
+                           "chunks, then their summaries, until one is left), truncate or "
+                           "fail the row (default: tree for the summarization job, else fail)")
+    rows.add_argument("--chunk-tokens", type=int, default=None,
+                      help="a tree's chunk, in document tokens, cut at a paragraph break, else "
+                           "a sentence end (default: half of what a chunk's prompt leaves)")
+    rows.add_argument("--chunk-overlap", type=int, default=0,
+                      help="tokens of a chunk's predecessor repeated at its start (default 0)")
+    rows.add_argument("--tree-depth", type=int, default=8,
+                      help="most levels of a tree, its chunks' included; a document that "
+                           "needs more fails (default 8)")
+    rows.add_argument("--chunk-instruction", default=CHUNK_INSTRUCTION,
+                      help="a chunk's prompt, before its text; {part} and {parts} say which "
+                           "part of how many it is")
+    rows.add_argument("--combine-instruction", default=COMBINE_INSTRUCTION,
+                      help="the prompt that combines summaries, before them")
     rows.add_argument("--max-model-len", type=int, default=None,
                       help="longest row to allow (prompt + new tokens), which the KV cache "
                            "must hold; default and maximum: the model's context window")
@@ -192,6 +210,11 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         sampling=args.sampling,
         truncate=args.truncate, max_model_len=args.max_model_len,
+        long_documents=args.long_documents or (
+            None if mode == "summarize" or args.truncate else "fail"),
+        chunk_tokens=args.chunk_tokens, chunk_overlap=args.chunk_overlap,
+        tree_depth=args.tree_depth, chunk_instruction=args.chunk_instruction,
+        combine_instruction=args.combine_instruction,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
         memory_utilization=args.memory_utilization,

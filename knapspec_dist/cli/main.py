@@ -1,4 +1,4 @@
-"""The ``knapspec`` command line: generate, profile, bench, peer, demo.
+"""The ``knapspec`` command line: generate, profile, bench, peer, books, demo.
 
 User errors (bad path, config, prompt, option) print one ``error: ...`` line and exit 2, with
 no traceback; SIGTERM / SIGINT one warning line and exit 143 / 130; anything else is a bug and
@@ -11,11 +11,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from knapspec_dist.cli import bench, demo, generate, gpu_check, job, peer, profile, throughput
+from knapspec_dist.cli import (
+    bench,
+    books,
+    demo,
+    generate,
+    gpu_check,
+    job,
+    peer,
+    profile,
+    throughput,
+)
 from knapspec_dist.cli.common import command_parser, run
 
 # One module per subcommand, each with register(subparsers); the order of `knapspec --help`.
-COMMANDS = (generate, demo, profile, bench, throughput, peer, job, gpu_check)
+COMMANDS = (generate, demo, profile, bench, throughput, peer, books, job, gpu_check)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
 from knapspec_dist.errors import UserError
+from knapspec_dist.runtime.prompts import CHUNK_INSTRUCTION, COMBINE_INSTRUCTION, TreeShape
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
 DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
@@ -41,6 +42,14 @@ class JobConfig:
     seed: int | None = None
     sampling: str = "coupled"  # how sampled drafts are verified (SamplingConfig.method)
     truncate: bool = False
+    # a text row past the window: "tree" (its chunks summarized, then their summaries), or
+    # "truncate" / "fail" (prompt mode: as --truncate says); None: "tree" in text mode
+    long_documents: str | None = None
+    chunk_tokens: int | None = None  # a chunk's document tokens; None: from the window
+    chunk_overlap: int = 0  # tokens of the previous chunk repeated at a chunk's start
+    tree_depth: int = 8  # the most levels of a tree, its chunks' included
+    chunk_instruction: str = CHUNK_INSTRUCTION
+    combine_instruction: str = COMBINE_INSTRUCTION
     max_model_len: int | None = None  # None: the model's context window
     baseline_fraction: float = 0.05
     max_num_seqs: int | None = None  # cap on a replica's rows in flight; None: 256 GPU, 16 CPU
@@ -71,6 +80,18 @@ class JobConfig:
             object.__setattr__(self, "strategy", options)
         if (self.text_column is None) == (self.prompt_column is None):
             raise UserError("give exactly one of --text-column and --prompt-column")
+        if self.long_documents not in (None, "tree", "truncate", "fail"):
+            raise UserError(f"--long-documents must be tree, truncate or fail, got "
+                            f"{self.long_documents!r}")
+        if self.long_documents == "tree" and self.mode == "prompt":
+            raise UserError("--long-documents tree needs --text-column: a ready-made prompt "
+                            "cannot be cut into chunks")
+        if self.truncate and self.long_documents not in (None, "truncate"):
+            raise UserError(f"--truncate contradicts --long-documents {self.long_documents}")
+        if self.long_documents is None:
+            object.__setattr__(self, "long_documents", "truncate" if self.truncate else
+                               "tree" if self.mode == "text" else "fail")
+        object.__setattr__(self, "truncate", self.long_documents == "truncate")
         checks = [
             (self.tp >= 1, f"--tp must be >= 1, got {self.tp}"),
             (self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}"),
@@ -92,6 +113,12 @@ class JobConfig:
             (self.stop_after is None or self.stop_after >= 1, "--stop-after must be >= 1"),
             (self.row_timeout is None or self.row_timeout > 0, "--row-timeout must be > 0"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
+            (self.chunk_tokens is None or self.chunk_tokens >= 1,
+             f"--chunk-tokens must be >= 1, got {self.chunk_tokens}"),
+            (self.chunk_overlap >= 0, f"--chunk-overlap must be >= 0, got {self.chunk_overlap}"),
+            (self.chunk_tokens is None or self.chunk_overlap < self.chunk_tokens,
+             "--chunk-overlap must be less than --chunk-tokens"),
+            (self.tree_depth >= 2, f"--tree-depth must be >= 2, got {self.tree_depth}"),
             (self.progress_seconds > 0, "--progress-seconds must be > 0"),
             (self.stream_rows >= 1, f"--stream-rows must be >= 1, got {self.stream_rows}"),
             (self.tokenizers >= 1, f"--tokenizers must be >= 1, got {self.tokenizers}"),
@@ -114,6 +141,13 @@ class JobConfig:
     @property
     def input_column(self) -> str:
         return self.text_column if self.text_column is not None else self.prompt_column
+
+    def tree_shape(self) -> TreeShape | None:
+        """How a text row past the window becomes a tree; None: it is truncated or fails."""
+        if self.long_documents != "tree":
+            return None
+        return TreeShape(self.chunk_tokens, self.chunk_overlap, self.tree_depth,
+                         self.chunk_instruction, self.combine_instruction)
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(max_new_tokens=self.max_new_tokens,
@@ -150,6 +184,9 @@ class JobConfig:
             **({"sampling": self.sampling} if self.sampling != "coupled" else {}),
             "truncate": self.truncate,
             "max_model_len": self.max_model_len,
+            # absent unless trees are made, as before they were, so that earlier outputs
+            # resume (with --long-documents fail: a tree changes what a long row gets)
+            **({"long_documents": asdict(self.tree_shape())} if self.tree_shape() else {}),
         }
 
     def to_dict(self) -> dict:

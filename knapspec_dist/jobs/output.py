@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 ROWS = "rows"
 BASELINE = "baseline"
 BASELINE_STRATEGY = "baseline_strategy"
-SUBDIRS = (ROWS, BASELINE, BASELINE_STRATEGY)
+NODES = "nodes"  # the summary trees' nodes (jobs/trees.py)
+SUBDIRS = (ROWS, BASELINE, BASELINE_STRATEGY, NODES)
 JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "speedup.png"
@@ -67,6 +68,12 @@ RETRYABLE = ("oom", "replica", "timeout")  # error kinds a rerun retries
 JOB_FIELDS = [
     ("strategy", pa.string()),
     ("truncated", pa.bool_()),  # the prompt was cut to fit --max-model-len
+    # how the row's document was summarized: "whole" (one prompt), "truncated" or "tree"
+    # (past the window: a tree of chunk summaries, jobs/tree.py); null: no prompt (an input
+    # error). A tree's chunks, levels, generations and tokens over all of them:
+    ("document_path", pa.string()),
+    ("tree_chunks", pa.int32()), ("tree_depth", pa.int32()), ("tree_generations", pa.int32()),
+    ("tree_prompt_tokens", pa.int64()), ("tree_generated_tokens", pa.int64()),
     ("finished_at", pa.timestamp("us", tz="UTC")),  # when the row was written
 ]
 
@@ -102,6 +109,8 @@ def result_row(id_column: str, row_id, strategy: str, result=None, *, error: str
                 "replica": replica, "attempts": attempts, "error": error,
                 "error_kind": None if error is None else (error_kind or "row"),
                 "num_input_tokens": num_input_tokens,
+                "document_path": None if error_kind == "input" else
+                ("truncated" if truncated else "whole"),
                 "finished_at": dt.datetime.now(dt.timezone.utc)})
     if result is not None and error is None:
         row.update(result_columns(result))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,8 @@ from knapspec_dist.jobs.progress import Progress
 from knapspec_dist.jobs.result import JobResult
 from knapspec_dist.jobs.resume import Done
 from knapspec_dist.jobs.termination import check_terminate
+from knapspec_dist.jobs.tree import DocumentTree
+from knapspec_dist.jobs.trees import NodeTask, TreeRows, TreeTask, read_known, tree_row_columns
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome, Task
 from knapspec_dist.runtime.prompts import TokenizeStage, make_builder
 from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
@@ -67,9 +71,10 @@ class Writers:
     rows: PartWriter  # the main pass
     baseline: PartWriter  # the baseline rows with ar
     again: PartWriter  # the baseline rows with the job's strategy, batched as ar's
+    nodes: PartWriter  # the summary trees' nodes, of every pass (jobs/trees.py)
 
     def __iter__(self) -> Iterator[PartWriter]:
-        return iter((self.rows, self.baseline, self.again))
+        return iter((self.rows, self.baseline, self.again, self.nodes))
 
 
 class GenerationPasses:
@@ -93,6 +98,7 @@ class GenerationPasses:
         self.held: list[dict] = []  # error rows met before the engine started
         self.seen = (0, 0)  # rows with a prompt streamed so far, and their prompt tokens
         self.hold_errors = True
+        self.builder = None  # the driver's PromptBuilder, made once a pass has trees
 
     def tokenize_stage(self, skip: pa.Array | None = None,
                        keep: pa.Array | None = None) -> Stage:
@@ -102,7 +108,8 @@ class GenerationPasses:
         the whole Dataset when such an actor is cancelled (seen on a busy machine)."""
         c = self.config
         builder = functools.partial(make_builder, self.text_tools, c, c.mode, c.instruction,
-                                    self.max_len, c.max_new_tokens, c.truncate, c.input_column)
+                                    self.max_len, c.max_new_tokens, c.truncate, c.input_column,
+                                    c.tree_shape())
         return Stage(TokenizeStage, (builder, c.input_column, c.id_column, skip, keep),
                      rows=16, actors=(1, max(1, min(c.tokenizers, len(self.scan.files)))),
                      cpus=c.tokenizer_cpus)
@@ -136,11 +143,16 @@ class GenerationPasses:
             lengths = batch.column("num_input_tokens").to_pylist()
             truncated = batch.column("truncated").to_pylist()
             problems = batch.column("error").to_pylist()
+            chunks = (batch.column("chunk_prompts").to_pylist()
+                      if "chunk_prompts" in batch.column_names else None)
+            digests = chunks and batch.column("chunk_digests").to_pylist()
             for i, task in batch_tasks(batch, ids):
                 if task is None:
                     if errors:
                         self.write_error(ids[i], problems[i], lengths[i])
                     continue
+                if chunks is not None and chunks[i] is not None:  # a tree (jobs/trees.py)
+                    task = TreeTask(task.key, (), chunks=list(zip(chunks[i], digests[i])))
                 self.meta[ids[i]] = (lengths[i], truncated[i])
                 self.seen = (self.seen[0] + 1, self.seen[1] + lengths[i])
                 yield task
@@ -255,6 +267,23 @@ class GenerationPasses:
         self.writers.baseline.flush()
         self.writers.again.flush()
 
+    def trees(self, run: Pass, dispatcher: Dispatcher) -> TreeRows | None:
+        """The pass's summary trees, with the nodes earlier runs left; None: the job makes
+        none (prompt mode, --long-documents truncate or fail)."""
+        c = self.config
+        if c.tree_shape() is None:
+            return None
+        if self.builder is None:  # the driver's: combining prompts are made as nodes finish
+            self.builder = make_builder(self.text_tools, c, c.mode, c.instruction, self.max_len,
+                                        c.max_new_tokens, c.truncate, c.input_column,
+                                        c.tree_shape())
+        schema = self.writers.nodes.schema
+        config = hashlib.sha256(json.dumps(c.fingerprint(), sort_keys=True,
+                                           default=str).encode()).hexdigest()[:16]
+        known = read_known(self.out, schema, run.writer.sub, config)
+        return TreeRows(self.builder, run.writer.sub, config, self.writers.nodes, known,
+                        dispatcher.push, dispatcher.drop)
+
     def _count_generated(self) -> None:
         self.result.generated += 1
 
@@ -280,23 +309,50 @@ class GenerationPasses:
                             memory=kv_report)
         errors_before = writer.errors
         seen_before = self.seen
+        trees = self.trees(run, dispatcher)
 
         def on_result(outcome: Outcome) -> None:
+            if isinstance(outcome.task, NodeTask):
+                progress.add_tokens(outcome)
+                tree = trees.landed(outcome)
+                if tree is not None:
+                    on_tree(tree, outcome.task)
+                return
             length, truncated = self.meta.pop(outcome.task.key)
             row = {**result_row(c.id_column, outcome.task.key, run.strategy,
                                 num_input_tokens=length, truncated=truncated),
                    **outcome_columns(outcome)}
-            if outcome.result is not None and outcome.error is None:
+            add(row, outcome)
+
+        def on_tree(tree: DocumentTree, task: Task) -> None:
+            """A tree ended: its row, the final summary with the tree's sums (or its error)."""
+            length, _ = self.meta.pop(tree.key)
+            result, columns = tree_row_columns(tree)
+            outcome = Outcome(task, result=result, error=tree.error,
+                              replica=None if result is None else result.replica,
+                              kind=tree.error_kind)
+            row = {**result_row(c.id_column, tree.key, run.strategy, num_input_tokens=length),
+                   **outcome_columns(outcome), **columns,  # attempts: its generations now
+                   "attempts": sum(n.result is not None and not n.reused for n in tree.nodes)}
+            row["num_input_tokens"] = length
+            add(row, Outcome(task, error=tree.error))
+
+        def add(row: dict, outcome: Outcome) -> None:
+            if row["error"] is None:
                 run.count()
             writer.add(row)
             progress.update(outcome)
             if run.on_row is not None:
                 run.on_row(row)
 
+        if trees is not None:
+            todo = trees.expand(todo, on_tree)
+
         def on_tick() -> None:
             check_terminate()
             self.lease.check()
             writer.maybe_flush()
+            self.writers.nodes.maybe_flush()
             # rows that failed on input are written, not generated: not the pass's to wait for
             progress.total = total - (writer.errors - errors_before - progress.failed)
             rows, tokens = (now - before for now, before in zip(self.seen, seen_before))
@@ -311,6 +367,7 @@ class GenerationPasses:
             dispatcher.run(todo, on_result, on_tick, None if stop_after is None else should_stop,
                            lookahead=c.stream_rows)
         finally:
+            self.writers.nodes.flush()
             writer.flush()  # before the engine shuts down: a SIGKILL may follow a SIGTERM soon
             progress.close()
             if run.reports_kv and progress.kv is not None:  # as of the last progress line

@@ -78,12 +78,18 @@ class Progress:
             self.bar = tqdm(total=self.total, desc=self.label, unit="row", file=sys.stderr,
                             dynamic_ncols=True)
 
+    def add_tokens(self, outcome: Outcome) -> None:
+        """A generation that is not a row of its own finished (a summary tree's node)."""
+        if outcome.result is not None and outcome.error is None:
+            self.finished_tokens += outcome.result.stats.new_tokens
+
     def update(self, outcome: Outcome) -> None:
+        """A row finished (a tree's row: its nodes' tokens came by :meth:`add_tokens`)."""
         self.done += 1
         if outcome.error is not None:
             self.failed += 1
-        elif outcome.result is not None:
-            self.finished_tokens += outcome.result.stats.new_tokens
+        else:
+            self.add_tokens(outcome)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(tok_s=shown(self.tokens_per_s, ".1f", "?"), failed=self.failed)

@@ -32,6 +32,7 @@ from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import (
     BASELINE,
     BASELINE_STRATEGY,
+    NODES,
     PLOT_FILE,
     ROWS,
     SUMMARY_FILE,
@@ -50,6 +51,7 @@ from knapspec_dist.jobs.termination import (
     install_sigterm,
     restore_sigterm,
 )
+from knapspec_dist.jobs.trees import node_schema
 from knapspec_dist.model.precision import guarantee
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
@@ -210,7 +212,7 @@ class JobRun:
             raise UserError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt "
                             f"in the context window of {self.max_len} tokens")
         PromptBuilder(tokenizer, c.mode, c.instruction, self.max_len, c.max_new_tokens,
-                      c.truncate, c.input_column)  # a text job needs a chat template
+                      c.truncate, c.input_column, c.tree_shape())  # text: a chat template
         if self.real_engine:  # the profile must cover any context this job may run
             self.engine_factory = lambda config, strategy, replicas: default_engine_factory(
                 config, strategy, replicas, longest=self.max_len)
@@ -228,7 +230,10 @@ class JobRun:
             return PartWriter(self.out, sub, self.schema, (), c.checkpoint_rows,
                               c.checkpoint_seconds)
 
-        self.writers = Writers(*(writer(sub) for sub in (ROWS, BASELINE, BASELINE_STRATEGY)))
+        self.writers = Writers(*(writer(sub) for sub in (ROWS, BASELINE, BASELINE_STRATEGY)),
+                               PartWriter(self.out, NODES, node_schema(c.id_column,
+                                                                       self.scan.id_type),
+                                          (), c.checkpoint_rows, c.checkpoint_seconds))
         self.result = JobResult(output=self.out.display(), rows_path=self.out.display(ROWS),
                                 summary_path=self.out.display(SUMMARY_FILE),
                                 plot_path=self.out.display(PLOT_FILE), summary={},
@@ -255,6 +260,7 @@ class JobRun:
                "sampling": c.sampling,
                "input": c.input, "output": result.output, "input_files": len(self.scan.files),
                "max_model_len": self.max_len, "truncate": c.truncate,
+               "long_documents": c.long_documents,
                "baseline_fraction": c.baseline_fraction}
         run = {"started_at": self.started.isoformat(timespec="seconds"),
                "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

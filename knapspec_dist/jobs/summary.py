@@ -102,7 +102,8 @@ def error_kind(message: str) -> str:
 COLUMNS = ["num_input_tokens", "num_generated_tokens", "time_taken_llm", "prefill_s",
            "tokens_per_s", "drafted", "accepted", "attention_skipped", "mlp_skipped",
            "selections", "mean_batch", "replica", "generation_start", "generation_end",
-           "generated_tokens", "error"]  # the tokens: for the baseline rows (lossless)
+           "generated_tokens", "error",  # the tokens: for the baseline rows (lossless)
+           "document_path", "tree_generations"]
 
 
 def _col(table: pa.Table, name: str) -> pa.ChunkedArray:
@@ -132,6 +133,7 @@ class Totals:
     the module docstring from them."""
 
     rows: int = 0
+    generations: int = 0  # a tree row's nodes, one for any other row
     tokens: int = 0
     input_tokens: int = 0
     input_rows: int = 0  # rows with a prompt length (for the mean)
@@ -156,6 +158,7 @@ class Totals:
         mean_batch = _col(ok, "mean_batch")
         n_in = _col(ok, "num_input_tokens")
         self.rows += len(ok)
+        self.generations += int(_sum(pc.fill_null(_col(ok, "tree_generations"), 1)))
         self.tokens += _sum(gen)
         self.input_tokens += _sum(n_in)
         self.input_rows += len(n_in) - n_in.null_count
@@ -294,6 +297,7 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
     ok, written, in_input, failed = Totals(), 0, 0, 0
     plans: dict[str, dict] = {}
     errors: dict[str, int] = {}
+    paths: dict[str, int] = {}  # how the rows' documents were summarized
     lossless: list[tuple[dict, dict]] = []
     buckets = [_Bucket() for _ in BUCKET_EDGES[1:]]
     edges = np.array(BUCKET_EDGES[1:-1], dtype=np.float64)
@@ -309,6 +313,9 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
         for entry in pc.value_counts(failed_part.column("error")).to_pylist():
             kind = error_kind(entry["values"])
             errors[kind] = errors.get(kind, 0) + entry["counts"]
+        for entry in pc.value_counts(_col(part, "document_path")).to_pylist():
+            if entry["values"] is not None:
+                paths[entry["values"]] = paths.get(entry["values"], 0) + entry["counts"]
         ok_part = part.filter(is_ok)
         ok.add(ok_part)
         if "plans" in ok_part.column_names:
@@ -347,7 +354,8 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
         "job": job,
         "complete": in_input == len(inputs),
         "rows": {"input": len(inputs), "written": written, "ok": ok.rows, "failed": failed,
-                 "pending": len(inputs) - in_input, "not_in_input": written - in_input},
+                 "pending": len(inputs) - in_input, "not_in_input": written - in_input,
+                 "generations": ok.generations, "document_paths": paths},
         "errors": errors,
         "tokens": {"input": ok.input_tokens, "generated": ok.tokens},
         "row_tokens_per_s": ok.row_tokens_per_s(),

@@ -184,6 +184,14 @@ class Dispatcher:
             if not stopping:
                 self._top_up(full)
 
+    def push(self, task: Task) -> None:
+        """A task made while the run goes (a summary tree's next node), ahead of the queue."""
+        self.queue.appendleft(task)
+
+    def drop(self, unwanted: Callable[[Task], bool]) -> None:
+        """Take the queued tasks that are ``unwanted`` out (a failed tree's other nodes)."""
+        self.queue = deque(t for t in self.queue if not unwanted(t))
+
     def _top_up(self, full: Callable[[], bool] | None = None, ahead: bool = True) -> None:
         """Pull rows from the source while fewer than the replicas' room plus ``lookahead``
         wait (backpressure: a streamed input is read as the replicas take rows). A row is

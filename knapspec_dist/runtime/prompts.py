@@ -14,9 +14,12 @@ mode (``--prompt-column``): the text is tokenized as is (with the tokenizer's sp
 tokens, e.g. BOS).
 
 A row fits when ``prompt tokens + max_new_tokens <= max_model_len`` (the model's context
-window unless ``--max-model-len`` lowers it).  Otherwise, without ``--truncate`` the row
-fails; with it the end of the document (prompt mode: of the prompt; messages mode: of the
-last message) is cut so that the row fits, and the row is marked ``truncated``.
+window unless ``--max-model-len`` lowers it).  Otherwise, in text mode with a
+:class:`TreeShape` (a job's default, ``--long-documents tree``), the document is cut into
+chunks (runtime/chunking.py) whose prompts the row carries instead of one prompt, for a tree
+of summaries (jobs/tree.py); with ``truncate`` the end of the document (prompt mode: of the
+prompt; messages mode: of the last message) is cut so that the row fits, and the row is
+marked ``truncated``; else the row fails.
 """
 
 from __future__ import annotations
@@ -29,12 +32,38 @@ import pyarrow.compute as pc
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.tokenizer import encode, has_chat_template, load_tokenizer
+from knapspec_dist.runtime.chunking import chunk_document, text_digest
 from knapspec_dist.runtime.setup import check_setup
 
 log = logging.getLogger(__name__)
 
 #: In an instruction, where the document goes (else the document follows the instruction).
 DOCUMENT = "{document}"
+
+#: A chunk's prompt; ``{part}`` and ``{parts}`` say which part of how many it is.
+CHUNK_INSTRUCTION = ("Summarize the following text (part {part} of {parts} of a longer "
+                     "document) in a few sentences.")
+#: A group's prompt, followed by its summaries in order, a blank line between them. Plain
+#: wording: SmolLM2-135M echoed "The text is a continuation of a longer document" to longer
+#: ones (docs/long-documents.md).
+COMBINE_INSTRUCTION = ("Summarize the following text in a few sentences. It is made of "
+                       "summaries of consecutive parts of one document, in order.")
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a text row longer than the window becomes a tree of summaries (jobs/tree.py).
+
+    ``chunk_tokens``: a chunk's document tokens; None: half of what a chunk's prompt leaves
+    after its template and the summary's tokens (BooookScore's 2-4k chunks in an 8k window).
+    ``overlap``: tokens of the previous chunk's end repeated at a chunk's start.
+    ``max_depth``: the most levels a tree may have, its chunks' level included."""
+
+    chunk_tokens: int | None = None
+    overlap: int = 0
+    max_depth: int = 8
+    chunk_instruction: str = CHUNK_INSTRUCTION
+    combine_instruction: str = COMBINE_INSTRUCTION
 
 
 @dataclass
@@ -47,12 +76,15 @@ class Prompt:
     num_input_tokens: int | None = None
     truncated: bool = False
     error: str | None = None
+    chunks: list[tuple[list[int], str]] | None = None  # a tree's: (prompt ids, text digest)
 
 
 class PromptBuilder:
     def __init__(self, tokenizer, mode: str, instruction: str, max_model_len: int,
-                 max_new_tokens: int, truncate: bool, column: str):
+                 max_new_tokens: int, truncate: bool, column: str,
+                 tree: TreeShape | None = None):
         self.tokenizer = tokenizer
+        self.tree = tree if mode == "text" else None
         self.mode = mode
         self.instruction = instruction
         self.max_model_len = max_model_len
@@ -64,7 +96,36 @@ class PromptBuilder:
                             "model whose tokenizer has a chat template; use "
                             f"{'--prompt-column' if mode == 'text' else 'a prompt column'} "
                             "with ready-made prompts instead")
+        self.tree_error: str | None = None  # why no tree fits: the error of rows that need one
+        if self.tree is not None:
+            try:
+                self.chunk_tokens = self._chunk_tokens(self.tree)
+            except UserError as e:
+                self.tree_error = str(e)
 
+    def _chunk_tokens(self, tree: TreeShape) -> int:
+        """A chunk's document tokens: as given, or half of what its prompt leaves."""
+        overhead = len(self.chunk_prompt("", 10 ** 6, 10 ** 6)) + 8  # + re-tokenizing's slack
+        room = self.limit - overhead - tree.overlap
+        chunk = tree.chunk_tokens if tree.chunk_tokens is not None else room // 2
+        if chunk < 1 or chunk > room:
+            raise UserError(
+                f"--chunk-tokens {chunk} + --chunk-overlap {tree.overlap} do not fit the "
+                f"{self.limit - overhead} tokens a chunk's prompt leaves (--max-model-len "
+                f"{self.max_model_len} - --max-new-tokens {self.max_new_tokens} - the chunk "
+                "prompt's template)")
+        return chunk
+
+    def chunk_prompt(self, text: str, part: int, parts: int) -> list[int]:
+        """The prompt ids of a document's chunk ``part`` (from 1) of ``parts``."""
+        instruction = self.tree.chunk_instruction.replace("{part}", str(part)).replace(
+            "{parts}", str(parts))
+        return encode(self.tokenizer, f"{instruction}\n\n{text}", chat=True)
+
+    def combine_prompt(self, summaries: list[str], level: int, index: int) -> list[int]:
+        """The prompt ids that combine ``summaries`` (in order) into one, at ``level``."""
+        body = "\n\n".join(s.strip() for s in summaries)
+        return encode(self.tokenizer, f"{self.tree.combine_instruction}\n\n{body}", chat=True)
     @property
     def limit(self) -> int:
         """Most prompt tokens a row may have."""
@@ -110,6 +171,11 @@ class PromptBuilder:
         ids = self.encode(text)
         if len(ids) <= self.limit:
             return Prompt(index, row_id, ids, len(ids))
+        if self.tree is not None:
+            if self.tree_error is not None:
+                return Prompt(index, row_id, None, len(ids), error=(
+                    f"prompt has {len(ids)} tokens > {self.limit}, and {self.tree_error}"))
+            return self._chunks(index, row_id, text, len(ids))
         if not self.truncate:
             return Prompt(index, row_id, None, len(ids), error=(
                 f"prompt has {len(ids)} tokens; with --max-new-tokens {self.max_new_tokens} it "
@@ -121,6 +187,19 @@ class PromptBuilder:
                 f"prompt has {len(ids)} tokens and cannot be cut to fit {self.limit} "
                 f"(context window {self.max_model_len} - --max-new-tokens {self.max_new_tokens})"))
         return Prompt(index, row_id, cut, len(cut), truncated=True)
+
+    def _chunks(self, index: int, row_id, text: str, full: int) -> Prompt:
+        """A document past the window as its chunks' prompts, or the row's error."""
+        pieces = chunk_document(text, self.tokenizer, self.chunk_tokens, self.tree.overlap)
+        chunks = []
+        for piece in pieces:
+            ids = self.chunk_prompt(piece.text, piece.index + 1, len(pieces))
+            if len(ids) > self.limit:  # a cut text re-tokenized longer than the slack
+                return Prompt(index, row_id, None, full, error=(
+                    f"chunk {piece.index + 1} of {len(pieces)} has a prompt of {len(ids)} "
+                    f"tokens > {self.limit}; lower --chunk-tokens"))
+            chunks.append((ids, text_digest([piece.text])))
+        return Prompt(index, row_id, None, full, chunks=chunks)
 
     def _truncate(self, text, full: int) -> list[int] | None:
         """Prompt ids with the end of ``text``'s document dropped so that it fits, or None if
@@ -151,6 +230,8 @@ def utf8_error(column: str, raw: bytes) -> str:
 
 #: Columns of the tokenize stage's output: one row per input row, its prompt or its error.
 PROMPT_COLUMNS = ("prompt_ids", "num_input_tokens", "truncated", "error")
+#: ... and, where its builder makes trees, a long row's chunks (null for the other rows).
+CHUNK_COLUMNS = ("chunk_prompts", "chunk_digests")
 
 
 class TokenizeStage:
@@ -183,7 +264,7 @@ class TokenizeStage:
         values = (column.to_pylist() if self.builder.mode == "messages"
                   else texts_of(as_binary(column)))
         prompts = [self.builder.build(i, None, v) for i, v in enumerate(values)]
-        out = table.drop_columns([n for n in (self.text_column, *PROMPT_COLUMNS)
+        out = table.drop_columns([n for n in (self.text_column, *PROMPT_COLUMNS, *CHUNK_COLUMNS)
                                   if n in table.column_names])
         for name, values in (
                 ("prompt_ids", pa.array([p.ids for p in prompts], pa.list_(pa.int32()))),
@@ -191,6 +272,13 @@ class TokenizeStage:
                 ("truncated", pa.array([p.truncated for p in prompts], pa.bool_())),
                 ("error", pa.array([p.error for p in prompts], pa.string()))):
             out = out.append_column(name, values)
+        if self.builder.tree is not None:
+            out = out.append_column("chunk_prompts", pa.array(
+                [None if p.chunks is None else [ids for ids, _ in p.chunks] for p in prompts],
+                pa.list_(pa.list_(pa.int32()))))
+            out = out.append_column("chunk_digests", pa.array(
+                [None if p.chunks is None else [d for _, d in p.chunks] for p in prompts],
+                pa.list_(pa.string())))
         return out
 
 
@@ -203,12 +291,13 @@ def load_text_tools(config):
 
 
 def make_builder(tools, config, mode: str, instruction: str, max_len: int | None,
-                 max_new_tokens: int, truncate: bool, column: str) -> PromptBuilder:
+                 max_new_tokens: int, truncate: bool, column: str,
+                 tree: TreeShape | None = None) -> PromptBuilder:
     """A PromptBuilder from ``tools(config)`` (the tokenizer and the model's window, the
     limit when ``max_len`` is None): picklable with functools.partial, for a stage's actors."""
     tokenizer, window = tools(config)
     return PromptBuilder(tokenizer, mode, instruction, window if max_len is None else max_len,
-                         max_new_tokens, truncate, column)
+                         max_new_tokens, truncate, column, tree)
 
 
 def texts_of(column: pa.ChunkedArray) -> list:

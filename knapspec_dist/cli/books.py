@@ -1,0 +1,70 @@
+"""``knapspec books``: whole books of the corpus summarized through the job's trees.
+
+    knapspec books --books persuasion --strategies ar,knapspec --out docs/bench/books
+
+Each strategy runs the summarization job over the books (``--long-documents tree``, greedy),
+then a truncated ``ar`` job gives the summary of what fits the window. Prints and writes
+(``books.md``, ``books.json``) the time, generations, depth and tokens of each level, the
+speedup over ``ar``'s tree, and the main characters each summary keeps (tools/books.py). Not
+part of ``make test``: a novel takes minutes per strategy on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+from pathlib import Path
+
+from knapspec_dist.cli.common import emit
+from knapspec_dist.errors import UserError
+from knapspec_dist.tools.bench.report import command_line, machine
+from knapspec_dist.tools.bench.specs import parse_strategies
+from knapspec_dist.tools.books import report, run_books, table
+from knapspec_dist.tools.corpus import AUSTEN_BOOKS, book_path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("books", help="whole books through summary trees: time, depth, quality",
+                       description=__doc__.split("\n\n")[0].strip("`"))
+    p.add_argument("--books", default="northangerabbey",
+                   help=f"comma-separated, of {', '.join(AUSTEN_BOOKS)} (default northangerabbey)")
+    p.add_argument("--corpus", default=None, help="the corpus folder (default: the shared one)")
+    p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
+    p.add_argument("--strategies", default="ar,knapspec")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--chunk-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=functools.partial(cmd_books, parser=p))
+
+
+def cmd_books(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    books = {}
+    for name in args.books.split(","):
+        path = book_path(name.strip(), args.corpus)
+        if path is None:
+            raise UserError(f"--books: no book {name!r} in the corpus (of "
+                            f"{', '.join(AUSTEN_BOOKS)})")
+        books[name.strip()] = path.read_text(encoding="utf-8")
+    strategies = {s.label: s.options for s in parse_strategies(args.strategies)}
+    if "ar" not in strategies:
+        raise UserError("--strategies must include ar: the speedup is over ar's tree")
+    base = {"model": args.model, "max_new_tokens": args.max_new_tokens,
+            "max_model_len": args.max_model_len, "chunk_tokens": args.chunk_tokens,
+            "max_num_seqs": args.max_num_seqs, "progress_bar": False}
+    out = Path(args.out)
+    result = report(books, run_books(books, out, base, strategies))
+    header = {"command": command_line(args, parser), "machine": machine("cpu"),
+              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    (out / "books.json").write_text(json.dumps({**header, **result}, indent=1))
+    lines = table(result)
+    m = header["machine"]
+    (out / "books.md").write_text(
+        f"# knapspec books ({header['date']})\n\n`{header['command']}`\n\n{m['cpu']} "
+        f"({m['cpu_count']} CPUs); greedy, {args.max_new_tokens} new tokens a node.\n\n"
+        + "\n".join(lines) + "\n")
+    emit("\n".join(lines))
+    return 0

@@ -1,0 +1,157 @@
+"""Whole books through the job's summary trees: time, generations, depth, tokens per level,
+the speedup over the tree, and whether the summary keeps the book's main characters.
+
+Each strategy runs the same job (``run_job``, its trees, greedy decoding) into an output folder
+of its own; a truncated job (``--long-documents truncate``, ``ar``) gives the summary of what
+fits the window, for the quality check. The main characters are the book's most frequent
+capitalized names (:func:`main_characters`); a summary keeps those it names.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from knapspec_dist.jobs.options import JobConfig
+from knapspec_dist.jobs.output import NODES, ROWS
+from knapspec_dist.jobs.runner import run_job
+from knapspec_dist.ratio import ratio
+
+log = logging.getLogger(__name__)
+
+#: Capitalized words that name no one: titles, pronouns, months, the text's own furniture.
+NOT_NAMES = frozenset("""I Mr Mrs Miss Sir Lady Lord Dr Colonel Captain Admiral General Chapter
+Volume The A An And But Or If In On At Of To For With By As It He She They We You His Her
+Their Our My Me Him Them Oh No Yes Not Nor So Then There This That These Those What When
+Where Why How Who Whom Which While Though Although Monday Tuesday Wednesday Thursday Friday
+Saturday Sunday January February March April May June July August September October November
+December Christmas God Heaven English England London Bath Well Now Do Did Is Was Be""".split())
+
+
+def main_characters(text: str, k: int = 10) -> list[str]:
+    """The ``k`` most frequent capitalized words of ``text`` that are names: not in
+    :data:`NOT_NAMES` and seldom written in lower case (a word that starts sentences is)."""
+    capital = collections.Counter(re.findall(r"\b[A-Z][a-z]{2,}\b", text))
+    lower = collections.Counter(re.findall(r"\b[a-z]{3,}\b", text))
+    names = [(n, w) for w, n in capital.items()
+             if w not in NOT_NAMES and lower[w.lower()] < 0.05 * n]
+    return [w for _, w in sorted(names, key=lambda nw: (-nw[0], nw[1]))[:k]]
+
+
+def kept(summary: str | None, names: list[str]) -> list[str]:
+    """The names a summary mentions."""
+    return [n for n in names if summary and re.search(rf"\b{re.escape(n)}\b", summary)]
+
+
+@dataclass
+class Run:
+    """One job over the books: its folder, wall seconds and rows."""
+
+    label: str
+    out: Path
+    wall_s: float
+    rows: dict
+    nodes: list
+
+
+def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) -> dict[str, Run]:
+    """The job of ``books`` (name -> text) once per strategy (label -> StrategyOptions or
+    name) with trees, and once truncated with ``ar``; ``base``: JobConfig's other options."""
+    out.mkdir(parents=True, exist_ok=True)
+    source = out / "books.parquet"
+    pq.write_table(pa.table({"id": list(books), "document": list(books.values())}), source)
+    plans = {label: {"strategy": s, "long_documents": "tree"} for label, s in strategies.items()}
+    plans["truncate"] = {"strategy": "ar", "long_documents": "truncate"}
+    runs = {}
+    for label, options in plans.items():
+        folder = out / label
+        config = JobConfig(input=str(source), output=str(folder), baseline_fraction=0,
+                           **base, **options)
+        log.info("books: %s", label)
+        start = time.monotonic()
+        run_job(config)
+        wall = time.monotonic() - start
+        rows = {r["id"]: r for r in pq.read_table(folder / ROWS).to_pylist()}
+        nodes = (pq.read_table(folder / NODES).to_pylist()
+                 if any((folder / NODES).glob("*.parquet")) else [])
+        runs[label] = Run(label, folder, wall, rows, nodes)
+    return runs
+
+
+def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
+    """Per book and strategy: time, generations, depth, tokens per level, the speedup over
+    ``ar``'s tree, tokens identical to ``ar``'s; per book: the main characters kept."""
+    out: dict = {"books": {}}
+    trees = [label for label in runs if label != "truncate"]
+    for book, text in books.items():
+        names = main_characters(text)
+        entry = {"characters": names, "strategies": {}}
+        for label in trees:
+            run = runs[label]
+            row = run.rows[book]
+            levels: dict[int, dict] = {}
+            for n in run.nodes:
+                if n["id"] == book:
+                    acc = levels.setdefault(n["level"], {"level": n["level"], "nodes": 0,
+                                                        "prompt_tokens": 0,
+                                                        "generated_tokens": 0})
+                    acc["nodes"] += 1
+                    acc["prompt_tokens"] += n["num_input_tokens"]
+                    acc["generated_tokens"] += n["num_generated_tokens"]
+            ar_row = runs["ar"].rows[book] if "ar" in runs else None
+            entry["strategies"][label] = {
+                "error": row["error"], "path": row["document_path"],
+                "chunks": row["tree_chunks"], "depth": row["tree_depth"],
+                "generations": row["tree_generations"],
+                "generation_s": row["time_taken_llm"],
+                "tree_speedup": None if ar_row is None else ratio(
+                    ar_row["time_taken_llm"], row["time_taken_llm"]),
+                "identical_to_ar": None if ar_row is None or row["error"] else
+                list(row["generated_tokens"]) == list(ar_row["generated_tokens"]),
+                "levels": [levels[k] for k in sorted(levels)],
+                "characters_kept": kept(row["generated_text"], names),
+                "summary": row["generated_text"]}
+        if "truncate" in runs:
+            row = runs["truncate"].rows[book]
+            entry["truncate"] = {"error": row["error"], "summary": row["generated_text"],
+                                 "characters_kept": kept(row["generated_text"], names)}
+        out["books"][book] = entry
+    out["runs"] = {label: {"wall_s": r.wall_s} for label, r in runs.items()}
+    if "ar" in runs:
+        out["runs"] |= {label: {"wall_s": r.wall_s, "speedup": ratio(runs["ar"].wall_s, r.wall_s)}
+                        for label, r in runs.items() if label != "truncate"}
+    return out
+
+
+def table(result: dict) -> list[str]:
+    """The report as Markdown lines."""
+    lines = ["| book | strategy | wall s | generation s | generations | chunks | depth | "
+             "tree speedup | identical to ar | characters kept (tree / truncated) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for book, entry in result["books"].items():
+        names = len(entry["characters"])
+        trunc = entry.get("truncate", {}).get("characters_kept", [])
+        for label, s in entry["strategies"].items():
+            lines.append(
+                f"| {book} | {label} | {result['runs'][label]['wall_s']:.0f} | "
+                f"{s['generation_s'] or 0:.0f} | {s['generations']} | {s['chunks']} | "
+                f"{s['depth']} | {_fmt(s['tree_speedup'])} | {s['identical_to_ar']} | "
+                f"{len(s['characters_kept'])}/{names} / {len(trunc)}/{names} |")
+    lines += ["", "Tokens per level (prompt / generated):", ""]
+    for book, entry in result["books"].items():
+        for label, s in entry["strategies"].items():
+            levels = ", ".join(f"L{lv['level']}: {lv['nodes']} x, {lv['prompt_tokens']} / "
+                               f"{lv['generated_tokens']}" for lv in s["levels"])
+            lines.append(f"- {book}, {label}: {levels}")
+    return lines
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"

@@ -1,0 +1,48 @@
+"""The books benchmark's own arithmetic: main characters, what a summary keeps, the report
+(its runs are real jobs: `knapspec books`, not part of make test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from knapspec_dist.tools.books import Run, kept, main_characters, report, table
+
+
+def test_main_characters_are_frequent_capitalized_words_seldom_lower_case():
+    text = ("Anne walked. Anne said so. Then Wentworth came; Wentworth and Anne spoke. "
+            "Mr Elliot left. Bath was wet. Then the rain. Walter sat.") * 3 + " then then then"
+    assert main_characters(text, k=3) == ["Anne", "Wentworth", "Elliot"]  # Then: lower too
+    assert kept("Anne met Wentworth's friend.", ["Anne", "Wentworth", "Elliot"]) == [
+        "Anne", "Wentworth"]
+    assert kept(None, ["Anne"]) == []
+
+
+def row(text, seconds, tokens, error=None, path="tree"):
+    return {"error": error, "document_path": path, "tree_chunks": 3, "tree_depth": 2,
+            "tree_generations": 4, "time_taken_llm": seconds, "generated_tokens": tokens,
+            "generated_text": text}
+
+
+def nodes(book):
+    return [{"id": book, "level": lv, "num_input_tokens": 100, "num_generated_tokens": 10}
+            for lv in (0, 0, 0, 1)]
+
+
+def test_the_report_gives_levels_speedup_identity_and_characters_kept():
+    books = {"b": "Anne and Anne and Anne. Wentworth, Wentworth."}
+    runs = {"ar": Run("ar", Path("."), 100.0, {"b": row("Anne and Wentworth.", 80.0, [1, 2])},
+                      nodes("b")),
+            "knapspec": Run("knapspec", Path("."), 80.0,
+                            {"b": row("Anne and Wentworth.", 50.0, [1, 2])}, nodes("b")),
+            "truncate": Run("truncate", Path("."), 10.0,
+                            {"b": row("Anne.", 5.0, [1], path="truncated")}, [])}
+    result = report(books, runs)
+    s = result["books"]["b"]["strategies"]["knapspec"]
+    assert s["tree_speedup"] == 80.0 / 50.0 and s["identical_to_ar"]
+    assert s["levels"] == [{"level": 0, "nodes": 3, "prompt_tokens": 300, "generated_tokens": 30},
+                           {"level": 1, "nodes": 1, "prompt_tokens": 100, "generated_tokens": 10}]
+    assert s["characters_kept"] == ["Anne", "Wentworth"]
+    assert result["books"]["b"]["truncate"]["characters_kept"] == ["Anne"]
+    assert result["runs"]["knapspec"]["speedup"] == 100.0 / 80.0
+    lines = table(result)
+    assert "| b | knapspec | 80 | 50 | 4 | 3 | 2 | 1.60x | True | 2/2 / 1/2 |" in lines

@@ -1,0 +1,236 @@
+"""Documents past the window: chunking at natural boundaries, the tree's greedy packing and
+its rules, and a job that summarizes them through trees, resumed node by node (fakes: no
+model, no Ray)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from knapspec_dist.engine.generation import GenerationResult, GenerationStats
+from knapspec_dist.errors import UserError
+from knapspec_dist.jobs.tree import DocumentTree, StoredNode
+from knapspec_dist.runtime.chunking import chunk_document, text_digest
+from knapspec_dist.runtime.prompts import PromptBuilder, TreeShape
+
+from fakes import FakeEngines, docs_of, fake_tools, job, read_rows, run, write_input
+
+
+def tokenizer():
+    tok, _ = fake_tools()(None)
+    return tok
+
+
+def words(chunk) -> list[str]:
+    return chunk.text.split()
+
+
+# ---------------------------------------------------------------- chunking
+
+
+def test_chunks_end_at_a_paragraph_break_else_a_sentence_else_at_the_limit():
+    para = "a1 a2 a3.\n\nb1 b2 b3 b4. b5 b6 b7 b8 b9 b10 b11 b12 b13 b14 b15 b16 b17\n\nc1 c2"
+    chunks = chunk_document(para, tokenizer(), chunk_tokens=6)
+    # the paragraph break after a3 (3 of 6: half full), then the sentence end after b4, then
+    # no boundary within 6 words: cut at the limit; the last chunk is the rest
+    assert [words(c) for c in chunks] == [
+        ["a1", "a2", "a3."], ["b1", "b2", "b3", "b4."], ["b5", "b6", "b7", "b8", "b9", "b10"],
+        ["b11", "b12", "b13", "b14", "b15", "b16"], ["b17", "c1", "c2"]]
+    # every token once, in order; the same cut every time
+    assert sum((words(c) for c in chunks), []) == para.split()
+    assert chunk_document(para, tokenizer(), 6) == chunks
+
+
+def test_a_boundary_in_a_chunks_first_half_is_passed_over():
+    text = "x1. x2.\n\nx3 x4. x5 x6 x7 x8 x9"
+    chunks = chunk_document(text, tokenizer(), chunk_tokens=5)
+    # the paragraph break after 2 of 5 words is too early: the sentence end after x4 wins
+    assert [words(c) for c in chunks] == [["x1.", "x2.", "x3", "x4."],
+                                          ["x5", "x6", "x7", "x8", "x9"]]
+
+
+def test_an_overlap_repeats_the_end_of_the_previous_chunk():
+    text = " ".join(f"w{i}" for i in range(20))
+    chunks = chunk_document(text, tokenizer(), chunk_tokens=8, overlap=3)
+    assert [words(c)[0] for c in chunks] == ["w0", "w5", "w13"]
+    assert [(c.first_token, c.end_token) for c in chunks] == [(0, 8), (5, 16), (13, 20)]
+    with pytest.raises(ValueError, match="overlap"):
+        chunk_document(text, tokenizer(), chunk_tokens=3, overlap=3)
+
+
+def test_a_long_document_row_carries_its_chunks_prompts_instead_of_one_prompt():
+    tok = tokenizer()
+    shape = TreeShape(chunk_instruction="Part {part} of {parts}:")
+    b = PromptBuilder(tok, "text", "Sum:", 60, 4, False, "document", shape)
+    # limit 56; a chunk prompt's template: 4 + 4 instruction words + 8 slack -> 40 / 2
+    assert b.chunk_tokens == 20
+    doc = docs_of([60])[0]
+    p = b.build(0, "a", doc)
+    assert p.ids is None and p.error is None and p.num_input_tokens == 60 + 5
+    assert [len(ids) for ids, _ in p.chunks] == [4 + 4 + 20] * 3
+    assert p.chunks[0][1] == text_digest([" ".join(doc.split()[:20])])
+    assert b.build(1, "b", docs_of([10])[0]).ids is not None  # one that fits: one prompt
+    prompt = PromptBuilder(tok, "prompt", "", 20, 4, False, "prompt", TreeShape())
+    assert prompt.build(0, "c", doc).error.startswith("prompt has 61 tokens")  # no tree
+    tight = PromptBuilder(tok, "text", "Sum:", 20, 4, False, "document", shape)
+    assert "--chunk-tokens" in tight.build(0, "d", doc).error  # the template alone is too long
+
+
+# ---------------------------------------------------------------- the tree
+
+
+def result(text: str, n: int = 3) -> GenerationResult:
+    return GenerationResult(list(range(n)), GenerationStats(prompt_tokens=10, new_tokens=n,
+                                                            wall_s=1.0), "length", text)
+
+
+def combine(summaries, level, index):
+    """A made-up combining prompt: 4 template tokens and each summary's 3 + 2."""
+    return [0] * (4 + 5 * len(summaries))
+
+
+def grow(n_chunks: int, limit: int, order: random.Random | None = None, max_depth: int = 8,
+         known=None) -> tuple[DocumentTree, list]:
+    tree = DocumentTree("doc", [([1], f"d{i}") for i in range(n_chunks)], combine, limit,
+                        max_depth, known or {})
+    ran = []
+    pending = tree.ready()
+    while pending and not tree.done:
+        node = pending.pop(order.randrange(len(pending)) if order else 0)
+        ran.append((node.level, node.index))
+        tree.finish(node, result(f"s{node.level}.{node.index}"))
+        pending += tree.ready()
+    return tree, ran
+
+
+def groups(tree: DocumentTree) -> list[list[tuple[int, int]]]:
+    return [[n.children for n in level] for level in tree.levels[1:]]
+
+
+def test_groups_pack_consecutive_summaries_greedily_until_one_is_left():
+    tree, ran = grow(11, limit=4 + 5 * 4)  # four summaries a group
+    assert tree.root is not None and tree.error is None
+    assert groups(tree) == [[(0, 4), (4, 8), (8, 11)], [(0, 3)]]
+    assert tree.root.text == "s2.0" and len(ran) == 11 + 3 + 1
+    assert [len(level) for level in tree.levels] == [11, 3, 1]
+
+
+def test_the_packing_does_not_depend_on_the_order_nodes_finish_in():
+    first, _ = grow(23, limit=4 + 5 * 3)
+    for seed in range(5):
+        other, _ = grow(23, limit=4 + 5 * 3, order=random.Random(seed))
+        assert groups(other) == groups(first)
+        assert [[n.digest for n in level] for level in other.levels] == [
+            [n.digest for n in level] for level in first.levels]
+
+
+def test_a_group_starts_once_its_inputs_and_the_next_one_are_done_not_after_its_level():
+    tree = DocumentTree("doc", [([1], f"d{i}") for i in range(6)], combine, 4 + 5 * 2, 8)
+    chunks = tree.ready()
+    for node in chunks[:3]:  # chunks 0, 1 and 2 (2: the first that does not fit 0-1's group)
+        tree.finish(node, result("s"))
+    started = tree.ready()
+    assert [(n.level, n.index, n.children) for n in started] == [(1, 0, (0, 2))]
+
+
+def test_a_tree_deeper_than_its_bound_fails_the_row():
+    tree, _ = grow(30, limit=4 + 5 * 2, max_depth=3)  # 30 -> 15 -> 8 -> ...: 4 levels at least
+    assert tree.done and tree.root is None
+    assert "more than 3 levels" in tree.error and "--tree-depth" in tree.error
+
+
+def test_summaries_too_long_to_combine_two_fail_the_row():
+    tree, _ = grow(5, limit=4 + 5 * 1)  # one summary a group: the level would not shrink
+    assert tree.done and tree.root is None and "cannot combine two summaries" in tree.error
+
+
+def test_a_known_node_with_the_same_input_is_reused_a_changed_one_is_not():
+    full, ran = grow(6, limit=4 + 5 * 3)
+    known = {(n.level, n.index): StoredNode(n.digest, n.result) for n in full.nodes}
+    again, ran_again = grow(6, limit=4 + 5 * 3, known=known)
+    assert ran_again == [] and again.root.text == full.root.text
+    known[(0, 2)] = StoredNode("a changed chunk", known[(0, 2)].result)
+    changed, ran_changed = grow(6, limit=4 + 5 * 3, known=known)
+    # chunk 2 again, then the group it is in (its summary text is the same here: the
+    # group's input digest is unchanged, so from there the known nodes serve)
+    assert ran_changed == [(0, 2)] and changed.root is not None
+
+
+# ---------------------------------------------------------------- the job
+
+
+def long_job(tmp_path, **kw):
+    write_input(tmp_path / "in.parquet", ["short", "long", "longer"],
+                docs_of([10, 150, 400]))
+    return job(tmp_path, **kw)
+
+
+def test_a_text_job_summarizes_documents_past_the_window_through_trees(tmp_path):
+    result, engines = run(long_job(tmp_path, baseline_fraction=0))
+    rows = {r["id"]: r for r in read_rows(result.output)}
+    assert all(r["error"] is None for r in rows.values())
+    assert rows["short"]["document_path"] == "whole" and rows["short"]["tree_chunks"] is None
+    nodes = read_rows(result.output, "nodes")
+    for key in ("long", "longer"):
+        r = rows[key]
+        mine = [n for n in nodes if n["id"] == key]
+        assert r["document_path"] == "tree" and r["tree_generations"] == len(mine)
+        assert r["tree_chunks"] == sum(n["level"] == 0 for n in mine) > 1
+        assert r["tree_depth"] == 1 + max(n["level"] for n in mine) >= 2
+        top = max(mine, key=lambda n: n["level"])
+        assert r["generated_text"] == top["generated_text"]
+        assert r["generated_tokens"] == top["generated_tokens"]
+        assert r["tree_generated_tokens"] == r["num_generated_tokens"] == sum(
+            n["num_generated_tokens"] for n in mine)
+        assert r["tree_prompt_tokens"] == sum(n["num_input_tokens"] for n in mine)
+        assert r["time_taken_llm"] == pytest.approx(sum(n["time_taken_llm"] for n in mine))
+        assert r["num_input_tokens"] == len(docs_of([10, 150, 400])[
+            ["short", "long", "longer"].index(key)].split()) + 5  # the whole prompt's
+    # every node one generation, keyed by its place in the tree (its sampling seed's key)
+    assert len(engines.submits) == 1 + len(nodes)
+    s = result.summary
+    assert s["rows"]["document_paths"] == {"whole": 1, "tree": 2}
+    assert s["rows"]["generations"] == 1 + len(nodes)
+    assert s["job"]["long_documents"] == "tree"
+
+
+def test_fail_and_truncate_keep_their_behaviour_and_prompt_mode_makes_no_tree(tmp_path):
+    (tmp_path / "fail").mkdir()
+    result, _ = run(long_job(tmp_path / "fail", long_documents="fail", baseline_fraction=0))
+    rows = {r["id"]: r for r in read_rows(result.output)}
+    assert rows["long"]["error"].startswith("prompt has") and rows["long"]["error_kind"] == "input"
+    result, _ = run(long_job(tmp_path, truncate=True, baseline_fraction=0))
+    rows = {r["id"]: r for r in read_rows(result.output)}
+    assert rows["long"]["document_path"] == "truncated" and rows["long"]["truncated"]
+    with pytest.raises(UserError, match="needs --text-column"):
+        job(tmp_path, text_column=None, prompt_column="p", long_documents="tree")
+
+
+def test_a_job_killed_between_levels_redoes_no_node_and_writes_each_row_once(tmp_path):
+    class Crash(BaseException):  # like SIGKILL: not a row's error
+        pass
+
+    (tmp_path / "fresh").mkdir()
+    fresh, whole = run(long_job(tmp_path / "fresh", baseline_fraction=0))
+
+    def crash(answered, backend):
+        if answered == len(whole.submits) - 4:  # a tree's last levels left
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(long_job(tmp_path, baseline_fraction=0), FakeEngines(after_answers=crash))
+    kept = read_rows(str(tmp_path / "out"), "nodes")
+    first_rows = {r["id"] for r in read_rows(str(tmp_path / "out"))}
+    cut = [k for k in ("long", "longer") if k not in first_rows]
+    assert cut and max(n["level"] for n in kept if n["id"] == cut[0]) >= 1  # inside its tree
+
+    result, engines = run(long_job(tmp_path, baseline_fraction=0))
+    nodes = read_rows(result.output, "nodes")
+    places = [(n["id"], n["level"], n["index"]) for n in nodes]
+    assert len(places) == len(set(places))  # no node twice
+    assert len(engines.submits) == len(nodes) - len(kept) + ("short" not in first_rows)
+    rows = read_rows(result.output)
+    assert sorted(r["id"] for r in rows) == ["long", "longer", "short"]  # each once
+    assert {r["id"]: r["generated_text"] for r in rows} == {
+        r["id"]: r["generated_text"] for r in read_rows(fresh.output)}
