@@ -57,6 +57,26 @@ def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tm
         i: list(got[i]["tokens"]) for i in range(3)}
 
 
+def test_documents_past_the_window_are_summarized_through_trees(local_ray):
+    """A document column, as the batch job's text mode: the long one through a tree of chunk
+    summaries (the processor keeps no node table), the short one whole."""
+    long_doc = " ".join(DOCS * 40)
+    config = ProcessorConfig(model="smollm2", strategy="ar", max_num_seqs=4, max_model_len=256,
+                             document_column="text", sampling={"max_new_tokens": 8})
+    got = {r["id"]: r for r in build_processor(config)(ray.data.from_items(
+        [{"id": 0, "text": DOCS[0]}, {"id": 1, "text": long_doc}])).take_all()}
+    assert got[0]["error"] is None and got[0]["document_path"] == "whole"
+    assert got[0]["tree_generations"] is None
+    tree = got[1]
+    assert tree["error"] is None and tree["document_path"] == "tree"
+    assert tree["tree_generations"] > tree["tree_chunks"] > 1 and tree["tree_depth"] >= 2
+    assert tree["num_generated_tokens"] == tree["tree_generated_tokens"] > 8
+    assert 0 < len(tree["generated_tokens"]) <= 8 and tree["generated_text"]
+    assert "chunk_prompts" not in tree and "prompt_ids" not in tree
+    with pytest.raises(UserError, match="long_documents"):
+        ProcessorConfig(long_documents="tree")  # a tree needs a document column
+
+
 def test_a_bad_model_fails_when_the_processor_is_built():
     with pytest.raises(UserError):
         build_processor(ProcessorConfig(model="/nonexistent/model", strategy="ar"))

@@ -10,9 +10,9 @@ import pytest
 
 from knapspec_dist.engine.generation import GenerationResult, GenerationStats
 from knapspec_dist.errors import UserError
-from knapspec_dist.jobs.tree import DocumentTree, StoredNode
 from knapspec_dist.runtime.chunking import chunk_document, text_digest
 from knapspec_dist.runtime.prompts import PromptBuilder, TreeShape
+from knapspec_dist.runtime.tree import DocumentTree, StoredNode
 
 from fakes import FakeEngines, docs_of, fake_tools, job, read_rows, run, write_input
 
@@ -234,3 +234,16 @@ def test_a_job_killed_between_levels_redoes_no_node_and_writes_each_row_once(tmp
     assert sorted(r["id"] for r in rows) == ["long", "longer", "short"]  # each once
     assert {r["id"]: r["generated_text"] for r in rows} == {
         r["id"]: r["generated_text"] for r in read_rows(fresh.output)}
+
+
+def test_the_speedup_baseline_runs_the_same_trees_under_ar(tmp_path):
+    result, engines = run(long_job(tmp_path, baseline_fraction=1.0))
+    nodes = read_rows(result.output, "nodes")
+    by_pass = {p: {(n["id"], n["level"], n["index"]) for n in nodes if n["pass"] == p}
+               for p in ("rows", "baseline_strategy", "baseline")}
+    assert by_pass["rows"] == by_pass["baseline_strategy"] == by_pass["baseline"]
+    base = {r["id"]: r for r in read_rows(result.output, "baseline")}
+    assert base["longer"]["document_path"] == "tree" and base["longer"]["strategy"] == "ar"
+    b = result.summary["baseline"]
+    assert b["rows"] == 3 and b["identical_tokens"] == 3
+    assert b["speedup"] == pytest.approx(30.0 / 20.0)  # the fakes' knapspec over ar speeds

@@ -7,10 +7,13 @@ from dataclasses import asdict, dataclass, field
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
 from knapspec_dist.errors import UserError
-from knapspec_dist.runtime.prompts import CHUNK_INSTRUCTION, COMBINE_INSTRUCTION, TreeShape
+from knapspec_dist.runtime.prompts import (
+    CHUNK_INSTRUCTION,
+    COMBINE_INSTRUCTION,
+    DEFAULT_INSTRUCTION,
+    TreeShape,
+)
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
-
-DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 
 
 @dataclass(frozen=True)

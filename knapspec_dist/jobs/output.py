@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.jobs.inputs import filesystem_and_path
 from knapspec_dist.jobs.parts import iter_parts
-from knapspec_dist.runtime.stages import RESULT_FIELDS, result_columns
+from knapspec_dist.runtime.stages import RESULT_FIELDS, TREE_FIELDS, result_columns
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +68,7 @@ RETRYABLE = ("oom", "replica", "timeout")  # error kinds a rerun retries
 JOB_FIELDS = [
     ("strategy", pa.string()),
     ("truncated", pa.bool_()),  # the prompt was cut to fit --max-model-len
-    # how the row's document was summarized: "whole" (one prompt), "truncated" or "tree"
-    # (past the window: a tree of chunk summaries, jobs/tree.py); null: no prompt (an input
-    # error). A tree's chunks, levels, generations and tokens over all of them:
-    ("document_path", pa.string()),
-    ("tree_chunks", pa.int32()), ("tree_depth", pa.int32()), ("tree_generations", pa.int32()),
-    ("tree_prompt_tokens", pa.int64()), ("tree_generated_tokens", pa.int64()),
+    *TREE_FIELDS,
     ("finished_at", pa.timestamp("us", tz="UTC")),  # when the row was written
 ]
 

@@ -32,12 +32,13 @@ from knapspec_dist.jobs.progress import Progress
 from knapspec_dist.jobs.result import JobResult
 from knapspec_dist.jobs.resume import Done
 from knapspec_dist.jobs.termination import check_terminate
-from knapspec_dist.jobs.tree import DocumentTree
-from knapspec_dist.jobs.trees import NodeTask, TreeRows, TreeTask, read_known, tree_row_columns
+from knapspec_dist.jobs.trees import read_known, tree_dispatch
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome, Task
 from knapspec_dist.runtime.prompts import TokenizeStage, make_builder
 from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
 from knapspec_dist.runtime.stream import stream_batches
+from knapspec_dist.runtime.tree import DocumentTree
+from knapspec_dist.runtime.tree_tasks import NodeTask, TreeDispatch, TreeTask, tree_row
 from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
@@ -267,7 +268,7 @@ class GenerationPasses:
         self.writers.baseline.flush()
         self.writers.again.flush()
 
-    def trees(self, run: Pass, dispatcher: Dispatcher) -> TreeRows | None:
+    def trees(self, run: Pass, dispatcher: Dispatcher) -> TreeDispatch | None:
         """The pass's summary trees, with the nodes earlier runs left; None: the job makes
         none (prompt mode, --long-documents truncate or fail)."""
         c = self.config
@@ -281,8 +282,8 @@ class GenerationPasses:
         config = hashlib.sha256(json.dumps(c.fingerprint(), sort_keys=True,
                                            default=str).encode()).hexdigest()[:16]
         known = read_known(self.out, schema, run.writer.sub, config)
-        return TreeRows(self.builder, run.writer.sub, config, self.writers.nodes, known,
-                        dispatcher.push, dispatcher.drop)
+        return tree_dispatch(self.builder, dispatcher, run.writer.sub, config,
+                             self.writers.nodes, known)
 
     def _count_generated(self) -> None:
         self.result.generated += 1
@@ -327,7 +328,7 @@ class GenerationPasses:
         def on_tree(tree: DocumentTree, task: Task) -> None:
             """A tree ended: its row, the final summary with the tree's sums (or its error)."""
             length, _ = self.meta.pop(tree.key)
-            result, columns = tree_row_columns(tree)
+            result, columns = tree_row(tree)
             outcome = Outcome(task, result=result, error=tree.error,
                               replica=None if result is None else result.replica,
                               kind=tree.error_kind)

@@ -6,7 +6,7 @@ small chunks: more generations, each summarizing less).
 Counted in the model's own tokens (the tokenizer's offset mapping ties each token to its
 characters), so a chunk's prompt fits the window it was sized for. Pure and deterministic:
 the same text, tokenizer and sizes cut the same chunks, so a resumed job finds the nodes it
-summarized before (jobs/tree.py keys them by a hash of their text).
+summarized before (runtime/tree.py keys them by a hash of their text).
 """
 
 from __future__ import annotations

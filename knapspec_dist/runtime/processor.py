@@ -20,6 +20,13 @@ Dispatcher: a dead replica is restarted and its rows retried; the coordinator de
 ``postprocess``. The rows of a batch decode together in the replica's continuous batch
 (``batch_size``, 2 x ``max_num_seqs`` by default, keeps it full).
 
+With a ``document_column`` a row is a document to summarize (the batch job's text mode: the
+chat template around ``instruction`` and the document); one past the window is summarized
+through a tree of chunk summaries (``long_documents="tree"``, the default there:
+runtime/tree_tasks.py, shaped by ``tree``), or ``"truncate"``d, or fails (``"fail"``); the
+row says which (``document_path``) and how big its tree was (``tree_*``). Unlike the job's, a
+tree is not kept node by node: a Dataset has no resume.
+
 With ``should_continue_on_error`` a row that fails gets its ``error`` (and ``error_kind``)
 and the others go on; without it the first failure fails the Dataset, as in ``ray.data.llm``.
 
@@ -42,15 +49,26 @@ from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, k
 from knapspec_dist.errors import UserError
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome
-from knapspec_dist.runtime.prompts import TokenizeStage, load_text_tools, make_builder
+from knapspec_dist.runtime.prompts import (
+    CHUNK_COLUMNS,
+    DEFAULT_INSTRUCTION,
+    PromptBuilder,
+    TokenizeStage,
+    TreeShape,
+    load_text_tools,
+    make_builder,
+)
 from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.stages import (
     RESULT_FIELDS,
+    TREE_FIELDS,
     Stage,
     batch_tasks,
     outcome_columns,
 )
+from knapspec_dist.runtime.tree import DocumentTree
+from knapspec_dist.runtime.tree_tasks import NodeTask, TreeDispatch, TreeTask, tree_row
 from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
@@ -83,12 +101,23 @@ class ProcessorConfig:
     should_continue_on_error: bool = False
     max_attempts: int = 3  # replica failures a row may see before it fails (dispatch.py)
     apply_chat_template: bool = True  # ``messages`` through the template; else ``prompt``
+    document_column: str | None = None  # a document to summarize (over the two above)
+    instruction: str = DEFAULT_INSTRUCTION  # before the document (``{document}``: around it)
+    long_documents: str | None = None  # tree | truncate | fail; None: tree for documents
+    tree: TreeShape = field(default_factory=TreeShape)
     tokenizer_concurrency: int = 1
     tokenizer_cpus: float = 0.0  # 0: shares cores with the ranks (see runtime/stream.py)
 
     def __post_init__(self):
         if isinstance(self.strategy, str):
             object.__setattr__(self, "strategy", StrategyOptions(name=self.strategy))
+        if self.long_documents is None:
+            object.__setattr__(self, "long_documents",
+                               "tree" if self.document_column is not None else "fail")
+        if self.long_documents not in ("tree", "truncate", "fail") or (
+                self.long_documents == "tree" and self.document_column is None):
+            raise UserError(f"long_documents {self.long_documents!r}: one of tree (with a "
+                            "document_column), truncate or fail")
         self.generation_config()  # bad sampling options fail here, not in a worker
         object.__setattr__(self, "kv_cache_memory", kv_memory_option(self.kv_cache_memory))
         check_utilization(self.memory_utilization)
@@ -96,6 +125,21 @@ class ProcessorConfig:
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(**self.sampling,
                                    max_num_batched_tokens=self.max_num_batched_tokens)
+
+    @property
+    def column(self) -> str:
+        """The column the tokenize stage reads."""
+        return self.document_column or ("messages" if self.apply_chat_template else "prompt")
+
+    def builder(self) -> Callable[[], PromptBuilder]:
+        """The tokenize stage's PromptBuilder, made where it runs (it loads the tokenizer)."""
+        mode = ("text" if self.document_column else
+                "messages" if self.apply_chat_template else "prompt")
+        return functools.partial(
+            make_builder, load_text_tools, self, mode,
+            self.instruction if self.document_column else "", self.max_model_len,
+            self.generation_config().max_new_tokens, self.long_documents == "truncate",
+            self.column, self.tree if self.long_documents == "tree" else None)
 
     def rows_per_call(self) -> int:
         return self.batch_size or (2 * self.max_num_seqs if self.max_num_seqs else 16)
@@ -117,25 +161,48 @@ class EngineStage:
         self.dispatcher = Dispatcher(EngineBackend(self.engine), c.generation_config(),
                                      max_inflight=c.rows_per_call(),
                                      max_attempts=c.max_attempts)
+        self.trees = (TreeDispatch(c.builder()(), self.dispatcher)
+                      if c.long_documents == "tree" else None)
+        self.fields = RESULT_FIELDS + (TREE_FIELDS if c.document_column else [])
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows: list[dict] = [{} for _ in range(batch.num_rows)]
+        chunks = (batch.column("chunk_prompts").to_pylist()
+                  if "chunk_prompts" in batch.column_names else None)
         tasks = []
         for i, task in batch_tasks(batch, list(range(batch.num_rows))):
             if task is None:  # the tokenize stage's error: the row's input
                 rows[i] = {"error": batch.column("error")[i].as_py(), "error_kind": "input",
                            "num_input_tokens": batch.column("num_input_tokens")[i].as_py()}
                 self._check(rows[i])
+            elif chunks is not None and chunks[i] is not None:
+                digests = batch.column("chunk_digests")[i].as_py()
+                tasks.append(TreeTask(i, (), chunks=list(zip(chunks[i], digests))))
             else:
                 tasks.append(task)
+        paths = ["truncated" if t else "whole" for t in batch.column("truncated").to_pylist()]
+
+        def on_tree(tree: DocumentTree, task) -> None:
+            result, columns = tree_row(tree)
+            rows[tree.key] = self._check({
+                **outcome_columns(Outcome(task, result=result, error=tree.error,
+                                          kind=tree.error_kind)), **columns,
+                "num_input_tokens": batch.column("num_input_tokens")[tree.key].as_py()})
 
         def on_result(outcome: Outcome) -> None:
-            rows[outcome.task.key] = self._check(outcome_columns(outcome))
+            if isinstance(outcome.task, NodeTask):
+                tree = self.trees.landed(outcome)
+                if tree is not None:
+                    on_tree(tree, outcome.task)
+                return
+            rows[outcome.task.key] = self._check(
+                {**outcome_columns(outcome), "document_path": paths[outcome.task.key]})
 
-        self.dispatcher.run(tasks, on_result, lookahead=0)
-        out = pa.Table.from_pylist(rows, schema=pa.schema(RESULT_FIELDS))
-        keep = batch.drop_columns([n for n in batch.column_names
-                                   if n in out.column_names or n == "prompt_ids"])
+        todo = tasks if self.trees is None else self.trees.expand(iter(tasks), on_tree)
+        self.dispatcher.run(todo, on_result, lookahead=0)
+        out = pa.Table.from_pylist(rows, schema=pa.schema(self.fields))
+        keep = batch.drop_columns([n for n in batch.column_names if n in out.column_names
+                                   or n in ("prompt_ids", *CHUNK_COLUMNS)])
         for name in out.column_names:
             keep = keep.append_column(name, out.column(name))
         return keep
@@ -154,12 +221,8 @@ class EngineStage:
 
 def stages(config: ProcessorConfig) -> list[Stage]:
     """The processor's tokenize and engine stages (runtime/stages.py)."""
-    column = "messages" if config.apply_chat_template else "prompt"
-    builder = functools.partial(make_builder, load_text_tools, config, column, "",
-                                config.max_model_len,
-                                config.generation_config().max_new_tokens, False, column)
     # The engine actor holds no CPU itself: its shard actors reserve the replica's CPUs/GPUs.
-    return [Stage(TokenizeStage, (builder, column), rows=16,
+    return [Stage(TokenizeStage, (config.builder(), config.column), rows=16,
                   actors=config.tokenizer_concurrency, cpus=config.tokenizer_cpus),
             Stage(EngineStage, (config,), rows=config.rows_per_call(),
                   actors=config.concurrency, cpus=0)]

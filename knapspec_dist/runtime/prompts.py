@@ -17,7 +17,7 @@ A row fits when ``prompt tokens + max_new_tokens <= max_model_len`` (the model's
 window unless ``--max-model-len`` lowers it).  Otherwise, in text mode with a
 :class:`TreeShape` (a job's default, ``--long-documents tree``), the document is cut into
 chunks (runtime/chunking.py) whose prompts the row carries instead of one prompt, for a tree
-of summaries (jobs/tree.py); with ``truncate`` the end of the document (prompt mode: of the
+of summaries (runtime/tree.py); with ``truncate`` the end of the document (prompt mode: of the
 prompt; messages mode: of the last message) is cut so that the row fits, and the row is
 marked ``truncated``; else the row fails.
 """
@@ -37,6 +37,8 @@ from knapspec_dist.runtime.setup import check_setup
 
 log = logging.getLogger(__name__)
 
+#: A text row's instruction (the batch job's --instruction).
+DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 #: In an instruction, where the document goes (else the document follows the instruction).
 DOCUMENT = "{document}"
 
@@ -52,7 +54,7 @@ COMBINE_INSTRUCTION = ("Summarize the following text in a few sentences. It is m
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How a text row longer than the window becomes a tree of summaries (jobs/tree.py).
+    """How a text row longer than the window becomes a tree of summaries (runtime/tree.py).
 
     ``chunk_tokens``: a chunk's document tokens; None: half of what a chunk's prompt leaves
     after its template and the summary's tokens (BooookScore's 2-4k chunks in an 8k window).

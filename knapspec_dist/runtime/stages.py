@@ -106,6 +106,15 @@ RESULT_FIELDS = [
     ("error_kind", pa.string()),  # input | row | oom | replica | timeout (null: ok)
 ]
 
+#: How a text row's document was summarized: "whole" (one prompt), "truncated" or "tree" (past
+#: the window: a tree of chunk summaries, runtime/tree.py; null: no prompt, an input error);
+#: a tree's chunks, levels, generations and tokens over all of them.
+TREE_FIELDS = [
+    ("document_path", pa.string()),
+    ("tree_chunks", pa.int32()), ("tree_depth", pa.int32()), ("tree_generations", pa.int32()),
+    ("tree_prompt_tokens", pa.int64()), ("tree_generated_tokens", pa.int64()),
+]
+
 #: Result columns renamed since outputs were first written: the name now -> the name in older
 #: parts, read in its place where a part has only the older (jobs/parts.py), so a job resumes
 #: and summarizes over the rows of earlier versions.
