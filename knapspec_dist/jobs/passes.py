@@ -280,6 +280,11 @@ class GenerationPasses:
                             memory=kv_report)
         errors_before = writer.errors
         seen_before = self.seen
+        if run.strategy == c.strategy.name:  # what the job's summary describes, in each part
+            facts = {"max_num_seqs": seqs,
+                     "profile": _profile_report(engine, engine.num_replicas)}
+            writer.record = lambda: {**facts, **({"kv_cache": progress.kv.to_dict()}
+                                                 if run.reports_kv and progress.kv else {})}
 
         def on_result(outcome: Outcome) -> None:
             length, truncated = self.meta.pop(outcome.task.key)
