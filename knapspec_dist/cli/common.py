@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 from dataclasses import replace
@@ -35,11 +36,21 @@ def emit(text: str, *, error: bool = False) -> None:
     stream.flush()
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a value that starts with ``-`` and a digit, ``inf`` or ``nan``
+    (``--temperature -inf``, ``--seed -1e400``) is the option's value, which its rule then
+    refuses in one line, not an unknown option argparse reports with its usage."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\.?\d|inf|nan)", re.IGNORECASE)
+
+
 def command_parser(prog: str, description: str, commands) -> argparse.ArgumentParser:
     """A parser with one subcommand per module in ``commands``, in that order: each module's
     ``register(subparsers)`` owns its options, so every entry point offers the same ones."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog=prog, description=description)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in commands:
         command.register(sub)
     return p

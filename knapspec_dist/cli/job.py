@@ -9,6 +9,7 @@ import logging
 import signal
 
 from knapspec_dist.cli.common import (
+    Parser,
     add_engine_args,
     add_model_args,
     add_number,
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
     2 on a user error (one ``error:`` line), 143 when terminated (SIGTERM), 130 when
     interrupted (SIGINT, Ctrl-C), 1 when the job could not finish otherwise; resubmit to
     continue in the last three cases."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=f"{mode}.py",
         description="Summarize documents from Parquet with KnapSpec on Ray" if mode == "summarize"
         else "Generate from Parquet prompts with KnapSpec on Ray")
