@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
-from knapspec_dist.engine.memory import MEMORY_UTILIZATION, plan_for
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION, kv_source, plan_for
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -47,12 +47,13 @@ def generate_texts(loaded: LoadedModel, prompts: list[list[int]], options: Strat
     needs = [row_capacity(len(p), max(1, config.max_new_tokens)) for p in prompts]
     kv = plan_for(model, max(needs, default=1), paged=True, kv_cache_memory=kv_cache_memory,
                   memory_utilization=memory_utilization, max_num_seqs=max_num_seqs)
+    source = kv_source(kv_cache_memory, memory_utilization, "the free memory")
     for i, need in enumerate(needs):
         if not kv.holds(need):
             raise UserError(f"prompt {i}: {len(prompts[i])} tokens with "
                             f"{config.max_new_tokens} new tokens need {need} cache positions; "
-                            f"the KV cache holds {kv.tokens} ({kv.bytes / 2 ** 20:.1f} MiB): "
-                            "give more --kv-cache-memory or fewer --max-new-tokens")
+                            f"the KV cache holds {kv.tokens} ({source}): give more "
+                            "--kv-cache-memory or fewer --max-new-tokens")
     strategy = build_strategy(options, model)
     results = generate(strategy, model, prompts, config,
                        max_num_seqs=max(1, min(kv.max_num_seqs, len(prompts))),

@@ -101,7 +101,8 @@ def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, 
 
     one_error(in_process(capsys, "summarize", *base, "--model", "/nonexistent"), "/nonexistent")
     assert not (out / "job.json").exists()
-    one_error(in_process(capsys, "summarize", *base, "--gamma", "0"), "gamma must be in 1..")
+    one_error(in_process(capsys, "summarize", *base, "--gamma", "0"),
+              "--gamma must be an integer in 1..")
     assert not (out / "job.json").exists()
 
     done = summarize(*base)  # the corrected command: not refused
@@ -149,8 +150,10 @@ def test_a_kv_cache_too_small_for_one_row_is_refused_before_ray(tmp_path, capsys
     out = tmp_path / "OUT"
     proc = in_process(capsys, "summarize", "--input", a, "--output", str(out), *C,
                       "--max-model-len", "1024", "--kv-cache-memory", "1MiB")
-    # SmolLM2 fp32: 46,080 bytes a position, so 1 MiB is one page of 16 positions
-    one_error(proc, "the KV cache holds 16 tokens per rank (--kv-cache-memory 1.0 MiB)",
+    # SmolLM2 fp32: 46,080 bytes a position, so 1 MiB is one page of 16 positions: the
+    # scratch page, leaving none for rows
+    one_error(proc, "the KV cache holds 0 tokens per rank (--kv-cache-memory 1048576 bytes "
+              "(1.0 MiB))",
               "one row of --max-model-len 1024 needs 1042 tokens")
     assert not (out / "job.json").exists()
 

@@ -369,7 +369,8 @@ def test_throughput_under_a_kv_budget_compares_pages_with_fixed_slots(checkpoint
         assert fixed["max_num_seqs"] == 2 and fixed["mean_batch"] <= 2
         # whole pages of 8 of the same bytes, at most 16 rows of the longest document's
         assert 0 < paged["pool_tokens"] <= budget // per_token and paged["pool_tokens"] % 8 == 0
-        assert paged["pool_tokens"] > budget // per_token - 8 or paged["pool_tokens"] < 16 * 200
+        # the scratch page is in the budget too
+        assert paged["pool_tokens"] > budget // per_token - 16 or paged["pool_tokens"] < 16 * 200
         assert paged["mean_batch"] > 2.5 and paged["identical_rows"] == 6
         assert paged["finished"] == fixed["finished"] == 30
     assert "| ar | paged | 16 |" in capsys.readouterr().out

@@ -119,12 +119,14 @@ def test_generate_sizes_its_kv_cache_as_a_replica_does(capsys, cli_model):
     needs = [row_capacity(r["stats"]["prompt_tokens"], 4) for r in batched]
     pages = -(-max(needs) // CPU_PAGE)
     assert sum(-(-n // CPU_PAGE) for n in needs) > pages  # the two rows never fit together
-    one_row = str(per_token * pages * CPU_PAGE)  # the longer row's pages: not both at once
+    # the longer row's pages and the scratch page: not both rows at once
+    one_row = str(per_token * (pages + 1) * CPU_PAGE)
     assert main(gen(cli_model, *prompts, "--kv-cache-memory", one_row)) == 0
     alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in alone] == [r["token_ids"] for r in batched]
     user_error(capsys, gen(cli_model, "--prompt", "hello", "--kv-cache-memory", "1KB"),
-               "prompt 0:", "cache positions", "the KV cache holds 0")
+               "prompt 0:", "cache positions",
+               "the KV cache holds 0 (--kv-cache-memory 1000 bytes)")  # the bytes given
     user_error(capsys, gen(cli_model, "--prompt", "hello", "--kv-cache-memory", "lots"),
                "--kv-cache-memory")
     user_error(capsys, gen(cli_model, "--prompt", "hello", "--memory-utilization", "0"),

@@ -681,7 +681,7 @@ def test_command_line_options_and_registration():
         JobConfig(input="i", output="o", baseline_fraction=2)
     with pytest.raises(UserError, match="temperature"):
         JobConfig(input="i", output="o", temperature=-1)
-    with pytest.raises(UserError, match="--max-num-batched-tokens must be >= 1, got 0"):
+    with pytest.raises(UserError, match="--max-num-batched-tokens must be an integer >= 1, got 0"):
         JobConfig(input="i", output="o", max_num_batched_tokens=0)
     args = p.parse_args(["--input", "i", "--output", "o", "--max-num-batched-tokens", "512"])
     assert config_from_args(args).generation_config().max_num_batched_tokens == 512

@@ -48,13 +48,15 @@ def paged(**kw) -> KVBudget:
 
 
 def test_the_free_memory_or_the_given_bytes_become_whole_pages():
-    # 0.9 of 1 MB free: 900 positions, 56 whole pages of 16
-    assert paged(free=10 ** 6) == KVBudget(True, CPU_PAGE, 56, PER_TOKEN, CPU_CAP, 300)
-    assert paged(free=10 ** 6, memory_utilization=0.5).pages == 500 // CPU_PAGE
+    # 0.9 of 1 MB free: 900 positions, 56 whole pages of 16, one of them the scratch page
+    assert paged(free=10 ** 6) == KVBudget(True, CPU_PAGE, 55, PER_TOKEN, CPU_CAP, 300)
+    assert paged(free=10 ** 6, memory_utilization=0.5).pages == 500 // CPU_PAGE - 1
     given = paged(free=1, kv_cache_memory=160_000)  # the free memory no longer counts
-    assert (given.pages, given.tokens, given.bytes) == (10, 160, 11 * CPU_PAGE * PER_TOKEN)
+    # the cache takes the bytes given, no more: 9 pages for rows and the scratch page
+    assert (given.pages, given.tokens, given.bytes) == (9, 144, 160_000)
+    assert paged(free=1, kv_cache_memory=160_000 - 1).bytes == 144_000
     cuda = paged(free=10 ** 6, cuda=True)
-    assert (cuda.page, cuda.pages, cuda.max_num_seqs) == (FLEX_PAGE, 7, GPU_CAP)
+    assert (cuda.page, cuda.pages, cuda.max_num_seqs) == (FLEX_PAGE, 6, GPU_CAP)
 
 
 def test_max_num_seqs_only_caps_the_rows_and_bounds_the_pool_they_could_fill():
@@ -62,7 +64,7 @@ def test_max_num_seqs_only_caps_the_rows_and_bounds_the_pool_they_could_fill():
     assert big.max_num_seqs == CPU_CAP and big.pages == CPU_CAP * 19  # 19 pages hold 300
     assert paged(max_num_seqs=3).pages == 3 * 19
     small = paged(free=10 ** 6, max_num_seqs=100)  # the cap is not cut to what fits
-    assert small.max_num_seqs == 100 and small.pages == 56
+    assert small.max_num_seqs == 100 and small.pages == 55
 
 
 def test_fixed_slots_cut_the_budget_into_rows_of_the_slot_size():
@@ -82,21 +84,22 @@ def test_a_page_is_one_flex_key_block_under_flex():
 
 def test_every_rank_gets_the_smallest_plan_and_halving_keeps_one_row():
     ranks = [paged(free=2 * 10 ** 6), paged(free=15 * 10 ** 5, max_num_seqs=5)]
-    agreed = KVBudget.least(ranks)  # 112 and 84 pages of 16
-    assert (agreed.pages, agreed.max_num_seqs, agreed.page) == (84, 5, CPU_PAGE)
-    assert agreed.paging() == Paging(84 * CPU_PAGE, CPU_PAGE)
+    agreed = KVBudget.least(ranks)  # 111 and 83 pages of 16 (and the scratch page each)
+    assert (agreed.pages, agreed.max_num_seqs, agreed.page) == (83, 5, CPU_PAGE)
+    assert agreed.paging() == Paging(83 * CPU_PAGE, CPU_PAGE)
     memory, seqs = agreed.halved()
-    assert (memory, seqs) == (84 * CPU_PAGE * PER_TOKEN // 2, 2)
-    assert paged(free=1, kv_cache_memory=memory).pages == 42
-    tiny = paged(free=1, kv_cache_memory=19 * CPU_PAGE * PER_TOKEN, max_num_seqs=1)
-    assert tiny.halved() == (19 * CPU_PAGE * PER_TOKEN, 1)  # still one row of 300
+    assert (memory, seqs) == (42 * CPU_PAGE * PER_TOKEN, 2)  # 41 pages and the scratch page
+    assert paged(free=1, kv_cache_memory=memory).pages == 41
+    tiny = paged(free=1, kv_cache_memory=20 * CPU_PAGE * PER_TOKEN, max_num_seqs=1)
+    assert tiny.pages == 19 and tiny.holds(300)
+    assert tiny.halved() == (20 * CPU_PAGE * PER_TOKEN, 1)  # still one row of 300
 
 
 def test_a_budget_without_room_for_one_row_of_max_model_len_is_refused():
     budget = ReplicaBudget(row_capacity(250, 0), kv_cache_memory=200_000, max_model_len=250)
     kv = paged(free=1, kv_cache_memory=200_000, capacity=budget.capacity)
-    with pytest.raises(UserError, match=r"the KV cache holds 192 tokens per rank "
-                                        r"\(--kv-cache-memory 0.2 MiB\); one row of "
+    with pytest.raises(UserError, match=r"the KV cache holds 176 tokens per rank "
+                                        r"\(--kv-cache-memory 200000 bytes\); one row of "
                                         r"--max-model-len 250 needs 268 tokens"):
         check_kv(kv, budget)
     check_kv(kv, ReplicaBudget(budget.capacity, kv_cache_memory=200_000))  # a row's error
@@ -107,8 +110,10 @@ def test_the_job_refuses_a_kv_cache_memory_too_small_from_the_model_config():
     per_token = kv_bytes_per_token_of(config, 1, torch.float32)
     need = row_capacity(8192, 0)
     budget = ReplicaBudget(need, kv_cache_memory=2 ** 20, max_model_len=8192)
-    with pytest.raises(UserError, match=rf"holds {2 ** 20 // (per_token * CPU_PAGE) * CPU_PAGE} "
-                                        rf"tokens per rank .* needs {need} tokens"):
+    pages = 2 ** 20 // (per_token * CPU_PAGE) - 1  # the scratch page is in the budget
+    with pytest.raises(UserError, match=rf"holds {pages * CPU_PAGE} tokens per rank "
+                                        rf"\(--kv-cache-memory 1048576 bytes \(1.0 MiB\)\).* "
+                                        rf"needs {need} tokens"):
         check_kv_memory(config, 1, "fp32", "cpu", budget, None)
     check_kv_memory(config, 1, "fp32", "cpu", ReplicaBudget(need, max_model_len=8192), None)
     roomy = ReplicaBudget(need, kv_cache_memory=need * per_token * 2, max_model_len=8192)
@@ -128,9 +133,10 @@ def test_memory_options_from_the_command_line_and_the_processor():
     assert "kv_cache_memory" not in c.fingerprint()  # where it runs, not what it writes
     assert config_from_args(p.parse_args(["--input", "i", "--output", "o"])).kv_cache_memory \
         is None
-    with pytest.raises(UserError, match="--kv-cache-memory: expected a size"):
+    with pytest.raises(UserError, match="--kv-cache-memory must be a size"):
         JobConfig(input="i", output="o", kv_cache_memory="lots")
-    with pytest.raises(UserError, match=r"--memory-utilization must be in \(0, 1\]"):
+    with pytest.raises(UserError, match=r"--memory-utilization must be a finite number in "
+                                        r"\(0, 1\]"):
         JobConfig(input="i", output="o", memory_utilization=1.5)
     assert ProcessorConfig(kv_cache_memory="1MiB").kv_cache_memory == 2 ** 20
     with pytest.raises(UserError, match="--memory-utilization"):
@@ -150,8 +156,8 @@ def test_a_replica_restarted_after_out_of_memory_gets_half_its_kv_cache(monkeypa
     kv = paged(free=10 ** 6)
     engine._replicas = [FakeReplica(engine.budget, kv)]
     engine.restart_replica(0, smaller=True)
-    assert started[-1] == ReplicaBudget(300, CPU_CAP // 2, kv.tokens * PER_TOKEN // 2,
-                                        max_model_len=250)
+    half = (kv.pages // 2 + 1) * CPU_PAGE * PER_TOKEN  # half the pages, and the scratch page
+    assert started[-1] == ReplicaBudget(300, CPU_CAP // 2, half, max_model_len=250)
     engine.restart_replica(0)  # a plain restart keeps the smaller budget
     assert started[-1] == started[-2]
 

@@ -126,7 +126,7 @@ def test_tp2_ranks_hold_the_smallest_pool_and_page_like_fixed_slots(cluster, che
     ckpt = str(checkpoints["llama-gqa"])
     model = engine_model("llama-gqa")
     per_token = kv_bytes_per_token_of(model.cfg, 2, torch.float32)
-    pages = int(0.9 * min(FREE.values())) // (per_token * 16)  # rank 1's plan
+    pages = int(0.9 * min(FREE.values())) // (per_token * 16) - 1  # rank 1's, less scratch
     free = [KVPages(0, pages, pages), KVPages(1, pages, pages)]
     prompts = [random_prompt(n, model.cfg.vocab_size, seed=60 + n) for n in PAGED_LENGTHS]
     assert all(p[0] != FAIL_TOKEN for p in prompts)
@@ -195,7 +195,8 @@ def test_a_job_stopped_early_after_a_replica_restart_leaves_every_page_free(clus
         return Checked(default_engine_factory(config, strategy, replicas, longest=64))
 
     config = job(tmp_path, model=str(checkpoints["llama-gqa"]), strategy="ar",
-                 baseline_fraction=0, stop_after=4, kv_cache_memory=12 * 16 * 1024)
+                 baseline_fraction=0, stop_after=4,
+                 kv_cache_memory=13 * 16 * 1024)  # 12 pages of 16 and the scratch page
     result = run_job(config, engine_factory=factory, text_tools=fake_tools(64))
     assert (tmp_path / "died").exists()
     assert result.replica_restarts == 1 and result.stopped_early

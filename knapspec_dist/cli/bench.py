@@ -19,6 +19,7 @@ import torch
 from knapspec_dist.cli.common import (
     add_draw_args,
     add_model_args,
+    add_number,
     emit,
     existing_model_path,
     generation_config,
@@ -62,17 +63,17 @@ def register(sub) -> None:
     p.add_argument("--strategies", default="ar,clasp,knapspec",
                    help="specs like ar,clasp,knapspec,knapspec:coupled,knapspec:alpha,"
                         "knapspec:once,static:a3,m5@4")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompts", type=int, default=2, help="documents per context")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of every strategy on every document, interleaved (the order "
-                        "rotates); the rates sum them all: on a noisy machine, more repeats")
+    add_number(p, "--new-tokens", default=128)
+    add_number(p, "--prompts", default=2, help="documents per context")
+    add_number(p, "--repeats", default=1,
+               help="runs of every strategy on every document, interleaved (the order "
+                    "rotates); the rates sum them all: on a noisy machine, more repeats")
     p.add_argument("--prompt-style", default="summarize", choices=["summarize", "continue"],
                    help="summarize: chat-wrapped summary request (if the tokenizer has a chat "
                         "template); continue: the bare document")
     p.add_argument("--profile", default=None, help="latency profile JSON (knapspec, clasp)")
-    p.add_argument("--interval", type=int, default=64, help="tokens between re-selections")
-    p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
+    add_number(p, "--interval", default=64, help="tokens between re-selections")
+    add_number(p, "--tau-conf", default=0.7, help="draft confidence early exit")
     p.add_argument("--stop-at-eos", action="store_true", help="stop a run at EOS")
     add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike
     p.add_argument("--no-warmup", action="store_true")
@@ -108,8 +109,6 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     apply_preset(args, parser)
     contexts = parse_ints(args.contexts, "--contexts")
-    if args.new_tokens < 1 or args.prompts < 1 or args.repeats < 1:
-        raise UserError("--new-tokens, --prompts and --repeats must be >= 1")
     specs = parse_strategies(args.strategies)
     if args.profile is not None and not Path(args.profile).is_file():
         raise UserError(f"--profile {args.profile!r}: no such file")

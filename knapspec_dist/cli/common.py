@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 from dataclasses import replace
@@ -21,6 +22,7 @@ from knapspec_dist.errors import Stopped, UserError
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.weights import load_model, resolve_device, resolve_dtype
+from knapspec_dist.option_rules import rule
 from knapspec_dist.speculation.options import NAMES, StrategyOptions, parse_strategy
 
 log = logging.getLogger(__name__)
@@ -34,25 +36,35 @@ def emit(text: str, *, error: bool = False) -> None:
     stream.flush()
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a value that starts with ``-`` and a digit, ``inf`` or ``nan``
+    (``--temperature -inf``, ``--seed -1e400``) is the option's value, which its rule then
+    refuses in one line, not an unknown option argparse reports with its usage."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\.?\d|inf|nan)", re.IGNORECASE)
+
+
 def command_parser(prog: str, description: str, commands) -> argparse.ArgumentParser:
     """A parser with one subcommand per module in ``commands``, in that order: each module's
     ``register(subparsers)`` owns its options, so every entry point offers the same ones."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog=prog, description=description)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in commands:
         command.register(sub)
     return p
 
 
 def run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    """Parse and run a command: user errors (bad path, config, prompt, option) print one
+    """Parse and run a command: user errors (bad path, config, prompt, option value) print one
     ``error: ...`` line and exit 2, with no traceback; SIGTERM / SIGINT one warning line and
     exit 143 / 130; anything else is a bug and keeps its traceback."""
     p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        args = p.parse_args(argv)  # a numeric option's rule refuses its value here
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except UserError as e:
         emit(f"error: {e}", error=True)
@@ -61,6 +73,13 @@ def run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
         return stopped(e.signum)
     except KeyboardInterrupt:
         return stopped(signal.SIGINT)
+
+
+def add_number(p, option: str, **kwargs) -> None:
+    """A numeric option of ``p`` (a parser or group), parsed by its rule in the one table
+    (option_rules.py): a bad value raises UserError from ``parse_args``, which the entry
+    points turn into one ``error:`` line, before anything runs."""
+    p.add_argument(option, type=rule(option), **kwargs)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -74,48 +93,50 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(NAMES)}, with flags as in the bench: knapspec:paper, "
                         f"knapspec:paper+coupled, static:a3,m5@4, clasp@4")
     p.add_argument("--skip", default="", help="static: skipped sublayers, e.g. a3,a5,m7 (0-based)")
-    p.add_argument("--gamma", type=int, default=4, help="static / clasp draft length")
-    p.add_argument("--tau-conf", type=float, default=0.7, help="draft confidence early exit")
+    add_number(p, "--gamma", default=4, help="static / clasp draft length")
+    add_number(p, "--tau-conf", default=0.7, help="draft confidence early exit")
     p.add_argument("--profile", default=None, help="latency profile JSON (knapspec, clasp)")
-    p.add_argument("--interval", type=int, default=64,
-                   help="tokens between re-selections (knapspec:paper: rounds)")
+    add_number(p, "--interval", default=64,
+               help="tokens between re-selections (knapspec:paper: rounds)")
     p.add_argument("--coupled", action="store_true", help="skip attention+MLP of a layer together")
     p.add_argument("--objective", default="tpt", choices=["tpt", "alpha"])
     p.add_argument("--select-once", action="store_true", help="select after prefill only")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_number(p, "--max-new-tokens", default=128)
     add_draw_args(p)
 
 
 def add_draw_args(p: argparse.ArgumentParser, seed: int | None = None) -> None:
     """How tokens are drawn: greedy by default; the bench and throughput commands, which
     generate a set number of tokens, take these without ``--max-new-tokens``."""
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=seed)
+    add_number(p, "--temperature", default=0.0, help="0 = greedy")
+    add_number(p, "--top-p", default=1.0)
+    add_number(p, "--top-k", default=0)
+    add_number(p, "--seed", default=seed)
     p.add_argument("--sampling", default="coupled", choices=list(METHODS),
                    help="how sampled drafts are verified: coupled (the tokens of plain "
-                        "sampling, whatever the batch) or rejection (plain sampling's "
-                        "distribution, accepting more drafts; docs/sampling.md)")
+                        "sampling, whatever the batch: reproducible with --seed) or rejection "
+                        "(plain sampling's distribution, accepting more drafts; not "
+                        "reproducible run to run, even with --seed: its tokens depend on the "
+                        "rounds, which timing and the batch decide; docs/sampling.md)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """``--tp`` / ``--replicas`` / ``--address`` / ``--cpus-per-rank``: the Ray engine (every
     command that starts one, the batch job included, takes these same four)."""
     run = p.add_argument_group("cluster")
-    run.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel degree per replica (generate: the Ray engine if > 1)")
-    run.add_argument("--replicas", type=int, default=1,
-                     help="model replicas, TP groups (generate: the Ray engine if > 1)")
+    add_number(run, "--tp", default=1,
+               help="tensor-parallel degree per replica (generate: the Ray engine if > 1)")
+    add_number(run, "--replicas", default=1,
+               help="model replicas, TP groups (generate: the Ray engine if > 1)")
     run.add_argument("--address", default=None,
                      help="Ray address ('auto' joins a running cluster; default: the job's "
                           "cluster (RAY_ADDRESS), else a new local Ray)")
-    run.add_argument("--cpus-per-rank", type=int, default=None,
-                     help="CPUs reserved per tensor-parallel rank; on a CPU also its torch "
-                          "threads (default: the cluster's cores shared by every rank)")
+    add_number(run, "--cpus-per-rank", default=None,
+               help="CPUs reserved per tensor-parallel rank; on a CPU also its torch "
+                    "threads (default: the cluster's cores shared by every rank)")
 
 
 def uses_engine(args: argparse.Namespace) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from knapspec_dist.cli.common import add_number
 from knapspec_dist.jobs import JobConfig, report, run_job
 from knapspec_dist.tools.corpus import bundled_sample_path
 
@@ -27,10 +28,10 @@ DEMO_INSTRUCTION = "{document}\n\nSummarize the document above in a few sentence
 def register(sub) -> None:
     d = sub.add_parser("demo", help="run the summarization batch job on the bundled chapters "
                                     "(smollm2, local Ray)")
-    d.add_argument("--max-new-tokens", type=int, default=96)
-    d.add_argument("--temperature", type=float, default=DEMO_TEMPERATURE,
-                   help="0 for greedy (SmolLM2-135M's greedy summaries loop)")
-    d.add_argument("--seed", type=int, default=0)
+    add_number(d, "--max-new-tokens", default=96)
+    add_number(d, "--temperature", default=DEMO_TEMPERATURE,
+               help="0 for greedy (SmolLM2-135M's greedy summaries loop)")
+    add_number(d, "--seed", default=0)
     d.set_defaults(func=cmd_demo)
 
 

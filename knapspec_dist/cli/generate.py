@@ -12,6 +12,7 @@ from pathlib import Path
 from knapspec_dist.cli.common import (
     add_engine_args,
     add_model_args,
+    add_number,
     add_sampling_args,
     add_strategy_args,
     generation_config,
@@ -19,7 +20,7 @@ from knapspec_dist.cli.common import (
     uses_engine,
 )
 from knapspec_dist.engine.generation import GenerationConfig, GenerationResult
-from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION
 from knapspec_dist.errors import UserError
 from knapspec_dist.llm import generate_texts, load
 from knapspec_dist.model.tokenizer import encode
@@ -33,15 +34,15 @@ def register(sub) -> None:
     add_engine_args(g)  # --tp / --replicas / --address: the Ray engine
     g.add_argument("--prompt", action="append", help="a prompt (repeat for more)")
     g.add_argument("--prompt-file", action="append", help="a file holding one prompt (repeatable)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="cap on the prompts decoded at once, as the KV cache allows (default "
-                        "256 on a GPU, 16 on a CPU)")
-    g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help="KV cache per rank, in bytes or with a unit (2GiB, 500MB); default: "
-                        "--memory-utilization of the memory free after the weights load")
-    g.add_argument("--memory-utilization", type=float, default=MEMORY_UTILIZATION,
-                   help="share of the free memory the KV cache takes when --kv-cache-memory "
-                        f"is not given (default {MEMORY_UTILIZATION})")
+    add_number(g, "--max-num-seqs", default=None,
+               help="cap on the prompts decoded at once, as the KV cache allows (default "
+                    "256 on a GPU, 16 on a CPU)")
+    add_number(g, "--kv-cache-memory", metavar="SIZE",
+               help="KV cache per rank, whole bytes or a number with a unit (2GiB, 1.5GB); "
+                    "default: --memory-utilization of the memory free after the weights load")
+    add_number(g, "--memory-utilization", default=MEMORY_UTILIZATION,
+               help="share of the free memory the KV cache takes when --kv-cache-memory "
+                    f"is not given (default {MEMORY_UTILIZATION})")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_strategy_args(g)
@@ -51,18 +52,15 @@ def register(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     texts = prompt_texts(args.prompt or [], args.prompt_file or [])
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     options, config = strategy_options(args), generation_config(args)
-    kv_memory = kv_memory_option(args.kv_cache_memory)
-    utilization = check_utilization(args.memory_utilization)
     if uses_engine(args):
         results = generate_on_engine(args, texts, options, config)
     else:
         loaded = load(args.model, args.dtype, args.device)
         prompts = [encode(loaded.tokenizer, text, args.chat) for text in texts]
         results = generate_texts(loaded, prompts, options, config, args.max_num_seqs,
-                                 kv_cache_memory=kv_memory, memory_utilization=utilization)
+                                 kv_cache_memory=args.kv_cache_memory,
+                                 memory_utilization=args.memory_utilization)
     for result in results:
         print_result(result, options.name, args.json, config.sampling.label)
     return 0
@@ -95,7 +93,7 @@ def generate_on_engine(args: argparse.Namespace, texts: list[str], options: Stra
     with RayEngine(args.model, tp=args.tp, replicas=args.replicas, strategy=options,
                 dtype=args.dtype, device=args.device, address=args.address,
                 cpus_per_rank=args.cpus_per_rank, max_num_seqs=args.max_num_seqs,
-                kv_cache_memory=kv_memory_option(args.kv_cache_memory),
+                kv_cache_memory=args.kv_cache_memory,
                 memory_utilization=args.memory_utilization) as engine:
         return engine.generate(texts, config, chat=args.chat)
 

@@ -9,8 +9,10 @@ import logging
 import signal
 
 from knapspec_dist.cli.common import (
+    Parser,
     add_engine_args,
     add_model_args,
+    add_number,
     add_sampling_args,
     add_strategy_args,
     emit,
@@ -53,20 +55,16 @@ def main(argv: list[str] | None = None, mode: str = "summarize") -> int:
     2 on a user error (one ``error:`` line), 143 when terminated (SIGTERM), 130 when
     interrupted (SIGINT, Ctrl-C), 1 when the job could not finish otherwise; resubmit to
     continue in the last three cases."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=f"{mode}.py",
         description="Summarize documents from Parquet with KnapSpec on Ray" if mode == "summarize"
         else "Generate from Parquet prompts with KnapSpec on Ray")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
     add_job_args(parser, mode)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _run(args, mode)
-
-
-def _run(args: argparse.Namespace, mode: str) -> int:
     try:
+        args = parser.parse_args(argv)  # a numeric option's rule refuses its value here
+        logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return _stoppable(args, mode)
     except UserError as e:
         emit(f"error: {e}", error=True)
@@ -126,71 +124,71 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                       help="a --text-column document past the window: tree (summarize its "
                            "chunks, then their summaries, until one is left), truncate or "
                            "fail the row (default: tree for the summarization job, else fail)")
-    rows.add_argument("--chunk-tokens", type=int, default=None,
-                      help="a tree's chunk, in document tokens, cut at a paragraph break, else "
-                           "a sentence end (default: half of what a chunk's prompt leaves)")
-    rows.add_argument("--chunk-overlap", type=int, default=0,
-                      help="tokens of a chunk's predecessor repeated at its start (default 0)")
-    rows.add_argument("--tree-depth", type=int, default=8,
-                      help="most levels of a tree, its chunks' included; a document that "
-                           "needs more fails (default 8)")
+    add_number(rows, "--chunk-tokens", default=None,
+               help="a tree's chunk, in document tokens, cut at a paragraph break, else "
+                    "a sentence end (default: half of what a chunk's prompt leaves)")
+    add_number(rows, "--chunk-overlap", default=0,
+               help="tokens of a chunk's predecessor repeated at its start (default 0)")
+    add_number(rows, "--tree-depth", default=8,
+               help="most levels of a tree, its chunks' included; a document that "
+                    "needs more fails (default 8)")
     rows.add_argument("--chunk-instruction", default=CHUNK_INSTRUCTION,
                       help="a chunk's prompt, before its text; {part} and {parts} say which "
                            "part of how many it is")
     rows.add_argument("--combine-instruction", default=COMBINE_INSTRUCTION,
                       help="the prompt that combines summaries, before them")
-    rows.add_argument("--max-model-len", type=int, default=None,
-                      help="longest row to allow (prompt + new tokens), which the KV cache "
-                           "must hold; default and maximum: the model's context window")
-    rows.add_argument("--baseline-fraction", type=float, default=0.05,
-                      help="share of rows run again, with the job's strategy and with `ar`, "
-                           "to measure the speedup (at least one row; 0 turns the baseline "
-                           "off; default 0.05)")
+    add_number(rows, "--max-model-len", default=None,
+               help="longest row to allow (prompt + new tokens), which the KV cache "
+                    "must hold; default and maximum: the model's context window")
+    add_number(rows, "--baseline-fraction", default=0.05,
+               help="share of rows run again, with the job's strategy and with `ar`, "
+                    "to measure the speedup (at least one row; 0 turns the baseline "
+                    "off; default 0.05)")
     sched = p.add_argument_group("scheduling and checkpoints")
-    sched.add_argument("--max-num-seqs", type=int, default=None,
-                       help="cap on the rows each replica has in flight, continuously batched "
-                            "as the KV cache allows (default 256 on a GPU, 16 on a CPU)")
-    sched.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                       help="KV cache per rank, in bytes or with a unit (2GiB, 500MB); "
-                            "default: --memory-utilization of the memory free after the "
-                            "weights load")
-    sched.add_argument("--memory-utilization", type=float, default=MEMORY_UTILIZATION,
-                       help="share of the memory free after the weights that the KV cache "
-                            f"takes when --kv-cache-memory is not given (default "
-                            f"{MEMORY_UTILIZATION})")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="prompt tokens each replica prefills per step; a longer prompt is "
-                            "prefilled in chunks across steps (default: 8192 on a GPU, 2048 "
-                            "on a CPU)")
-    sched.add_argument("--max-inflight", type=int, default=None,
-                       help="rows outstanding per replica (default: max-num-seqs + 2, so a "
-                            "freed slot is refilled at once)")
-    sched.add_argument("--max-attempts", type=int, default=3,
-                       help="replica failures one row may see before it is failed (default 3)")
-    sched.add_argument("--row-timeout", type=float, default=None,
-                       help="seconds without an answer after which a row's replica is "
-                            "restarted and the row retried (default: wait)")
-    sched.add_argument("--tokenizers", type=int, default=2,
-                       help="Ray Data actors that apply the chat template and tokenize "
-                            "(default 2)")
-    sched.add_argument("--tokenizer-cpus", type=float, default=0.0,
-                       help="CPUs reserved per tokenizer (default 0: none, they share cores "
-                            "with the replicas' ranks)")
-    sched.add_argument("--stream-rows", type=int, default=64,
-                       help="rows per batch streamed from the tokenizers to the driver "
-                            "(default 64)")
-    sched.add_argument("--checkpoint-rows", type=int, default=64,
-                       help="write a part file once this many rows finished (default 64)")
-    sched.add_argument("--checkpoint-seconds", type=float, default=10.0,
-                       help="... or this many seconds after the oldest unwritten one (default 10)")
-    sched.add_argument("--stop-after", type=int, default=None,
-                       help="stop after this run wrote N rows (resubmit to continue)")
+    add_number(sched, "--max-num-seqs", default=None,
+               help="cap on the rows each replica has in flight, continuously batched "
+                    "as the KV cache allows (default 256 on a GPU, 16 on a CPU)")
+    add_number(sched, "--kv-cache-memory", metavar="SIZE",
+               help="KV cache per rank, whole bytes or a number with a unit (2GiB, 1.5GB); "
+                    "default: --memory-utilization of the memory free after the "
+                    "weights load")
+    add_number(sched, "--memory-utilization", default=MEMORY_UTILIZATION,
+               help="share of the memory free after the weights that the KV cache "
+                    f"takes when --kv-cache-memory is not given (default "
+                    f"{MEMORY_UTILIZATION})")
+    add_number(sched, "--max-num-batched-tokens", default=None,
+               help="prompt tokens each replica prefills per step; a longer prompt is "
+                    "prefilled in chunks across steps (default: 8192 on a GPU, 2048 "
+                    "on a CPU)")
+    add_number(sched, "--max-inflight", default=None,
+               help="rows outstanding per replica (default: max-num-seqs + 2, so a "
+                    "freed slot is refilled at once)")
+    add_number(sched, "--max-attempts", default=3,
+               help="replica failures one row may see before it is failed (default 3)")
+    add_number(sched, "--row-timeout", default=None,
+               help="seconds without an answer after which a row's replica is "
+                    "restarted and the row retried (default: wait)")
+    add_number(sched, "--tokenizers", default=2,
+               help="Ray Data actors that apply the chat template and tokenize "
+                    "(default 2)")
+    add_number(sched, "--tokenizer-cpus", default=0.0,
+               help="CPUs reserved per tokenizer (default 0: none, they share cores "
+                    "with the replicas' ranks)")
+    add_number(sched, "--stream-rows", default=64,
+               help="rows per batch streamed from the tokenizers to the driver "
+                    "(default 64)")
+    add_number(sched, "--checkpoint-rows", default=64,
+               help="write a part file once this many rows finished (default 64)")
+    add_number(sched, "--checkpoint-seconds", default=10.0,
+               help="... or this many seconds after the oldest unwritten one (default 10)")
+    add_number(sched, "--stop-after", default=None,
+               help="stop after this run wrote N rows (resubmit to continue)")
     sched.add_argument("--retry-failed", action="store_true",
                        help="retry every failed row of the output (default: only the rows "
                             "that failed for a retryable reason: out of memory, a lost or "
                             "hung replica)")
-    sched.add_argument("--progress-seconds", type=float, default=10.0,
-                       help="seconds between progress log lines (default 10)")
+    add_number(sched, "--progress-seconds", default=10.0,
+               help="seconds between progress log lines (default 10)")
     bar = sched.add_mutually_exclusive_group()
     bar.add_argument("--progress-bar", dest="progress_bar", action="store_true", default=None,
                      help="show a tqdm bar (default: when stderr is a terminal)")

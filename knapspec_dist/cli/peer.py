@@ -18,8 +18,7 @@ import functools
 import json
 from pathlib import Path
 
-from knapspec_dist.cli.common import emit, existing_model_path
-from knapspec_dist.errors import UserError
+from knapspec_dist.cli.common import add_number, emit, existing_model_path
 from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION
 from knapspec_dist.tools.bench.report import command_line, machine
 from knapspec_dist.tools.bench.specs import parse_strategies
@@ -45,10 +44,10 @@ def register(sub) -> None:
     p.add_argument("--instruction", default=DEFAULT_INSTRUCTION)
     p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=2, help="CPU threads of each engine")
-    p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--max-num-seqs", type=int, default=16, help="rows at once, both engines")
-    p.add_argument("--max-model-len", type=int, default=8192)
+    add_number(p, "--threads", default=2, help="CPU threads of each engine")
+    add_number(p, "--new-tokens", default=96)
+    add_number(p, "--max-num-seqs", default=16, help="rows at once, both engines")
+    add_number(p, "--max-model-len", default=8192)
     p.add_argument("--strategies", default="ar", help="ours, as for bench: ar,knapspec")
     p.add_argument("--vllm-python", default=None,
                    help="vLLM's venv (or its python); default .venv-vllm (make vllm-venv)")
@@ -57,9 +56,6 @@ def register(sub) -> None:
 
 
 def cmd_peer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for name in ("threads", "new_tokens", "max_num_seqs", "max_model_len"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     specs = {s.label: s.options for s in parse_strategies(args.strategies)}
     if "ar" not in specs:
         specs = {"ar": parse_strategies("ar")[0].options, **specs}

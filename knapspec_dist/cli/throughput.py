@@ -22,13 +22,13 @@ import torch
 from knapspec_dist.cli.common import (
     add_draw_args,
     add_model_args,
+    add_number,
     emit,
     existing_model_path,
     generation_config,
     load_model_args,
     parse_ints,
 )
-from knapspec_dist.engine.memory import parse_size
 from knapspec_dist.engine.scheduler import max_num_batched_tokens
 from knapspec_dist.errors import UserError
 from knapspec_dist.speculation.factory import StrategyBuilder
@@ -48,30 +48,28 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="as for bench")
     p.add_argument("--contexts", default="1024",
                    help="longest prompt per workload, comma-separated")
-    p.add_argument("--documents", type=int, default=8, help="documents per context")
+    add_number(p, "--documents", default=8, help="documents per context")
     p.add_argument("--batch", default="1,8", help="max_num_seqs values, comma-separated")
     p.add_argument("--strategies", default="ar,knapspec", help="as for bench")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prompt tokens a step prefills (default 8192)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each configuration, interleaved; the median is reported")
+    add_number(p, "--new-tokens", default=128)
+    add_number(p, "--max-num-batched-tokens", default=None,
+               help="prompt tokens a step prefills (default 8192)")
+    add_number(p, "--repeats", default=1,
+               help="runs of each configuration, interleaved; the median is reported")
     add_draw_args(p, seed=0)  # sampled runs are seeded: ar and the strategies draw alike
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help="compare paged KV with fixed slots under this K/V budget (2GiB, 500MB); "
-                        "the documents then come from --lengths")
+    add_number(p, "--kv-cache-memory", metavar="SIZE",
+               help="compare paged KV with fixed slots under this K/V budget (2GiB, 500MB); "
+                    "the documents then come from --lengths")
     p.add_argument("--lengths", default="200-3000", help="with --kv-cache-memory: LO-HI tokens")
-    p.add_argument("--page-size", type=int, default=None,
-                   help="with --kv-cache-memory: positions per page (default: the backend's, "
-                        "16 under sdpa, 128 under flex)")
+    add_number(p, "--page-size", default=None,
+               help="with --kv-cache-memory: positions per page (default: the backend's, "
+                    "16 under sdpa, 128 under flex)")
     p.set_defaults(func=functools.partial(cmd_throughput, parser=p))
 
 
 def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     contexts, batches = parse_ints(args.contexts, "--contexts"), parse_ints(args.batch, "--batch")
-    if args.documents < 1 or args.new_tokens < 1:
-        raise UserError("--documents and --new-tokens must be >= 1")
     specs = {s.label: s for s in parse_strategies(args.strategies)}
     config = replace(generation_config(args, args.new_tokens, stop_at_eos=False),
                      max_num_batched_tokens=args.max_num_batched_tokens)
@@ -80,8 +78,6 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     out.mkdir(parents=True, exist_ok=True)
     model = load_model_args(path, args)
     tokenizer = resolve_tokenizer(args.tokenizer, path, model.cfg.vocab_size)
-    if args.repeats < 1:
-        raise UserError("--repeats must be >= 1")
     if args.kv_cache_memory is not None:
         return cmd_paged(args, parser, model, tokenizer, specs, config)
     work = workload(tokenizer, contexts, args.documents, model.cfg.max_position_embeddings,
@@ -107,9 +103,9 @@ def cmd_paged(args, parser, model, tokenizer, specs, config) -> int:
     """Paged KV against fixed slots under ``--kv-cache-memory`` (tools/bench/paged.py)."""
     lo, _, hi = args.lengths.partition("-")
     lo, hi = parse_ints(f"{lo},{hi}", "--lengths")
-    if lo > hi or args.page_size is not None and args.page_size < 1:
-        raise UserError(f"--lengths {args.lengths}: expected LO-HI; --page-size >= 1")
-    budget = parse_size(args.kv_cache_memory)
+    if lo > hi:
+        raise UserError(f"--lengths {args.lengths}: expected LO-HI")
+    budget = args.kv_cache_memory
     window_rows(model, budget)  # a budget too small for one row, before any document is made
     rows = documents(tokenizer, lo, hi, args.documents, model.cfg.max_position_embeddings,
                      args.new_tokens)

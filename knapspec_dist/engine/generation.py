@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.option_rules import check_fields
 from knapspec_dist.ratio import ratio
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,7 @@ class GenerationConfig:
     max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
-        n = self.max_num_batched_tokens
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise UserError(f"--max-num-batched-tokens must be an integer >= 1, got {n!r}")
+        check_fields(self, ("max_num_batched_tokens",))
 
     @classmethod
     def of(cls, *, max_new_tokens: int = 128, stop_at_eos: bool = True, temperature: float = 0.0,

@@ -8,12 +8,13 @@ weights are loaded (CUDA: ``torch.cuda.mem_get_info``; CPU: half the available R
 being the process's working memory and the page cache). Bytes per position:
 2 x layers x local KV heads x head_dim x dtype bytes (``kv_bytes_per_token``).
 
-- Paged (the default, on every backend): the budget is one pool of pages (engine/pages.py's
-  ``page_size``: 16 positions under sdpa, one 128-position flex key block under flex), never
-  more than the row cap could fill at full length (``max_num_seqs`` x one row's pages), and
-  rows are admitted as the free pages cover them; ``--max-num-seqs`` is only a cap on the rows
-  in flight (default 256 on a GPU, vLLM's, and 16 on a CPU, where a step is compute-bound and
-  larger batches add latency without throughput).
+- Paged (the default, on every backend): the budget is one pool of pages and the scratch
+  page (engine/pages.py's ``page_size``: 16 positions under sdpa, one 128-position flex key
+  block under flex), never more than the row cap could fill at full length
+  (``max_num_seqs`` x one row's pages), and rows are admitted as the free pages cover them;
+  ``--max-num-seqs`` is only a cap on the rows in flight (default 256 on a GPU, vLLM's, and
+  16 on a CPU, where a step is compute-bound and larger batches add latency without
+  throughput).
 - Fixed slots (``fixed_slots``: the comparison the benchmarks and the profiler make): the
   budget is cut into slots of one row's ``capacity`` positions, at most the cap of them.
 
@@ -31,8 +32,8 @@ import torch
 
 from knapspec_dist.engine.model_runner import CAPACITY_STEP, MIN_CAPACITY
 from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, Paging, page_size
-from knapspec_dist.errors import UserError
 from knapspec_dist.model.attention import default_backend
+from knapspec_dist.option_rules import check, format_size
 
 GPU_CAP, CPU_CAP = 256, 16
 MEMORY_UTILIZATION = 0.9  # of the free memory: activations, logits and the allocator's slack
@@ -59,8 +60,13 @@ class KVBudget:
 
     @property
     def bytes(self) -> int:
-        """Bytes the cache takes on the rank (a paged cache's scratch page included)."""
+        """Bytes the cache takes on the rank (a paged cache's scratch page included): never
+        more than the budget it was planned from."""
         return (self.pages + self.paged) * self.page * self.per_token
+
+    def budget_for(self, tokens: int) -> int:
+        """Bytes a budget needs for a pool of ``tokens`` positions (the scratch page too)."""
+        return (tokens + self.paged * self.page) * self.per_token
 
     def row_tokens(self, tokens: int) -> int:
         """Positions of the pool a row of ``tokens`` positions takes (whole pages or a slot)."""
@@ -85,8 +91,10 @@ class KVBudget:
     def halved(self) -> tuple[int, int]:
         """After out of memory: (bytes per rank, max_num_seqs) of half this budget, still
         holding one row of ``capacity`` positions and one row in flight."""
-        one_row = self.row_tokens(self.capacity) * self.per_token
-        return max(one_row, self.tokens * self.per_token // 2), max(1, self.max_num_seqs // 2)
+        one_row = self.budget_for(self.row_tokens(self.capacity))
+        half = self.budget_for(self.tokens // 2 // self.page * self.page if self.paged
+                               else self.tokens // 2)
+        return max(one_row, half), max(1, self.max_num_seqs // 2)
 
 
 def slot_size(capacity: int) -> int:
@@ -106,12 +114,13 @@ def plan_kv(*, per_token: int, free: int, capacity: int, paged: bool, cuda: bool
             max_num_seqs: int | None = None, page: int | None = None) -> KVBudget:
     """The rule of the module docstring. ``free``: the rank's free bytes (unused when
     ``kv_cache_memory`` is given); ``capacity``: positions one row may need. A budget too
-    small for one row gives 0 pages (the caller refuses it)."""
+    small for one row gives 0 pages (the caller refuses it). A paged cache's scratch page
+    (engine/pages.py) is part of the budget: the cache never takes more bytes than asked."""
     budget = kv_cache_memory if kv_cache_memory is not None else int(memory_utilization * free)
     cap = max_num_seqs or (GPU_CAP if cuda else CPU_CAP)
     if paged:
         page = page or (FLEX_PAGE if cuda else CPU_PAGE)
-        pages = min(max(0, budget) // (per_token * page), cap * -(-capacity // page))
+        pages = min(max(0, budget // (per_token * page) - 1), cap * -(-capacity // page))
         return KVBudget(True, page, pages, per_token, cap, capacity)
     slot = slot_size(capacity)
     rows = min(cap, max(0, budget) // (per_token * slot))
@@ -151,38 +160,19 @@ def plan_for(model, capacity: int, *, paged: bool, kv_cache_memory: int | None =
                    page=page_size(model.backend or default_backend(model.device)))
 
 
+def kv_source(kv_cache_memory: int | None, memory_utilization: float, where: str) -> str:
+    """Where a KV cache's bytes came from, in errors: the very bytes the user gave (the
+    scratch page included: the cache holds its rows' pages in what is left), or the share."""
+    if kv_cache_memory is not None:
+        return f"--kv-cache-memory {format_size(kv_cache_memory)}"
+    return f"--memory-utilization {memory_utilization:g} of {where}"
+
+
 def kv_memory_option(value: int | str | None) -> int | None:
-    """``--kv-cache-memory`` as bytes: an int, a size with its unit (``parse_size``), or None."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        try:
-            return parse_size(value)
-        except UserError as e:
-            raise UserError(f"--kv-cache-memory: {e}") from None
-    raise UserError(f"--kv-cache-memory must be a size such as 2GiB or a byte count > 0, "
-                    f"got {value!r}")
+    """``--kv-cache-memory`` as bytes: whole bytes, a size with its unit, or None (the table's
+    rule, option_rules.py)."""
+    return check("kv_cache_memory", value)
 
 
 def check_utilization(value: float) -> float:
-    if not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise UserError(f"--memory-utilization must be in (0, 1], got {value!r}")
-    return float(value)
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size a user wrote: ``2GiB``, ``1.5GB``, ``300000000``."""
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("kmgtib")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value <= 0:
-        raise UserError(f"expected a size such as 2GiB or 500MB, got {text!r}")
-    return int(value * _UNITS[unit])
+    return check("memory_utilization", value)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from knapspec_dist.errors import UserError
+from knapspec_dist.option_rules import check_fields
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # the multiplier of a 32-bit avalanche hash; products stay below 2^59
@@ -62,12 +63,7 @@ class SamplingConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise UserError(f"sampling must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise UserError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+        check_fields(self, ("temperature", "top_k", "top_p", "seed"))  # finite, in range
 
     @property
     def greedy(self) -> bool:

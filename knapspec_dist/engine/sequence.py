@@ -21,8 +21,7 @@ from knapspec_dist.engine.pages import PagePool
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.transfer import upload
-
-MAX_GAMMA = 16  # cache headroom per row for drafts beyond the generation limit
+from knapspec_dist.option_rules import MAX_GAMMA  # the longest draft, a rule of --gamma
 
 
 def row_capacity(prompt_len: int, limit: int) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION
 from knapspec_dist.errors import UserError
+from knapspec_dist.model.precision import guarantee
+from knapspec_dist.option_rules import check, check_fields
 from knapspec_dist.runtime.prompts import (
     CHUNK_INSTRUCTION,
     COMBINE_INSTRUCTION,
@@ -15,6 +17,19 @@ from knapspec_dist.runtime.prompts import (
 )
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
+REJECTION_GUARANTEE = "plain sampling's distribution, not its tokens (--sampling rejection)"
+NOT_REPRODUCIBLE = ("seeded --sampling rejection is not reproducible run to run: a token "
+                    "depends on the round it fell in (which subnet drafted, how many drafts, "
+                    "a kept draft or the bonus token), and the rounds depend on timing and on "
+                    "the rows batched together; --sampling coupled is reproducible")
+#: The numeric fields of a job, each checked by its option's rule (option_rules.py).
+NUMERIC = ("tp", "replicas", "cpus_per_rank", "max_new_tokens", "temperature", "top_p", "top_k",
+           "seed", "max_model_len", "baseline_fraction", "max_num_seqs", "kv_cache_memory",
+           "memory_utilization", "max_num_batched_tokens", "max_inflight", "max_attempts",
+           "row_timeout", "checkpoint_rows", "checkpoint_seconds", "stop_after", "stream_rows",
+           "tokenizers", "tokenizer_cpus", "progress_seconds", "chunk_tokens", "chunk_overlap",
+           "tree_depth")
+STRATEGY_NUMERIC = ("gamma", "tau_conf", "interval")
 
 @dataclass(frozen=True)
 class JobConfig:
@@ -95,47 +110,15 @@ class JobConfig:
             object.__setattr__(self, "long_documents", "truncate" if self.truncate else
                                "tree" if self.mode == "text" else "fail")
         object.__setattr__(self, "truncate", self.long_documents == "truncate")
-        checks = [
-            (self.tp >= 1, f"--tp must be >= 1, got {self.tp}"),
-            (self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}"),
-            (self.cpus_per_rank is None or self.cpus_per_rank >= 1,
-             f"--cpus-per-rank must be >= 1, got {self.cpus_per_rank}"),
-            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-            (0 <= self.baseline_fraction <= 1,
-             f"--baseline-fraction must be in [0, 1], got {self.baseline_fraction}"),
-            (self.max_inflight is None or self.max_inflight >= 1,
-             f"--max-inflight must be >= 1, got {self.max_inflight}"),
-            (self.max_num_seqs is None or self.max_num_seqs >= 1,
-             f"--max-num-seqs must be >= 1, got {self.max_num_seqs}"),
-            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-             f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"),
-            (self.max_attempts >= 1, f"--max-attempts must be >= 1, got {self.max_attempts}"),
-            (self.checkpoint_rows >= 1,
-             f"--checkpoint-rows must be >= 1, got {self.checkpoint_rows}"),
-            (self.checkpoint_seconds >= 0, "--checkpoint-seconds must be >= 0"),
-            (self.stop_after is None or self.stop_after >= 1, "--stop-after must be >= 1"),
-            (self.row_timeout is None or self.row_timeout > 0, "--row-timeout must be > 0"),
-            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
-            (self.chunk_tokens is None or self.chunk_tokens >= 1,
-             f"--chunk-tokens must be >= 1, got {self.chunk_tokens}"),
-            (self.chunk_overlap >= 0, f"--chunk-overlap must be >= 0, got {self.chunk_overlap}"),
-            (self.chunk_tokens is None or self.chunk_overlap < self.chunk_tokens,
-             "--chunk-overlap must be less than --chunk-tokens"),
-            (self.tree_depth >= 2, f"--tree-depth must be >= 2, got {self.tree_depth}"),
-            (self.progress_seconds > 0, "--progress-seconds must be > 0"),
-            (self.stream_rows >= 1, f"--stream-rows must be >= 1, got {self.stream_rows}"),
-            (self.tokenizers >= 1, f"--tokenizers must be >= 1, got {self.tokenizers}"),
-            (self.tokenizer_cpus >= 0, "--tokenizer-cpus must be >= 0"),
-            (bool(self.input), "--input is required"),
-            (bool(self.output), "--output is required"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise UserError(message)
-        # Sampling and memory options are validated where they are defined.
-        self.generation_config()
-        object.__setattr__(self, "kv_cache_memory", kv_memory_option(self.kv_cache_memory))
-        check_utilization(self.memory_utilization)
+        if not self.input or not self.output:
+            raise UserError("--input and --output are required")
+        check_fields(self, NUMERIC)  # finite and in range, by the one table
+        if self.chunk_tokens is not None and self.chunk_overlap >= self.chunk_tokens:
+            raise UserError(f"--chunk-overlap {self.chunk_overlap} must be less than "
+                            f"--chunk-tokens {self.chunk_tokens}")
+        object.__setattr__(self, "strategy", replace(self.strategy, **{
+            name: check(name, getattr(self.strategy, name)) for name in STRATEGY_NUMERIC}))
+        self.generation_config()  # what the engine's configs check besides
 
     @property
     def mode(self) -> str:
@@ -157,6 +140,31 @@ class JobConfig:
                                    temperature=self.temperature, top_k=self.top_k,
                                    top_p=self.top_p, seed=self.seed, sampling=self.sampling,
                                    max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def guarantee(self) -> str:
+        """What the rows promise against plain decoding (``ar``), as summary.json's
+        ``job.guarantee`` says: token-identical (fp32 on a CPU, greedy or coupled sampling),
+        identical up to measured near-ties (bf16, fp16, fp32 on CUDA), or, under
+        ``--sampling rejection``, plain sampling's distribution only."""
+        if not self.generation_config().sampling.identical_to_plain:
+            return REJECTION_GUARANTEE
+        return guarantee(self.dtype, self.device)
+
+    def reproducible(self) -> tuple[bool, str | None]:
+        """Whether the same job run again writes the same texts (as far as ``guarantee``
+        holds), and why not. Rejection sampling is not, even seeded: a draft is kept with a
+        probability of the draft subnet's distribution, the token after the drafts is drawn
+        otherwise, and which subnet drafts how many tokens depends on timing (measured
+        prices, online calibration) and on the rows batched together: keying the draws by
+        (seed, row, position) cannot take the rounds out of the tokens."""
+        sampling = self.generation_config().sampling
+        if sampling.greedy:
+            return True, None
+        if self.seed is None:
+            return False, "sampled without --seed: every run draws its own tokens"
+        if not sampling.identical_to_plain:
+            return False, NOT_REPRODUCIBLE
+        return True, None
 
     def fingerprint(self) -> dict:
         """What decides a row's output: a resumed job must agree on all of it.  The runner

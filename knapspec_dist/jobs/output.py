@@ -48,7 +48,8 @@ import pyarrow.parquet as pq
 
 from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.jobs.inputs import filesystem_and_path
-from knapspec_dist.jobs.parts import iter_parts
+from knapspec_dist.jobs.parts import iter_parts, last_record
+from knapspec_dist.jobs.summary import finite
 from knapspec_dist.runtime.stages import RESULT_FIELDS, TREE_FIELDS, result_columns
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "speedup.png"
 RETRYABLE = ("oom", "replica", "timeout")  # error kinds a rerun retries
+#: A part's schema metadata key: the engine its rows ran on (jobs/passes.py's record), so a
+#: resumed job's summary describes the passes of earlier runs too.
+RUN_RECORD = b"knapspec.run"
 
 
 #: Columns a job's output adds to the engine's (``RESULT_FIELDS``).
@@ -164,8 +168,9 @@ class OutputDir:
                   and os.path.basename(i.path) not in SUBDIRS] or has_rows:
                 raise UserError(f"--output {self.uri!r} holds files but no {JOB_FILE}: not a "
                                 "knapspec job's output; choose an empty or new folder")
+        # strict JSON: a job.json with a nan could never be resumed (nan != nan)
         self._job = json.dumps({"fingerprint": fingerprint, "created": _now_iso()},
-                               indent=2).encode() + b"\n"
+                               indent=2, allow_nan=False).encode() + b"\n"
         if existing is not None and has_rows:
             before = existing.get("fingerprint", {})
             differ = sorted(k for k in set(before) | set(fingerprint)
@@ -276,6 +281,10 @@ class OutputDir:
             schema = pa.schema([f for f in schema if f.name in wanted])
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
+    def last_record(self, sub: str) -> dict:
+        """What the newest part of ``DIR/sub`` recorded of its engine (empty: none did)."""
+        return last_record(self, sub, RUN_RECORD)
+
     def iter_rows(self, sub: str, schema: pa.Schema,
                   columns: list[str] | None = None) -> Iterator[pa.Table]:
         """The readable parts of ``DIR/sub``, one table a part, one row per id across them
@@ -303,6 +312,8 @@ class PartWriter:
             f"-{uuid.uuid4().hex[:6]}"
         self.parts = 0
         self.written = 0  # rows written by this writer
+        # what each part records of the engine its rows ran on (RUN_RECORD); None: nothing
+        self.record: Callable[[], dict] | None = None
 
     def add(self, row: dict) -> None:
         row_id = row[self.id_column]
@@ -327,6 +338,9 @@ class PartWriter:
         if not self.buffer:
             return
         table = pa.Table.from_pylist(self.buffer, schema=self.schema)
+        if self.record is not None:
+            record = json.dumps(finite(self.record()), allow_nan=False).encode()
+            table = table.replace_schema_metadata({RUN_RECORD: record})
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd")
         name = f"{self.sub}/part-{self.run}-{self.parts:05d}.parquet"

@@ -9,6 +9,7 @@ for, so a reader (resume, the baseline choice, the summary) streams the output.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -90,6 +91,21 @@ def iter_parts(out, sub: str, schema: pa.Schema,
         if table is None:
             continue
         yield table if len(mine) == len(table) else table.take(pa.array(mine, pa.int64()))
+
+def last_record(out, sub: str, key: bytes) -> dict:
+    """The JSON object the newest part of ``DIR/sub`` holding ``key`` in its schema metadata
+    keeps there (empty when none does); only footers are read."""
+    for path in reversed(_part_paths(out, sub)):
+        try:
+            with out.fs.open_input_file(path) as f:
+                metadata = pq.ParquetFile(f).schema_arrow.metadata or {}
+            if key in metadata:
+                record = json.loads(metadata[key])
+                return record if isinstance(record, dict) else {}
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError):
+            continue  # an unreadable part: the rows' reader moves it aside
+    return {}
+
 
 def _part_paths(out, sub: str) -> list[str]:
     """The part files of ``DIR/sub`` by name; temporary leftovers deleted."""

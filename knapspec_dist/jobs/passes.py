@@ -311,6 +311,11 @@ class GenerationPasses:
         errors_before = writer.errors
         seen_before = self.seen
         trees = self.trees(run, dispatcher)
+        if run.strategy == c.strategy.name:  # what the job's summary describes, in each part
+            facts = {"max_num_seqs": seqs,
+                     "profile": _profile_report(engine, engine.num_replicas)}
+            writer.record = lambda: {**facts, **({"kv_cache": progress.kv.to_dict()}
+                                                 if run.reports_kv and progress.kv else {})}
 
         def on_result(outcome: Outcome) -> None:
             if isinstance(outcome.task, NodeTask):

@@ -34,6 +34,8 @@ def report(result: JobResult) -> str:
                      f"{kv['memory_wait_s']:.1f}s waiting for memory")
     if s["acceptance"].get("note"):
         lines.append(s["acceptance"]["note"])
+    if (s.get("job") or {}).get("reproducible_note"):
+        lines.append(s["job"]["reproducible_note"])
     if base["speedup"]:
         note = f" ({base['note']})" if base.get("note") else ""
         lines.append(f"speedup vs ar: {base['speedup']:.2f}x{note}, measured on {base['rows']} "

@@ -20,6 +20,8 @@ class JobResult:
     replicas_lost: int = 0  # replicas that could not restart (a node lost): the rest went on
     row_retries: int = 0
     skipped: int = 0  # rows found done in the output directory
-    profile: dict | None = None  # the latency profile that priced this run (key, path, origin)
-    max_num_seqs: int | None = None  # rows a replica had in flight at most in this run
-    kv_cache: dict | None = None  # the main pass's KV cache and its use (KVReport.to_dict)
+    # The job's main pass, by its engine: this run's, else carried from the records of the
+    # runs before (a resumed job with nothing left to generate; jobs/runner.py)
+    profile: dict | None = None  # the latency profile that priced it (key, path, origin)
+    max_num_seqs: int | None = None  # rows a replica had in flight at most
+    kv_cache: dict | None = None  # its KV cache and its use (KVReport.to_dict)

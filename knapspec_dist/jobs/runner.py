@@ -25,7 +25,7 @@ from typing import Callable
 import pyarrow as pa
 
 from knapspec_dist.engine.sequence import row_capacity
-from knapspec_dist.errors import UserError
+from knapspec_dist.errors import UserError, first_line
 from knapspec_dist.jobs.inputs import InputScan, legacy_digest, read_input
 from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
@@ -52,7 +52,6 @@ from knapspec_dist.jobs.termination import (
     restore_sigterm,
 )
 from knapspec_dist.jobs.trees import node_schema
-from knapspec_dist.model.precision import guarantee
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.cluster import connect, disconnect
 from knapspec_dist.runtime.messages import ReplicaBudget
@@ -242,20 +241,47 @@ class JobRun:
     # ------------------------------------------------------------------ 4. summary
 
     def write_summary(self) -> JobResult:
+        """summary.json and speedup.png; one that cannot be written (a full disk, a figure
+        JSON cannot hold) is an error that keeps every row written: the same job, run
+        again, writes them."""
+        try:
+            return self._write_summary()
+        except (OSError, ValueError, UserError) as e:
+            log.debug("writing %s failed", SUMMARY_FILE, exc_info=True)
+            raise UserError(f"{self.out.display(SUMMARY_FILE)} could not be written "
+                            f"({first_line(e)}); the rows written are kept in "
+                            f"{self.out.display()}: run the same job again to write "
+                            "it") from None
+
+    def carry_forward(self) -> None:
+        """The engine facts of a pass that ran no engine now (a resumed job with nothing
+        left to generate): what the newest part of an earlier main pass recorded, else the
+        job's strategy in a baseline pass, else the earlier summary; so that every field
+        of the summary describes the whole job."""
+        result, previous = self.result, self.previous
+        earlier = {"max_num_seqs": (previous.get("throughput") or {}).get("max_num_seqs")
+                   or (previous.get("run") or {}).get("max_num_seqs"),
+                   "profile": (previous.get("run") or {}).get("profile"),
+                   "kv_cache": previous.get("kv_cache")}
+        sources = (self.out.last_record(ROWS), self.out.last_record(BASELINE_STRATEGY), earlier)
+        for name in ("max_num_seqs", "profile", "kv_cache"):
+            if getattr(result, name) is None:
+                setattr(result, name, next((s[name] for s in sources
+                                            if s.get(name) is not None), None))
+
+    def _write_summary(self) -> JobResult:
         """summary.json and speedup.png over everything in the output directory: the main
         pass's parts streamed, a few columns each (jobs/summary.py); the baseline passes'
         rows (a small fraction) read whole."""
         c, result = self.config, self.result
         tables: dict[str, pa.Table] = {sub: self.out.read_rows(sub, self.schema)
                                        for sub in (BASELINE, BASELINE_STRATEGY)}
-        if result.max_num_seqs is None:  # no engine ran now: the batch of the earlier runs
-            result.max_num_seqs = ((self.previous.get("throughput") or {}).get("max_num_seqs")
-                                   or (self.previous.get("run") or {}).get("max_num_seqs"))
-        if result.kv_cache is None:  # ... and their KV cache
-            result.kv_cache = self.previous.get("kv_cache")
+        self.carry_forward()
+        reproducible, why = c.reproducible()
         job = {"model": c.model, "strategy": c.strategy.name, "tp": c.tp,
                "replicas": c.replicas, "dtype": c.dtype, "device": c.device,
-               "guarantee": guarantee(c.dtype, c.device),
+               "guarantee": c.guarantee(), "reproducible": reproducible,
+               **({"reproducible_note": why} if why else {}),
                "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
                "sampling": c.sampling,
                "input": c.input, "output": result.output, "input_files": len(self.scan.files),

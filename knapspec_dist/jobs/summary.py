@@ -370,9 +370,19 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
     }
 
 
+def finite(value):
+    """``value`` with every float that is not finite (nan, inf: a rate of no data, a bad
+    timing) as None, in nested dicts, lists and tuples: what JSON can hold and a reader
+    takes for "no figure"."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def dumps(summary: dict) -> bytes:
-    def default(o):
-        if o == math.inf:
-            return None
-        return str(o)
-    return json.dumps(summary, indent=2, default=default, allow_nan=False).encode() + b"\n"
+    """summary.json's bytes: strict JSON, never a nan or inf (:func:`finite`)."""
+    return json.dumps(finite(summary), indent=2, default=str, allow_nan=False).encode() + b"\n"

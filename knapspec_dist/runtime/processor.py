@@ -45,8 +45,9 @@ import pyarrow as pa
 import ray
 
 from knapspec_dist.engine.generation import GenerationConfig
-from knapspec_dist.engine.memory import MEMORY_UTILIZATION, check_utilization, kv_memory_option
+from knapspec_dist.engine.memory import MEMORY_UTILIZATION
 from knapspec_dist.errors import UserError
+from knapspec_dist.option_rules import check, check_fields
 from knapspec_dist.runtime.backend import EngineBackend
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome
 from knapspec_dist.runtime.prompts import (
@@ -118,9 +119,20 @@ class ProcessorConfig:
                 self.long_documents == "tree" and self.document_column is None):
             raise UserError(f"long_documents {self.long_documents!r}: one of tree (with a "
                             "document_column), truncate or fail")
+        pool = self.concurrency  # a number of replicas, or a (min, max) range
+        if isinstance(pool, tuple) and len(pool) == 2:
+            low, high = (check("concurrency", n) for n in pool)
+            if low > high:
+                raise UserError(f"concurrency {pool!r}: min must be <= max")
+            object.__setattr__(self, "concurrency", (low, high))
+        else:
+            check_fields(self, ("concurrency",))
+        check_fields(self, ("tp", "cpus_per_rank", "max_num_seqs", "kv_cache_memory",
+                            "memory_utilization", "max_model_len", "max_num_batched_tokens",
+                            "batch_size", "max_attempts", "tokenizer_concurrency",
+                            "tokenizer_cpus"))
+        check("max_new_tokens", self.sampling.get("max_new_tokens"))
         self.generation_config()  # bad sampling options fail here, not in a worker
-        object.__setattr__(self, "kv_cache_memory", kv_memory_option(self.kv_cache_memory))
-        check_utilization(self.memory_utilization)
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(**self.sampling,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from knapspec_dist.engine.memory import KVBudget, kv_bytes_per_token_of, plan_kv
+from knapspec_dist.engine.memory import KVBudget, kv_bytes_per_token_of, kv_source, plan_kv
 from knapspec_dist.engine.pages import page_size
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
@@ -45,9 +45,7 @@ def describe_kv(kv: KVBudget) -> str:
 
 
 def _source(budget: ReplicaBudget, where: str) -> str:
-    if budget.kv_cache_memory is not None:
-        return f"--kv-cache-memory {budget.kv_cache_memory / 2 ** 20:.1f} MiB"
-    return f"--memory-utilization {budget.memory_utilization:g} of {where}"
+    return kv_source(budget.kv_cache_memory, budget.memory_utilization, where)
 
 
 def check_kv(kv: KVBudget, budget: ReplicaBudget, prefix: str = "",
