@@ -122,7 +122,8 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     out = tmp_path / "out"
     run = head.submit("--input", str(tmp_path / "in.parquet"), "--output", str(out),
                       "--model", "smollm2", "--strategy", "knapspec", "--max-new-tokens", "8",
-                      "--baseline-fraction", "0.25", "--progress-seconds", "5")
+                      "--baseline-fraction", "0.25", "--progress-seconds", "5",
+                      "--long-documents", "fail")  # trees: test_tree.py, test_processor.py
     log = run.stdout + run.stderr
     assert run.returncode == 0 and re.search(r"Job '\S+' succeeded", log), log[-5000:]
     assert "rows: 4/4 rows (0 failed)" in log  # the progress line reached the job's log
@@ -158,7 +159,7 @@ def test_ray_job_submit_end_to_end(head, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["complete"] is True
     assert s["rows"] == {"input": 7, "written": 7, "ok": 4, "failed": 3, "pending": 0,
-                         "not_in_input": 0}
+                         "not_in_input": 0, "generations": 4, "document_paths": {"whole": 4}}
     assert s["tokens"]["generated"] == sum(rows[k]["num_generated_tokens"] for k in docs)
     assert s["row_tokens_per_s"] > 0
     t = s["throughput"]
