@@ -247,3 +247,13 @@ def test_the_speedup_baseline_runs_the_same_trees_under_ar(tmp_path):
     b = result.summary["baseline"]
     assert b["rows"] == 3 and b["identical_tokens"] == 3
     assert b["speedup"] == pytest.approx(30.0 / 20.0)  # the fakes' knapspec over ar speeds
+
+
+def test_stop_after_counts_a_tree_as_one_row_and_a_rerun_finishes_the_rest(tmp_path):
+    first, _ = run(long_job(tmp_path, stop_after=1, baseline_fraction=0))
+    assert first.stopped_early and len(read_rows(first.output)) == 1
+    assert read_rows(first.output)[0]["document_path"] == "tree"  # the longest goes first
+    second, engines = run(long_job(tmp_path, baseline_fraction=0))
+    assert sorted(r["id"] for r in read_rows(second.output)) == ["long", "longer", "short"]
+    places = [(n["id"], n["level"], n["index"]) for n in read_rows(second.output, "nodes")]
+    assert len(places) == len(set(places))

@@ -2,7 +2,8 @@
 
     knapspec books --books persuasion --strategies ar,knapspec --out docs/bench/books
 
-Each strategy runs the summarization job over the books (``--long-documents tree``, greedy),
+Each strategy runs the summarization job over the books (``--long-documents tree``, the
+demo's seeded sampling),
 then a truncated ``ar`` job gives the summary of what fits the window. Prints and writes
 (``books.md``, ``books.json``) the time, generations, depth and tokens of each level, the
 speedup over ``ar``'s tree, and the main characters each summary keeps (tools/books.py). Not
@@ -17,7 +18,8 @@ import functools
 import json
 from pathlib import Path
 
-from knapspec_dist.cli.common import emit
+from knapspec_dist.cli.common import add_number, emit
+from knapspec_dist.cli.demo import DEMO_TEMPERATURE, DEMO_TOP_P
 from knapspec_dist.errors import UserError
 from knapspec_dist.tools.bench.report import command_line, machine
 from knapspec_dist.tools.bench.specs import parse_strategies
@@ -33,10 +35,16 @@ def register(sub) -> None:
     p.add_argument("--corpus", default=None, help="the corpus folder (default: the shared one)")
     p.add_argument("--model", default="smollm2", help="model folder, or 'smollm2' (embedded)")
     p.add_argument("--strategies", default="ar,knapspec")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--chunk-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
+    add_number(p, "--max-new-tokens", default=128)
+    add_number(p, "--max-model-len", default=None)
+    add_number(p, "--chunk-tokens", default=None)
+    add_number(p, "--max-num-seqs", default=None)
+    add_number(p, "--temperature", default=DEMO_TEMPERATURE,
+               help=f"the demo's sampling by default (a 135M model's greedy summaries loop): "
+                    f"temperature {DEMO_TEMPERATURE}, top-p {DEMO_TOP_P}, seed 0; coupled, so "
+                    "every strategy's tokens are ar's")
+    add_number(p, "--top-p", default=DEMO_TOP_P)
+    add_number(p, "--seed", default=0)
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_books, parser=p))
 
@@ -54,7 +62,8 @@ def cmd_books(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise UserError("--strategies must include ar: the speedup is over ar's tree")
     base = {"model": args.model, "max_new_tokens": args.max_new_tokens,
             "max_model_len": args.max_model_len, "chunk_tokens": args.chunk_tokens,
-            "max_num_seqs": args.max_num_seqs, "progress_bar": False}
+            "max_num_seqs": args.max_num_seqs, "temperature": args.temperature,
+            "top_p": args.top_p, "seed": args.seed, "progress_bar": False}
     out = Path(args.out)
     result = report(books, run_books(books, out, base, strategies))
     header = {"command": command_line(args, parser), "machine": machine("cpu"),
@@ -64,7 +73,8 @@ def cmd_books(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     m = header["machine"]
     (out / "books.md").write_text(
         f"# knapspec books ({header['date']})\n\n`{header['command']}`\n\n{m['cpu']} "
-        f"({m['cpu_count']} CPUs); greedy, {args.max_new_tokens} new tokens a node.\n\n"
+        f"({m['cpu_count']} CPUs); temperature {args.temperature}, top-p {args.top_p}, seed "
+        f"{args.seed} (coupled), {args.max_new_tokens} new tokens a node.\n\n"
         + "\n".join(lines) + "\n")
     emit("\n".join(lines))
     return 0

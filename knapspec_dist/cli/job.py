@@ -133,10 +133,11 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                help="most levels of a tree, its chunks' included; a document that "
                     "needs more fails (default 8)")
     rows.add_argument("--chunk-instruction", default=CHUNK_INSTRUCTION,
-                      help="a chunk's prompt, before its text; {part} and {parts} say which "
-                           "part of how many it is")
+                      help="a chunk's prompt: {document} where its text goes (else before "
+                           "it); {part} and {parts} say which part of how many it is")
     rows.add_argument("--combine-instruction", default=COMBINE_INSTRUCTION,
-                      help="the prompt that combines summaries, before them")
+                      help="the prompt that combines summaries: {document} where they go "
+                           "(else before them)")
     add_number(rows, "--max-model-len", default=None,
                help="longest row to allow (prompt + new tokens), which the KV cache "
                     "must hold; default and maximum: the model's context window")

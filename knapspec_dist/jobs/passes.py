@@ -366,8 +366,11 @@ class GenerationPasses:
                 progress.prompt_tokens = round(tokens / rows * progress.total)
             progress.tick()
 
-        def should_stop(count: int) -> bool:  # count: rows in flight (finished: written)
-            return self._written() + len(dispatcher.inflight) >= stop_after
+        def should_stop(count: int) -> bool:  # rows written and in flight (a tree's once)
+            started = {f.task.tree.key if isinstance(f.task, NodeTask) else f.task.key
+                       for f in dispatcher.inflight.values()}
+            started |= {t.tree.key for t in dispatcher.front if isinstance(t, NodeTask)}
+            return self._written() + len(started) >= stop_after
 
         try:
             dispatcher.run(todo, on_result, on_tick, None if stop_after is None else should_stop,

@@ -74,6 +74,7 @@ class Task:
     attempts: int = 0  # submissions
     failures: int = 0  # replica failures seen while this row was on the replica
     last_failure: str = ""
+    continues: bool = False  # of a row already started (a tree's node): run even when stopping
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Dispatcher:
         self.lost = 0  # replicas given up (they could not restart: a node gone, no room)
         self.retried_rows = 0
         self.queue: deque[Task] = deque()
+        self.front: deque[Task] = deque()  # tasks of rows already started (push)
         self.inflight: dict[Any, _Flight] = {}
 
     def run(self, tasks: Iterable[Task], on_result: Callable[[Outcome], None],
@@ -144,6 +146,7 @@ class Dispatcher:
         self.source = iter(tasks)
         self.lookahead = lookahead
         self.queue = deque()
+        self.front = deque()
         self.inflight = {}
         self._finished = 0
         self._on_result = on_result
@@ -151,19 +154,21 @@ class Dispatcher:
         full = None if should_stop is None else (
             lambda: should_stop(self._finished + len(self.inflight)))
         self._top_up(full, ahead=False)  # the first rows start before the lookahead is read
-        while self.queue or self.inflight:
+        while self.queue or self.front or self.inflight:
             if (should_stop is not None and not stopping
                     and should_stop(self._finished + len(self.inflight))):
                 stopping = True
                 if self.queue:
                     log.info("stopping early: %d queued row(s) and the rest of the input "
                              "left for a later run", len(self.queue))
+                self.front.extend(t for t in self.queue if t.continues)
                 self.queue.clear()
                 self.source = iter(())
             self._fill(full)
             if not self.inflight:
-                if self.queue:
-                    raise ReplicaLost(f"no replica left to run {len(self.queue)} row(s)")
+                if self.queue or self.front:
+                    raise ReplicaLost(f"no replica left to run "
+                                      f"{len(self.queue) + len(self.front)} row(s)")
                 break
             for handle in self.backend.wait(list(self.inflight), self.tick_seconds):
                 flight = self._land(handle)
@@ -184,13 +189,20 @@ class Dispatcher:
             if not stopping:
                 self._top_up(full)
 
-    def push(self, task: Task) -> None:
-        """A task made while the run goes (a summary tree's next node), ahead of the queue."""
-        self.queue.appendleft(task)
+    def push(self, task: Task, first: bool = True) -> None:
+        """A task of a row already started (a summary tree's node), made while the run goes:
+        submitted before the queue's (``first``: before the others pushed too), and also once
+        ``should_stop`` holds (the rows in flight are finished). Pushed tasks count in the
+        lookahead: while many wait, no new row is read."""
+        if first:
+            self.front.appendleft(task)
+        else:
+            self.front.append(task)
 
     def drop(self, unwanted: Callable[[Task], bool]) -> None:
-        """Take the queued tasks that are ``unwanted`` out (a failed tree's other nodes)."""
+        """Take the waiting tasks that are ``unwanted`` out (a failed tree's other nodes)."""
         self.queue = deque(t for t in self.queue if not unwanted(t))
+        self.front = deque(t for t in self.front if not unwanted(t))
 
     def _top_up(self, full: Callable[[], bool] | None = None, ahead: bool = True) -> None:
         """Pull rows from the source while fewer than the replicas' room plus ``lookahead``
@@ -199,8 +211,8 @@ class Dispatcher:
         streamed input starts without waiting for the rows queued behind it, and no row is
         pulled once ``full()`` (``--stop-after`` reached)."""
         room = self.max_inflight * sum(self.alive)
-        while ((len(self.queue) < room + self.lookahead) if ahead
-               else (len(self.queue) + len(self.inflight) < room)) and (
+        while ((len(self.queue) + len(self.front) < room + self.lookahead) if ahead
+               else (len(self.queue) + len(self.front) + len(self.inflight) < room)) and (
                 full is None or not full()):
             task = next(self.source, None)
             if task is None:
@@ -222,8 +234,9 @@ class Dispatcher:
 
     def _fill(self, full: Callable[[], bool] | None = None) -> None:
         """Submit queued rows while a replica has room (and ``full()`` says more may start)."""
-        while self.queue and (full is None or not full()):
-            task = self.queue[0]
+        while self.front or (self.queue and (full is None or not full())):
+            waiting = self.front if self.front else self.queue
+            task = waiting[0]
             suspect = task.failures > 0
             candidates = [r for r in range(len(self.load)) if self.alive[r] and (
                 self.load[r] == 0 if suspect
@@ -231,7 +244,7 @@ class Dispatcher:
             if not candidates:
                 return  # a suspect waits for an idle replica; the rest wait behind it
             replica = min(candidates, key=lambda r: (self.load[r], r))
-            self.queue.popleft()
+            waiting.popleft()
             task.attempts += 1
             epoch = self.epoch[replica]
             try:
@@ -268,7 +281,7 @@ class Dispatcher:
                 f"last: {task.last_failure}"), replica=flight.replica, kind=kind))
         else:
             self.retried_rows += 1
-            self.queue.appendleft(task)
+            self.front.appendleft(task)  # a row already started: first, even when stopping
 
     def _restart(self, replica: int, epoch: int, exc: BaseException) -> None:
         if epoch != self.epoch[replica] or not self.alive[replica]:

@@ -132,6 +132,10 @@ class ProcessorConfig:
                             "batch_size", "max_attempts", "tokenizer_concurrency",
                             "tokenizer_cpus"))
         check("max_new_tokens", self.sampling.get("max_new_tokens"))
+        for name, value in (("chunk_tokens", self.tree.chunk_tokens),
+                            ("chunk_overlap", self.tree.overlap),
+                            ("tree_depth", self.tree.max_depth)):
+            check(name, value)
         self.generation_config()  # bad sampling options fail here, not in a worker
 
     def generation_config(self) -> GenerationConfig:

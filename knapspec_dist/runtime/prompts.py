@@ -42,14 +42,16 @@ DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences."
 #: In an instruction, where the document goes (else the document follows the instruction).
 DOCUMENT = "{document}"
 
-#: A chunk's prompt; ``{part}`` and ``{parts}`` say which part of how many it is.
-CHUNK_INSTRUCTION = ("Summarize the following text (part {part} of {parts} of a longer "
-                     "document) in a few sentences.")
-#: A group's prompt, followed by its summaries in order, a blank line between them. Plain
-#: wording: SmolLM2-135M echoed "The text is a continuation of a longer document" to longer
-#: ones (docs/long-documents.md).
-COMBINE_INSTRUCTION = ("Summarize the following text in a few sentences. It is made of "
-                       "summaries of consecutive parts of one document, in order.")
+#: A chunk's prompt; ``{part}`` and ``{parts}`` say which part of how many it is, and
+#: ``{document}`` where the chunk goes (else it follows). After the text, as the demo's
+#: instruction: SmolLM2-135M's summaries loop less so (docs/sampling.md#the-demos-settings).
+CHUNK_INSTRUCTION = ("{document}\n\nSummarize the text above (part {part} of {parts} of a "
+                     "longer document) in a few sentences.")
+#: A group's prompt: its summaries in order, a blank line between them, go to ``{document}``.
+#: Plain wording: SmolLM2-135M echoed "The text is a continuation of a longer document" to a
+#: longer one (docs/long-documents.md).
+COMBINE_INSTRUCTION = ("{document}\n\nThe text above is made of summaries of consecutive "
+                       "parts of one document, in order. Summarize it in a few sentences.")
 
 
 @dataclass(frozen=True)
@@ -122,21 +124,19 @@ class PromptBuilder:
         """The prompt ids of a document's chunk ``part`` (from 1) of ``parts``."""
         instruction = self.tree.chunk_instruction.replace("{part}", str(part)).replace(
             "{parts}", str(parts))
-        return encode(self.tokenizer, f"{instruction}\n\n{text}", chat=True)
+        return encode(self.tokenizer, _place(instruction, text), chat=True)
 
     def combine_prompt(self, summaries: list[str], level: int, index: int) -> list[int]:
         """The prompt ids that combine ``summaries`` (in order) into one, at ``level``."""
         body = "\n\n".join(s.strip() for s in summaries)
-        return encode(self.tokenizer, f"{self.tree.combine_instruction}\n\n{body}", chat=True)
+        return encode(self.tokenizer, _place(self.tree.combine_instruction, body), chat=True)
     @property
     def limit(self) -> int:
         """Most prompt tokens a row may have."""
         return self.max_model_len - self.max_new_tokens
 
     def _message(self, text: str) -> str:
-        if DOCUMENT in self.instruction:  # where the instruction places it (replace: a
-            return self.instruction.replace(DOCUMENT, text)  # document's braces stay as is)
-        return f"{self.instruction}\n\n{text}" if self.instruction else text
+        return _place(self.instruction, text)
 
     def encode(self, value) -> list[int]:
         """A row's value (text, prompt or messages) as prompt token ids."""
@@ -217,6 +217,14 @@ class PromptBuilder:
                 return ids
             keep -= max(len(ids) - self.limit, 1)
         return None
+
+
+def _place(instruction: str, text: str) -> str:
+    """``text`` where ``instruction`` says ``{document}`` (replace: a document's own braces
+    stay as they are), else after it."""
+    if DOCUMENT in instruction:
+        return instruction.replace(DOCUMENT, text)
+    return f"{instruction}\n\n{text}" if instruction else text
 
 
 def utf8_error(column: str, raw: bytes) -> str:

@@ -32,6 +32,7 @@ class NodeTask(Task):
 
     tree: DocumentTree | None = None
     node: Node | None = None
+    continues: bool = True  # its tree's row started: finished even once the run is stopping
 
 
 class TreeDispatch:
@@ -61,7 +62,10 @@ class TreeDispatch:
             if tree.done:
                 on_done(tree, task)
                 continue
-            yield from self._tasks(tree)
+            first, *rest = self._tasks(tree)
+            for node in rest:  # a started row's: finished even once the run is stopping
+                self.dispatcher.push(node, first=False)
+            yield first
 
     def _tasks(self, tree: DocumentTree) -> list[NodeTask]:
         return [NodeTask((tree.key, n.level, n.index), n.prompt_ids, tree=tree, node=n)
