@@ -24,8 +24,9 @@ def row(text, seconds, tokens, error=None, path="tree"):
 
 
 def nodes(book):
-    return [{"id": book, "level": lv, "num_input_tokens": 100, "num_generated_tokens": 10}
-            for lv in (0, 0, 0, 1)]
+    return [{"id": book, "level": lv, "num_input_tokens": 100, "num_generated_tokens": 10,
+             "generated_text": text} for lv, text in ((0, "Anne"), (0, "x"), (0, "Wentworth"),
+                                                      (1, "y"))]
 
 
 def test_the_report_gives_levels_speedup_identity_and_characters_kept():
@@ -41,8 +42,8 @@ def test_the_report_gives_levels_speedup_identity_and_characters_kept():
     assert s["tree_speedup"] == 80.0 / 50.0 and s["identical_to_ar"]
     assert s["levels"] == [{"level": 0, "nodes": 3, "prompt_tokens": 300, "generated_tokens": 30},
                            {"level": 1, "nodes": 1, "prompt_tokens": 100, "generated_tokens": 10}]
-    assert s["characters_kept"] == ["Anne", "Wentworth"]
+    assert s["characters_kept"] == s["chunk_summaries_keep"] == ["Anne", "Wentworth"]
     assert result["books"]["b"]["truncate"]["characters_kept"] == ["Anne"]
     assert result["runs"]["knapspec"]["speedup"] == 100.0 / 80.0
     lines = table(result)
-    assert "| b | knapspec | 80 | 50 | 4 | 3 | 2 | 1.60x | True | 2/2 / 1/2 |" in lines
+    assert "| b | knapspec | 80 | 50 | 4 | 3 | 2 | 1.60x | True | 2/2 / 2/2 / 1/2 |" in lines

@@ -206,7 +206,8 @@ class PromptBuilder:
     def _truncate(self, text, full: int) -> list[int] | None:
         """Prompt ids with the end of ``text``'s document dropped so that it fits, or None if
         it cannot."""
-        pieces = self.tokenizer(self._document(text), add_special_tokens=False)["input_ids"]
+        pieces = self.tokenizer(self._document(text), add_special_tokens=False,
+                                verbose=False)["input_ids"]
         overhead = full - len(pieces)  # template (or BOS) tokens around the text
         keep = self.limit - overhead
         for _ in range(8):  # re-tokenizing a cut text can merge or split a few tokens

@@ -97,6 +97,8 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
             run = runs[label]
             row = run.rows[book]
             levels: dict[int, dict] = {}
+            chunks = " ".join(n["generated_text"] or "" for n in run.nodes
+                              if n["id"] == book and n["level"] == 0)
             for n in run.nodes:
                 if n["id"] == book:
                     acc = levels.setdefault(n["level"], {"level": n["level"], "nodes": 0,
@@ -117,6 +119,7 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                 list(row["generated_tokens"]) == list(ar_row["generated_tokens"]),
                 "levels": [levels[k] for k in sorted(levels)],
                 "characters_kept": kept(row["generated_text"], names),
+                "chunk_summaries_keep": kept(chunks, names),  # level 0's, all together
                 "summary": row["generated_text"]}
         if "truncate" in runs:
             row = runs["truncate"].rows[book]
@@ -133,8 +136,8 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
 def table(result: dict) -> list[str]:
     """The report as Markdown lines."""
     lines = ["| book | strategy | wall s | generation s | generations | chunks | depth | "
-             "tree speedup | identical to ar | characters kept (tree / truncated) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "tree speedup | identical to ar | characters kept: tree / its chunk summaries / "
+             "truncated |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for book, entry in result["books"].items():
         names = len(entry["characters"])
         trunc = entry.get("truncate", {}).get("characters_kept", [])
@@ -143,7 +146,8 @@ def table(result: dict) -> list[str]:
                 f"| {book} | {label} | {result['runs'][label]['wall_s']:.0f} | "
                 f"{s['generation_s'] or 0:.0f} | {s['generations']} | {s['chunks']} | "
                 f"{s['depth']} | {_fmt(s['tree_speedup'])} | {s['identical_to_ar']} | "
-                f"{len(s['characters_kept'])}/{names} / {len(trunc)}/{names} |")
+                f"{len(s['characters_kept'])}/{names} / {len(s['chunk_summaries_keep'])}/"
+                f"{names} / {len(trunc)}/{names} |")
     lines += ["", "Tokens per level (prompt / generated):", ""]
     for book, entry in result["books"].items():
         for label, s in entry["strategies"].items():
