@@ -97,7 +97,7 @@ def test_failed_starts_leave_no_identity_and_another_input_is_refused(tmp_path, 
     b = write_input(tmp_path / "B.parquet", ["b1", "b2"], [short, short])
     out = tmp_path / "OUT"
     base = ["--input", a, "--output", str(out), *C, "--max-model-len", "256",
-            "--address", "local"]
+            "--long-documents", "fail", "--address", "local"]  # over-long rows: errors
 
     one_error(in_process(capsys, "summarize", *base, "--model", "/nonexistent"), "/nonexistent")
     assert not (out / "job.json").exists()
