@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field, replace
 
 from knapspec_dist.engine.generation import GenerationConfig
@@ -165,6 +167,11 @@ class JobConfig:
         if not sampling.identical_to_plain:
             return False, NOT_REPRODUCIBLE
         return True, None
+
+    def digest(self) -> str:
+        """A short hash of :meth:`fingerprint`: what a job's node table keys its nodes by."""
+        text = json.dumps(self.fingerprint(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def fingerprint(self) -> dict:
         """What decides a row's output: a resumed job must agree on all of it.  The runner

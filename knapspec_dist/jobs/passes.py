@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import itertools
-import json
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +32,7 @@ from knapspec_dist.jobs.resume import Done
 from knapspec_dist.jobs.termination import check_terminate
 from knapspec_dist.jobs.trees import read_known, tree_dispatch
 from knapspec_dist.runtime.dispatch import Dispatcher, Outcome, Task
-from knapspec_dist.runtime.prompts import TokenizeStage, make_builder
+from knapspec_dist.runtime.prompts import PromptBuilder, TokenizeStage, make_builder
 from knapspec_dist.runtime.stages import Stage, batch_tasks, outcome_columns
 from knapspec_dist.runtime.stream import stream_batches
 from knapspec_dist.runtime.tree import DocumentTree
@@ -108,12 +106,18 @@ class GenerationPasses:
         input's blocks has actors still starting when the input is done, and Ray Data fails
         the whole Dataset when such an actor is cancelled (seen on a busy machine)."""
         c = self.config
-        builder = functools.partial(make_builder, self.text_tools, c, c.mode, c.instruction,
-                                    self.max_len, c.max_new_tokens, c.truncate, c.input_column,
-                                    c.tree_shape())
-        return Stage(TokenizeStage, (builder, c.input_column, c.id_column, skip, keep),
+        return Stage(TokenizeStage, (self.make_builder, c.input_column, c.id_column, skip, keep),
                      rows=16, actors=(1, max(1, min(c.tokenizers, len(self.scan.files)))),
                      cpus=c.tokenizer_cpus)
+
+    @property
+    def make_builder(self) -> Callable[[], PromptBuilder]:
+        """The job's PromptBuilder, made where it is called (a stage's actor, or here):
+        picklable, it loads the tokenizer."""
+        c = self.config
+        return functools.partial(make_builder, self.text_tools, c, c.mode, c.instruction,
+                                 self.max_len, c.max_new_tokens, c.truncate, c.input_column,
+                                 c.tree_shape())
 
     def prompt_batches(self, skip: pa.Array | None = None,
                        keep: pa.Array | None = None) -> Iterator[pa.Table]:
@@ -275,12 +279,9 @@ class GenerationPasses:
         if c.tree_shape() is None:
             return None
         if self.builder is None:  # the driver's: combining prompts are made as nodes finish
-            self.builder = make_builder(self.text_tools, c, c.mode, c.instruction, self.max_len,
-                                        c.max_new_tokens, c.truncate, c.input_column,
-                                        c.tree_shape())
+            self.builder = self.make_builder()
         schema = self.writers.nodes.schema
-        config = hashlib.sha256(json.dumps(c.fingerprint(), sort_keys=True,
-                                           default=str).encode()).hexdigest()[:16]
+        config = c.digest()
         known = read_known(self.out, schema, run.writer.sub, config)
         return tree_dispatch(self.builder, dispatcher, run.writer.sub, config,
                              self.writers.nodes, known)
@@ -337,10 +338,10 @@ class GenerationPasses:
             outcome = Outcome(task, result=result, error=tree.error,
                               replica=None if result is None else result.replica,
                               kind=tree.error_kind)
-            row = {**result_row(c.id_column, tree.key, run.strategy, num_input_tokens=length),
-                   **outcome_columns(outcome), **columns,  # attempts: its generations now
+            row = {**result_row(c.id_column, tree.key, run.strategy),
+                   **outcome_columns(outcome), **columns,
+                   "num_input_tokens": length,  # the document's prompt, not the tree's sum
                    "attempts": sum(n.result is not None and not n.reused for n in tree.nodes)}
-            row["num_input_tokens"] = length
             add(row, Outcome(task, error=tree.error))
 
         def add(row: dict, outcome: Outcome) -> None:
