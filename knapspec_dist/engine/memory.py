@@ -32,7 +32,7 @@ import torch
 
 from knapspec_dist.engine.model_runner import CAPACITY_STEP, MIN_CAPACITY
 from knapspec_dist.engine.pages import CPU_PAGE, FLEX_PAGE, Paging, page_size
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.option_rules import check, format_size
 
 GPU_CAP, CPU_CAP = 256, 16
@@ -157,7 +157,7 @@ def plan_for(model, capacity: int, *, paged: bool, kv_cache_memory: int | None =
                    capacity=capacity, paged=paged, cuda=model.device.type == "cuda",
                    kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization,
                    max_num_seqs=max_num_seqs,
-                   page=page_size(model.backend or default_backend(model.device)))
+                   page=page_size(attention_backend(model)))
 
 
 def kv_source(kv_cache_memory: int | None, memory_utilization: float, where: str) -> str:

@@ -38,7 +38,7 @@ import torch
 from knapspec_dist.engine.buckets import padded_forward
 from knapspec_dist.engine.capture import EagerGraph
 from knapspec_dist.engine.pages import Paging
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend, key_layout
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.decoder import Capture, Transformer
 from knapspec_dist.model.forward_meta import forward_meta
@@ -106,13 +106,15 @@ class ModelRunner:
         c = self.cache
         size = -(-max(capacity, MIN_CAPACITY) // CAPACITY_STEP) * CAPACITY_STEP
         if paging is not None:
+            layout = key_layout(attention_backend(self.model), paging.page)
             fits = (isinstance(c, PagedKVCache) and c.batch >= batch and c.capacity >= capacity
                     and c.kv_heads == kv_heads and (c.n_pages, c.page) == (paging.n_pages,
-                                                                            paging.page))
+                                                                            paging.page)
+                    and c.key_layout == layout)
             if not fits:
                 c = PagedKVCache(self.model.cfg, batch, size, paging.n_pages, paging.page,
                                  dtype=self.model.dtype, device=self.model.device,
-                                 kv_heads=kv_heads)
+                                 kv_heads=kv_heads, key_layout=layout)
         elif (not isinstance(c, KVCache) or c.batch < batch or c.capacity < capacity
               or c.k[0].shape[1] != kv_heads):
             c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
@@ -142,7 +144,7 @@ class ModelRunner:
         the batch padded to its bucket (engine/buckets.py). ``starts_dev``: ``starts`` already
         on the device (the round's one upload); else they are uploaded (a padded batch's
         starts are, once per forward)."""
-        if (self.model.backend or default_backend(self.model.device)) == "flex":
+        if attention_backend(self.model) == "flex":
             out = padded_forward(self, tokens, starts, cache, rows, capture, skip=skip,
                                  last_only=last_only)
             if out is not None:

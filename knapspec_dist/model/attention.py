@@ -8,13 +8,13 @@ start together), which lets the CPU path slice the cache and drop the mask.
 
 Backends, one per device kind, pinned rather than left to a library default:
 
-- ``sdpa`` (CPU): PyTorch SDPA. A fresh prefill takes the ``is_causal`` kernel (it skips masked
-  blocks). Every other forward attends row by row, each row over its own keys
-  (``ForwardMeta.key_counts``): no key is read for padding a row to the longest one, a decode
-  (T = 1) needs no mask, and a row's result does not depend on the rows beside it; over a
-  paged cache a row on consecutive pages is read in place (model/paged_cache.py). Decode and
-  verify fold each KV head's query group into rows, ``[KV, g*T, hd]``, so each cached key is
-  read once per KV head (1.6-1.8x faster attention at 8k on the CPU than per query head).
+- ``sdpa`` (CPU, where our kernel does not run): PyTorch SDPA. A fresh prefill takes the
+  ``is_causal`` kernel (it skips masked blocks). Every other forward attends row by row,
+  each row over its own keys (``ForwardMeta.key_counts``): no key is read for padding a row
+  to the longest one, a decode (T = 1) needs no mask, and a row's result does not depend on
+  the rows beside it; over a paged cache a row on consecutive pages is read in place
+  (model/paged_cache.py). Decode and verify fold each KV head's query group into rows,
+  ``[KV, g*T, hd]``, so each cached key is read once per KV head.
 - ``flex`` (CUDA): ``flex_attention`` compiled, with a block mask built on the device from
   ``starts`` (model/block_mask.py): key blocks wholly visible are "full" (no mask_mod), the
   one or two blocks at each row's causal edge are "partial", blocks past a row's length are
@@ -29,6 +29,9 @@ Backends, one per device kind, pinned rather than left to a library default:
   (engine/buckets.py), so continuous batching compiles a few kernels, not one per batch size.
   cuDNN attention, the CUDA default for bf16, rebuilt a plan for every new key length: 2.75x
   slower decoding at 4k on an H200 (docs/gpu-measurements.md).
+- ``cpu`` (CPU, fp32, AVX-512): our own kernel over the pages, every row and head of a
+  forward in one call, prefill, decode and verify alike (model/cpu_attention.py); its cache
+  keeps keys by dims (``key_layout``).
 - ``sdpa`` also runs on CUDA (flash / memory-efficient kernels only, never cuDNN), as the
   fallback and the comparison that ``knapspec gpu-check`` measures.
 """
@@ -44,12 +47,33 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-BACKENDS = ("sdpa", "flex")
+from knapspec_dist.model.cpu_attention import PAGE as KERNEL_PAGE
+from knapspec_dist.model.cpu_attention import paged_attention, supports
+
+BACKENDS = ("sdpa", "flex", "cpu")
 FLEX_BLOCK = 128  # flex_attention's default block size, for queries and keys
 
 
 def default_backend(device: torch.device | str) -> str:
+    """The device's backend family (its page size): flex on CUDA, SDPA's on a CPU."""
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def attention_backend(model) -> str:
+    """The backend a model's forwards use: its own choice (``model.backend``), else flex on
+    CUDA, and on a CPU our paged kernel where it runs (model/cpu_attention.py), else SDPA."""
+    if model.backend is not None:
+        return model.backend
+    if torch.device(model.device).type == "cuda":
+        return "flex"
+    return "cpu" if supports(model.dtype, model.cfg.head_dim) else "sdpa"
+
+
+def key_layout(backend: str, page: int) -> str:
+    """How a paged cache of ``page``-position pages lays out its keys for a backend
+    (model/paged_cache.py): by dims where our CPU kernel reads them (its pages hold 16
+    positions; a cache of other pages is attended by SDPA)."""
+    return "dims" if backend == "cpu" and page == KERNEL_PAGE else "positions"
 
 
 _BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -127,6 +151,8 @@ def attend(q: torch.Tensor, keys, values, meta) -> torch.Tensor:
     """q [B, H, T, hd] against keys / values [B, KV, S, hd], or per-row lists of [1, KV, n, hd]
     (``meta.key_counts``) -> [B, T, H*hd]."""
     b, h, t, hd = q.shape
+    if meta.table is not None:  # our CPU kernel, over the pools (keys laid out by dims)
+        return paged_attention(q, keys, values, meta.table, meta.starts)
     if meta.key_counts is not None:
         o = torch.cat([_sdpa(q[i:i + 1], keys[i], values[i], meta, i)
                        for i in range(b)])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.block_mask import length_block_mask, paged_block_mask
 from knapspec_dist.model.transfer import upload
 
@@ -38,6 +38,7 @@ class ForwardMeta:
     key_counts: tuple[int, ...] | None = None  # per-row attention: each row's keys (host)
     row_offsets: tuple[int | None, ...] | None = None  # paged, per row: where its keys start
     # in the pool when they are consecutive there (None: gathered)
+    table: torch.Tensor | None = None  # our CPU kernel: the rows' pages (keys laid out by dims)
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _row_masks: dict = field(default_factory=dict, repr=False)
 
@@ -80,7 +81,8 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     host ``starts`` already on the device (the round's upload), else they are uploaded here.
     Nothing here reads a device tensor back.
     """
-    backend = model.backend or default_backend(model.device)
+    backend = attention_backend(model)
+    kernel = getattr(cache, "key_layout", "positions") == "dims"
     if isinstance(starts, torch.Tensor):
         if starts.dim() != 1:
             raise ValueError("starts must be one position per row, got shape "
@@ -104,15 +106,15 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     cos = (emb.cos() * model.rope_scale).to(model.dtype)
     sin = (emb.sin() * model.rope_scale).to(model.dtype)
-    flex = backend == "flex" and not causal
+    flex = backend == "flex" and not causal and not kernel
     # On a CPU each row attends to its own keys: no key is read for padding to the longest
     # row, and a row's result does not depend on the rows beside it (model/attention.py).
     key_counts = None
-    if not flex and not causal and not isinstance(starts, torch.Tensor) \
+    if not flex and not causal and not kernel and not isinstance(starts, torch.Tensor) \
             and torch.device(model.device).type == "cpu":
         key_counts = tuple(s + t for s in starts)
-    slots, gather, row_offsets = cache.locate(rows, positions, None if flex else kv_len,
-                                              key_counts)
+    slots, gather, row_offsets = cache.locate(rows, positions,
+                                              None if flex or kernel else kv_len, key_counts)
     block_mask = None
     if flex and slots is not None:  # the pool's keys, read through the block table
         block_mask = paged_block_mask(starts_dev, t, cache.table[rows], cache.logical,
@@ -120,5 +122,6 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     elif flex:
         block_mask = length_block_mask(starts_dev, t, kv_len)
     return ForwardMeta(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
-                       block_mask, slots, gather, key_counts, row_offsets)
+                       block_mask, slots, gather, key_counts, row_offsets,
+                       cache.table[rows] if kernel else None)
 

@@ -30,18 +30,27 @@ import torch
 from knapspec_dist.model.config import ModelConfig
 
 SCRATCH = 0  # the page free rows point at
+KEY_LAYOUTS = ("positions", "dims")
 
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, n_pages: int, page: int, *,
-                 dtype: torch.dtype, device: torch.device | str, kv_heads: int | None = None):
+                 dtype: torch.dtype, device: torch.device | str, kv_heads: int | None = None,
+                 key_layout: str = "positions"):
         """``batch`` rows of at most ``capacity`` positions each, over ``n_pages`` pages of
-        ``page`` positions (the scratch page included)."""
+        ``page`` positions (the scratch page included). ``key_layout``: "positions" (keys
+        ``[KV, n_pages * page, hd]``, as values are) or "dims" (``[KV, n_pages, hd, page]``:
+        each page's keys dims-major, what our CPU kernel reads, model/cpu_attention.py)."""
         if page < 1 or n_pages < 2:
             raise ValueError(f"a paged cache needs page >= 1 and 2+ pages, got {page}, {n_pages}")
+        if key_layout not in KEY_LAYOUTS:
+            raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
         kv = kv_heads if kv_heads is not None else cfg.num_kv_heads
         shape = (kv, n_pages * page, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.key_layout = key_layout
+        key_shape = shape if key_layout == "positions" else (kv, n_pages, cfg.head_dim, page)
+        self.k = [torch.zeros(key_shape, dtype=dtype, device=device)
+                  for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.page, self.n_pages = page, n_pages
         self.max_blocks = -(-capacity // page)
@@ -148,8 +157,12 @@ class PagedKVCache:
         (``meta.key_counts``) a list of each row's own, [1, KV, n, hd]; or (flex: no
         ``meta.gather``) the pool, [1, KV, pool, hd]."""
         kp, vp = self.k[layer], self.v[layer]
-        kp[:, meta.slots] = k.permute(2, 0, 1, 3)
         vp[:, meta.slots] = v.permute(2, 0, 1, 3)
+        if self.key_layout == "dims":  # what the CPU kernel reads: the pools themselves
+            slots = meta.slots.reshape(-1)
+            kp[:, slots // self.page, :, slots % self.page] = k.reshape(-1, *k.shape[2:])
+            return kp, vp
+        kp[:, meta.slots] = k.permute(2, 0, 1, 3)
         if meta.key_counts is not None:
             return self._row_reads(kp, meta, 0), self._row_reads(vp, meta, 1)
         if meta.gather is None:
@@ -184,5 +197,10 @@ class PagedKVCache:
     def row_kv(self, layer: int, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` keys and values of one row, [1, KV, n, hd] each (a copy)."""
         keys = torch.arange(n, device=self.table.device)
-        idx = self.table[row, keys // self.page] * self.page + keys % self.page
-        return self.k[layer].index_select(1, idx)[None], self.v[layer].index_select(1, idx)[None]
+        pages = self.table[row, keys // self.page]
+        idx = pages * self.page + keys % self.page
+        if self.key_layout == "dims":
+            k = self.k[layer][:, pages, :, keys % self.page].transpose(0, 1)
+        else:
+            k = self.k[layer].index_select(1, idx)
+        return k[None], self.v[layer].index_select(1, idx)[None]

@@ -71,7 +71,7 @@ from knapspec_dist.clock import Clock
 from knapspec_dist.engine.memory import free_bytes, kv_bytes_per_token, positions_that_fit
 from knapspec_dist.engine.pages import PagePool, page_size
 from knapspec_dist.errors import UserError
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend, key_layout
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import dtype_name
@@ -327,10 +327,11 @@ def profile_cache(model, batch: int, capacity: int, kv: str = "fixed", page: int
     if kv == "fixed":
         return KVCache(cfg, batch, capacity, dtype=model.dtype, device=model.device,
                        kv_heads=heads)
-    page = page or page_size(model.backend or default_backend(model.device))
+    page = page or page_size(attention_backend(model))
     blocks = -(-capacity // page)
     cache = PagedKVCache(cfg, batch, capacity, batch * blocks + 1, page, dtype=model.dtype,
-                         device=model.device, kv_heads=heads)
+                         device=model.device, kv_heads=heads,
+                         key_layout=key_layout(attention_backend(model), page))
     pool = PagePool(cache)
     for row in range(batch):
         pool.admit(row, capacity)

@@ -31,7 +31,7 @@ from knapspec_dist.engine.pages import KVUse, page_size
 from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import resolve_dtype
 from knapspec_dist.parallel import (
@@ -122,7 +122,7 @@ class Shard:
         model = self.model
         capacity = budget.capacity or row_capacity(model.cfg.max_position_embeddings, 0)
         free = self.free_memory()
-        page = page_size(model.backend or default_backend(model.device))
+        page = page_size(attention_backend(model))
         kv = plan_kv(per_token=kv_bytes_per_token(model), free=free, capacity=capacity,
                      paged=not budget.fixed_slots, cuda=model.device.type == "cuda", page=page,
                      kv_cache_memory=budget.kv_cache_memory,

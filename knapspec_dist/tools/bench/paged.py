@@ -28,7 +28,7 @@ from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.errors import UserError
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.tools.bench.prompts import build_prompts
 from knapspec_dist.tools.interleave import interleaved
@@ -57,7 +57,7 @@ def documents(tokenizer, lo: int, hi: int, count: int, window: int,
 def plan(model: Transformer, budget: int, capacity: int, paged: bool,
          page: int | None = None) -> KVBudget:
     """The cache ``plan_kv`` gives ``budget`` bytes of K/V for rows of ``capacity``."""
-    page = page or page_size(model.backend or default_backend(model.device))
+    page = page or page_size(attention_backend(model))
     return plan_kv(per_token=kv_bytes_per_token(model), free=0, capacity=capacity,
                    paged=paged, cuda=model.device.type == "cuda", kv_cache_memory=budget,
                    page=page)

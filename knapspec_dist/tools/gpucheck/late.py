@@ -17,7 +17,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from knapspec_dist.model.attention import BACKENDS, default_backend
+from knapspec_dist.model.attention import BACKENDS, attention_backend
 from knapspec_dist.model.block_mask import SKIP_Q_BLOCKS, length_block_mask
 from knapspec_dist.tools.gpucheck import shapes as S
 from knapspec_dist.tools.gpucheck.budget import Section
@@ -52,7 +52,7 @@ def block_mask_ops(device: torch.device | str, batch: int = 4, t: int = 1,
 def backends(check: ShapeCheck, section: Section) -> None:
     """Decode at batch 1 with every other attention backend, against the default's decode row
     (the shapes section's, same shape and context; no cache is made when nothing runs)."""
-    current = check.model.backend or default_backend(check.device)
+    current = attention_backend(check.model)
     table = check.out["backends"]
     decode_ms = {r["context"]: r["ms"] for r in check.out["decode"]
                  if r["model"] == check.name and r["batch"] == 1 and r["status"] == "ok"}
@@ -66,6 +66,11 @@ def backends(check: ShapeCheck, section: Section) -> None:
         try:
             for backend in BACKENDS:
                 if backend == current:
+                    continue
+                if backend == "cpu":
+                    check.rows.skip(table, {**base, "backend": backend}, "skipped: the cpu "
+                                    "kernel reads paged caches only; this check decodes over "
+                                    "fixed slots")
                     continue
                 if backend == "flex" and check.device.type != "cuda":
                     check.rows.skip(table, {**base, "backend": backend}, "skipped: flex runs "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.config import ModelConfig
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
@@ -203,7 +203,7 @@ class ShapeCheck:
             live["timer"] = timer = self.timer(self.cache(n, b), slice(0, b))
             first, t = self.first_and_replay(timer, n, 1)
             live["t"] = t
-            return {"backend": self.model.backend or default_backend(self.device),
+            return {"backend": attention_backend(self.model),
                     "ms": 1e3 * t, "ratio": t / (row["bound_ms"] / 1e3),
                     "tb_per_s": full / t / 1e12, "first_call_ms": 1e3 * first}
 

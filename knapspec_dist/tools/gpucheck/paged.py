@@ -20,7 +20,7 @@ import random
 import torch
 
 from knapspec_dist.engine.pages import page_size
-from knapspec_dist.model.attention import default_backend
+from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.profiles.profiler import fill_cache
@@ -59,7 +59,7 @@ def paged(check: ShapeCheck, section: Section, *, context: int, batches: tuple[i
           tokens: tuple[int, ...]) -> None:
     """The section's rows for one shape (gpu-check's setup gives the context, B and T)."""
     n, table = context, check.out["paged"]
-    page = page_size(check.model.backend or default_backend(check.device))
+    page = page_size(attention_backend(check.model))
     capacity = -(-(n + max(tokens) + 1) // 256) * 256
     for b in batches:
         for t in tokens:

@@ -1,0 +1,150 @@
+"""Our own CPU attention kernel over the paged KV cache (``kernels/paged_attention.c``).
+
+Why: torch's SDPA cannot read a paged cache, so the CPU path attended row by row, one call
+per row per layer, each reading a row's keys at a third of the memory's rate (decode
+attention was 70 % of a decode step at 16 rows of 3-5k keys), and a fresh prefill's causal
+flash kernel ran at about 60 % of the cores' FMA rate (docs/measurements.md). This kernel
+does a whole forward of one layer in one call: every row, every head, any number of new
+tokens per row (prefill, chunked prefill, decode, verify), over the rows' pages, no mask and
+no gather.
+
+- **Layout.** A page holds 16 positions. Keys are stored per page dims-major, ``[KV, pages,
+  head_dim, 16]``: a page's keys are one 16-float vector per dim, so ``q . K`` is one
+  broadcast-FMA per dim and no key is transposed at read time. Values stay position-major,
+  ``[KV, pages * 16, head_dim]``. The cache writes keys in this layout when built with
+  ``key_layout="dims"`` (model/paged_cache.py).
+- **Work.** Each KV head's query group is folded into rows (position-major, then head), so a
+  key is read once per KV head, not once per query head. A unit of work is a tile of up to 8
+  folded rows of one batch row and one KV head, done by one thread over all its pages with
+  an online softmax (flash attention); units are shared out dynamically by OpenMP, through
+  torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded), so the kernel and
+  torch's ops use one thread pool.
+- **Bits.** A query row's result depends on its own query, keys and position only: pages
+  are visited in order from the first, a page wholly past a row's position is skipped for
+  that row, and every row's arithmetic is the same whether its tile has 1 row or 8. So a
+  decode step and a verify of the same positions give the same bits (the lossless check of
+  speculation rests on it), whatever the batch or the thread count.
+- **Where.** x86 CPUs with AVX-512 (``torch.backends.cpu.get_cpu_capability()``) and a C
+  compiler (``cc``, else ``gcc``); fp32 models. The shared library is built once per source
+  and compiler flags into the cache folder (``$KNAPSPEC_CACHE/kernels``; about a second).
+  Elsewhere the attention backend stays ``sdpa``, which reads the same cache laid out
+  position-major.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from knapspec_dist.model.embedded import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
+PAGE = 16  # positions per page: one AVX-512 vector of fp32 keys per dim
+MAX_HEAD_DIM = 256
+FLAGS = ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp",
+         "-fPIC", "-shared")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run the kernel, or None when it can."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        return f"the CPU lacks AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
+    if _compiler() is None:
+        return "no C compiler (cc or gcc) on PATH"
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernel's shared library, built on first use; None (logged once) where it cannot
+    be built or loaded."""
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            return _load(_compiler())
+        except (OSError, subprocess.CalledProcessError) as e:
+            reason = f"building {SOURCE.name} failed: {e}"
+    log.info("CPU attention: torch SDPA (our paged kernel is unavailable: %s)", reason)
+    return None
+
+
+def _load(cc: str) -> ctypes.CDLL:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((cc,) + FLAGS).encode()).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    target = folder / f"paged_attention-{key}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        # built beside the target, then renamed: ranks starting together never load half a file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                           capture_output=True, text=True)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float]
+        + [ctypes.c_void_p, ctypes.c_int])
+    return lib
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a model of this dtype and head size runs on the kernel here."""
+    return (dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+            and library() is not None)
+
+
+def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    table: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """q [B, H, T, hd] (any strides with contiguous dims) at positions ``starts[b] ..
+    starts[b]+T-1`` against the pools ``keys`` [KV, pages, hd, 16] and ``values`` [KV,
+    pages*16, hd] through ``table`` [B, blocks] -> [B, T, H*hd]: row b's query i sees its keys
+    ``0 .. starts[b]+i``."""
+    b, h, t, hd = q.shape
+    kv, pages = keys.shape[0], keys.shape[1]
+    if keys.dim() != 4 or keys.shape[3] != PAGE:
+        raise ValueError(f"keys must be laid out [KV, pages, hd, {PAGE}], got "
+                         f"{tuple(keys.shape)}")
+    if not q.dtype == keys.dtype == values.dtype == torch.float32:
+        raise ValueError(f"paged attention runs fp32 only, got {q.dtype}")
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    table = table.contiguous()
+    starts = starts.to(torch.int64).contiguous()
+    # the kernel trusts its indices: a page or position out of range would read past the pool
+    if b and (int(starts.max()) + t > table.shape[1] * PAGE or int(starts.min()) < 0
+              or int(table.max()) >= pages or int(table.min()) < 0):
+        raise ValueError(f"positions up to {int(starts.max()) + t} or pages outside the "
+                         f"table's {table.shape[1]} blocks / the pool's {pages} pages")
+    out = q.new_empty(b, t, h * hd)
+    rc = library().paged_attention(
+        q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), keys.data_ptr(),
+        values.data_ptr(), table.data_ptr(), table.shape[1], starts.data_ptr(), pages, b, t, h,
+        kv, hd, hd ** -0.5, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged attention cannot run heads {h}/{kv} of size {hd}")
+    return out
