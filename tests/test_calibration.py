@@ -354,9 +354,9 @@ def test_every_tp_rank_is_fed_rank0s_seconds():
     model = SimpleNamespace(cfg=SimpleNamespace(num_items=8))
     sent, root, other = [], Inner(), Inner()
     rank0 = SyncedSelector(root, SimpleNamespace(
-        cuda=False, rank=0, broadcast=lambda t, src: sent.append(t.clone())))
+        device=torch.device("cpu"), rank=0, broadcast=lambda t, src: sent.append(t.clone())))
     rank1 = SyncedSelector(other, SimpleNamespace(
-        cuda=False, rank=1, broadcast=lambda t, src: t.copy_(sent[-1])))
+        device=torch.device("cpu"), rank=1, broadcast=lambda t, src: t.copy_(sent[-1])))
     rank0.plan(model, None)
     rank1.plan(model, None)
     assert root.fed == other.fed == []  # no round timed yet
@@ -389,10 +389,11 @@ def test_under_tp_only_rank0_logs_and_saves_the_refits(caplog):
 
     model = SimpleNamespace(cfg=SimpleNamespace(num_items=2 * LAYERS))
     sent, root, other = [], Inner(), Inner()
+    cpu = torch.device("cpu")
     ranks = [SyncedSelector(root, SimpleNamespace(
-                 cuda=False, rank=0, broadcast=lambda t, src: sent.append(t.clone()))),
+                 device=cpu, rank=0, broadcast=lambda t, src: sent.append(t.clone()))),
              SyncedSelector(other, SimpleNamespace(
-                 cuda=False, rank=1, broadcast=lambda t, src: t.copy_(sent[-1])))]
+                 device=cpu, rank=1, broadcast=lambda t, src: t.copy_(sent[-1])))]
     caplog.set_level("INFO", logger=calibration.__name__)
     for rank in ranks:
         rank.start(model)

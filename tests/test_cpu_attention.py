@@ -104,11 +104,30 @@ def test_a_rows_bits_ignore_its_neighbours_and_the_thread_count():
         assert torch.equal(alone[0], together[row]), f"row {row}"
 
 
-def test_only_fp32_runs_on_the_kernel():
+def test_bf16_is_fp32_arithmetic_over_the_widened_values():
+    """bf16 in and out: the fp32 kernel's result over the same (exactly widened) values,
+    rounded once to bf16."""
+    heads, kv, hd, t = 9, 3, 64, 4
+    starts = [0, 37]
+    pages = 2 * (50 // PAGE + 1) + 1
+    _, kt, v = pools(kv, pages, hd, seed=3)
+    kt, v = kt.bfloat16(), v.bfloat16()
+    table = tables([s + t for s in starts], pages, seed=3)
+    q = torch.randn(2, heads, t, hd).bfloat16()
+    got = paged_attention(q, kt, v, table, torch.tensor(starts))
+    want = paged_attention(q.float(), kt.float(), v.float(), table, torch.tensor(starts))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16())
+
+
+def test_mixed_or_other_dtypes_are_refused():
     _, kt, v = pools(1, 3, 16)
-    q = torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fp32"):
-        paged_attention(q, kt.bfloat16(), v.bfloat16(), torch.tensor([[1]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        paged_attention(torch.randn(1, 1, 1, 16).half(), kt.half(), v.half(),
+                        torch.tensor([[1]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        paged_attention(torch.randn(1, 1, 1, 16), kt.bfloat16(), v.bfloat16(),
+                        torch.tensor([[1]]), torch.tensor([0]))
 
 
 def test_a_cache_by_dims_reads_back_what_a_cache_by_positions_holds():
@@ -144,6 +163,8 @@ def test_a_cpu_fp32_model_uses_the_kernel_and_others_do_not():
 
     assert attention_backend(Model) == "cpu"
     Model.dtype = torch.bfloat16
+    assert attention_backend(Model) == "cpu"
+    Model.dtype = torch.float16
     assert attention_backend(Model) == "sdpa"
     Model.dtype, Model.cfg.head_dim = torch.float32, 24
     assert attention_backend(Model) == "sdpa"

@@ -1,4 +1,4 @@
-"""The vocabulary head returns fp32 logits summed in fp32 (model/decoder.py ``head_logits``):
+"""The vocabulary head returns fp32 logits summed in fp32 (model/head.py ``head_logits``):
 in bf16 two tokens closer than a bf16 step no longer tie, and an fp32 model is unchanged."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from knapspec_dist.model import decoder
-from knapspec_dist.model.decoder import LMHead, head_logits
+from knapspec_dist.model import head as head_module
+from knapspec_dist.model.head import LMHead, head_logits
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.parallel.layers import VocabParallelLMHead, layout
 from knapspec_dist.tools.ties import one_shot_logits
@@ -54,7 +54,7 @@ def test_fp32_model_logits_are_bitwise_the_plain_linear(engine_model):
 def test_cpu_head_upcasts_block_by_block_over_a_ragged_vocabulary(monkeypatch):
     """Blocks of 100 rows over a 256-token vocabulary (the last one short) give the fp32
     product of the upcast operands."""
-    monkeypatch.setattr(decoder, "HEAD_ROWS", 100)
+    monkeypatch.setattr(head_module, "HEAD_ROWS", 100)
     torch.manual_seed(0)
     x, weight = torch.randn(3, 2, 16).to(BF16), torch.randn(256, 16).to(BF16)
     got = head_logits(x, weight)

@@ -14,8 +14,9 @@ from torch import nn
 
 from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.cpu_linear import PackedHead, PackedLinear, can_pack
-from knapspec_dist.model.decoder import Capture, LMHead, rope_frequencies
+from knapspec_dist.model.decoder import Capture, rope_frequencies
 from knapspec_dist.model.forward_meta import forward_meta
+from knapspec_dist.model.head import LMHead
 from knapspec_dist.model.weights import load_model
 
 from conftest import CONFIG_NAMES, random_prompt
@@ -251,7 +252,7 @@ def test_packing_leaves_other_devices_and_dtypes_alone():
 
 
 def test_a_bf16_model_keeps_its_fp32_head(checkpoints):
-    """The bf16 head sums in fp32 (decoder.py head_logits): it is not swapped."""
+    """The bf16 head sums in fp32 (head.py head_logits): it is not swapped."""
     model = load_model(checkpoints["llama-gqa"], dtype=torch.bfloat16, device="cpu")
     assert type(model.lm_head) is LMHead
     assert type(model.layers[0].mlp.up_proj) is PackedLinear

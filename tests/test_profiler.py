@@ -19,7 +19,8 @@ from knapspec_dist.model.cache import KVCache
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.parallel import destroy_distributed
 from knapspec_dist.profiles import LatencyProfile
-from knapspec_dist.profiles.profiler import fill_cache, measure, measure_allreduce
+from knapspec_dist.profiles.allreduce import measure_allreduce
+from knapspec_dist.profiles.profiler import fill_cache, measure
 
 from models import make_checkpoint
 

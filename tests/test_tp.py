@@ -301,11 +301,11 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     sent = []
     model = SimpleNamespace(cfg=SimpleNamespace(num_items=8))
     root = SyncedSelector(Inner(Plan(frozenset({2, 5}), 3), 140, 0.4321),
-                          SimpleNamespace(cuda=False, rank=0,
+                          SimpleNamespace(device=torch.device("cpu"), rank=0,
                                           broadcast=lambda t, src: sent.append(t.clone())))
     assert root.plan(model, None) == Plan(frozenset({2, 5}), 3)
     other = Inner(Plan(frozenset({2}), 2), 151, 0.5)
-    synced = SyncedSelector(other, SimpleNamespace(cuda=False, rank=1,
+    synced = SyncedSelector(other, SimpleNamespace(device=torch.device("cpu"), rank=1,
                                                    broadcast=lambda t, src: t.copy_(sent[0])))
     assert synced.plan(model, None) == Plan(frozenset({2, 5}), 3)
     assert other.p == Plan(frozenset({2, 5}), 3)  # the plan in force is rank 0's
@@ -314,7 +314,7 @@ def test_synced_selector_gives_every_rank_rank0s_plan_and_wall_clock_schedule():
     assert synced.divergences == 1
     before_any = Inner(Plan(frozenset(), 0), 5, None)  # no DP yet: stays None
     sent.clear()
-    SyncedSelector(before_any, SimpleNamespace(cuda=False, rank=0,
+    SyncedSelector(before_any, SimpleNamespace(device=torch.device("cpu"), rank=0,
                                                broadcast=lambda t, src: sent.append(t))).plan(
         model, None)
     assert before_any.schedule.last_select_s is None and before_any.schedule.next_selection == 5

@@ -29,9 +29,9 @@ Backends, one per device kind, pinned rather than left to a library default:
   (engine/buckets.py), so continuous batching compiles a few kernels, not one per batch size.
   cuDNN attention, the CUDA default for bf16, rebuilt a plan for every new key length: 2.75x
   slower decoding at 4k on an H200 (docs/gpu-measurements.md).
-- ``cpu`` (CPU, fp32, AVX-512): our own kernel over the pages, every row and head of a
-  forward in one call, prefill, decode and verify alike (model/cpu_attention.py); its cache
-  keeps keys by dims (``key_layout``).
+- ``cpu`` (CPU with AVX-512, fp32 or bf16): our own kernel over the pages, every row and
+  head of a forward in one call, prefill, decode and verify alike (model/cpu_attention.py);
+  its cache keeps keys by dims (``key_layout``).
 - ``sdpa`` also runs on CUDA (flash / memory-efficient kernels only, never cuDNN), as the
   fallback and the comparison that ``knapspec gpu-check`` measures.
 """
@@ -67,6 +67,11 @@ def attention_backend(model) -> str:
     if torch.device(model.device).type == "cuda":
         return "flex"
     return "cpu" if supports(model.dtype, model.cfg.head_dim) else "sdpa"
+
+
+def attends_per_row(device: torch.device | str) -> bool:
+    """Whether SDPA attends row by row, each row over its own keys: on a CPU (see above)."""
+    return torch.device(device).type == "cpu"
 
 
 def key_layout(backend: str, page: int) -> str:

@@ -25,10 +25,11 @@ no gather.
   decode step and a verify of the same positions give the same bits (the lossless check of
   speculation rests on it), whatever the batch or the thread count.
 - **Where.** x86 CPUs with AVX-512 (``torch.backends.cpu.get_cpu_capability()``) and a C
-  compiler (``cc``, else ``gcc``); fp32 models. The shared library is built once per source
-  and compiler flags into the cache folder (``$KNAPSPEC_CACHE/kernels``; about a second).
-  Elsewhere the attention backend stays ``sdpa``, which reads the same cache laid out
-  position-major.
+  compiler (``cc``, else ``gcc``); fp32 and bf16 models (bf16 queries, keys and values are
+  widened exactly to fp32, the arithmetic is fp32, the output rounded to nearest even). The
+  shared library is built once per source and compiler flags into the cache folder
+  (``$KNAPSPEC_CACHE/kernels``; about a second). Elsewhere the attention backend stays
+  ``sdpa``, which reads the same cache laid out position-major.
 """
 
 from __future__ import annotations
@@ -108,13 +109,16 @@ def _load(cc: str) -> ctypes.CDLL:
     lib.paged_attention.argtypes = (
         [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
         + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float]
-        + [ctypes.c_void_p, ctypes.c_int])
+        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
     return lib
+
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a model of this dtype and head size runs on the kernel here."""
-    return (dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+    return (dtype in DTYPES and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
             and library() is not None)
 
 
@@ -129,8 +133,9 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if keys.dim() != 4 or keys.shape[3] != PAGE:
         raise ValueError(f"keys must be laid out [KV, pages, hd, {PAGE}], got "
                          f"{tuple(keys.shape)}")
-    if not q.dtype == keys.dtype == values.dtype == torch.float32:
-        raise ValueError(f"paged attention runs fp32 only, got {q.dtype}")
+    if not q.dtype == keys.dtype == values.dtype or q.dtype not in DTYPES:
+        raise ValueError(f"paged attention runs fp32 or bf16 (q, keys and values alike), got "
+                         f"{q.dtype}, {keys.dtype}, {values.dtype}")
     if q.stride(3) != 1:
         q = q.contiguous()
     table = table.contiguous()
@@ -144,7 +149,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     rc = library().paged_attention(
         q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), keys.data_ptr(),
         values.data_ptr(), table.data_ptr(), table.shape[1], starts.data_ptr(), pages, b, t, h,
-        kv, hd, hd ** -0.5, out.data_ptr(), torch.get_num_threads())
+        kv, hd, hd ** -0.5, out.data_ptr(), torch.get_num_threads(), DTYPES[q.dtype])
     if rc != 0:
         raise ValueError(f"paged attention cannot run heads {h}/{kv} of size {hd}")
     return out

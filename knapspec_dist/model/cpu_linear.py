@@ -15,7 +15,7 @@ Applied from outside, as tensor parallelism is (parallel/layers.py): ``pack_line
 each sublayer's ``nn.Linear`` for a ``PackedLinear`` after the weights are loaded (and
 sharded); the packed copy is the one kept. The vocabulary head is packed in fp32,
 where its logits are the plain product (not timed on its own); in bf16 it keeps its fp32
-accumulation (decoder.py ``head_logits``), and under tensor parallelism its vocab-parallel
+accumulation (head.py ``head_logits``), and under tensor parallelism its vocab-parallel
 module.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from knapspec_dist.model.decoder import LMHead
+from knapspec_dist.model.head import LMHead
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

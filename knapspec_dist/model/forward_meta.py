@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from knapspec_dist.model.attention import attention_backend
+from knapspec_dist.model.attention import attends_per_row, attention_backend
 from knapspec_dist.model.block_mask import length_block_mask, paged_block_mask
 from knapspec_dist.model.transfer import upload
 
@@ -111,7 +111,7 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
     # row, and a row's result does not depend on the rows beside it (model/attention.py).
     key_counts = None
     if not flex and not causal and not kernel and not isinstance(starts, torch.Tensor) \
-            and torch.device(model.device).type == "cpu":
+            and attends_per_row(model.device):
         key_counts = tuple(s + t for s in starts)
     slots, gather, row_offsets = cache.locate(rows, positions,
                                               None if flex or kernel else kv_len, key_counts)

@@ -26,6 +26,12 @@ class Comm:
     seconds: float = 0.0
     calls: int = 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives' tensors live: NCCL's on the GPU, gloo's on the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.cuda \
+            else torch.device("cpu")
+
     def _clock(self) -> float:
         return Clock("cuda" if self.cuda else "cpu").now()
 

@@ -38,7 +38,8 @@ from torch import nn
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.decoder import Transformer, head_logits
+from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.model.head import head_logits
 from knapspec_dist.parallel.comm import Comm
 
 

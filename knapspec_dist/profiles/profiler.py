@@ -46,7 +46,8 @@ timings (MAX over the ranks under TP): repeats that disagree mean the machine wa
 profiles/store.py then uses the profile for the run but does not cache it (``SPREAD_LIMIT``).
 With a process group of more than one rank (tensor parallelism) every rank measures,
 samples are reduced with MAX (a replica runs at its slowest rank's pace), and
-``measure_allreduce`` adds the all-reduce cost at the message sizes decoding uses.
+``measure_allreduce`` (allreduce.py) adds the all-reduce cost at the message sizes decoding
+uses.
 
 Other processes on the machine distort every number (on a 2-core CPU with two OpenMP threads,
 a load average of 10 made decode steps ~20x slower), so the 1-minute load average before and
@@ -61,11 +62,10 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.memory import free_bytes, kv_bytes_per_token, positions_that_fit
@@ -75,6 +75,12 @@ from knapspec_dist.model.attention import attention_backend, key_layout
 from knapspec_dist.model.cache import KVCache, kv_heads
 from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.weights import dtype_name
+from knapspec_dist.profiles.allreduce import (
+    decode_allreduce_sizes,
+    max_over_ranks,
+    measure_allreduce,
+    world_size,
+)
 from knapspec_dist.profiles.device import cpu_busy, device_info
 from knapspec_dist.profiles.profile import KV_LAYOUTS, MODES, LatencyProfile, fit_profile
 from knapspec_dist.profiles.replay import ReplayTimer
@@ -184,69 +190,6 @@ def _load_average() -> float | None:
 
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
-
-
-def _world(group) -> int:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _comm_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _max_over_ranks(values: list[float], group) -> list[float]:
-    """Element-wise MAX across the group: a TP replica runs at its slowest rank's pace."""
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.cpu().tolist()
-
-
-def measure_allreduce(group, sizes: Iterable[int], *, dtype: torch.dtype = torch.float32,
-                      repeats: int = 5, iters: int = 10, warmup: int = 3) -> list[list[float]]:
-    """Time ``torch.distributed.all_reduce`` (SUM) on ``group`` for messages of ``sizes`` bytes.
-
-    Every rank of the group must call this with the same arguments (it is collective). Each
-    repeat starts with a barrier and times ``iters`` back-to-back all-reduces (synchronized on
-    a GPU); the median per-call time over repeats is then MAX-reduced over ranks, so every
-    rank returns the same ``[[bytes, seconds], ...]`` -- the ``samples["allreduce"]`` format
-    of ``fit_profile``. Message tensors live where the backend needs them (CUDA for NCCL).
-    """
-    if repeats < 1 or iters < 1:
-        raise ValueError("repeats and iters must be >= 1")
-    device = _comm_device(group)
-    clock = Clock(device)
-    elem = torch.empty((), dtype=dtype).element_size()
-    rows: list[list[float]] = []
-    times: list[float] = []
-    for size in sizes:
-        numel = max(1, int(size) // elem)
-        buf = torch.ones(numel, dtype=dtype, device=device)
-        for _ in range(warmup):
-            dist.all_reduce(buf, group=group)
-        per_call = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            start = clock.now()
-            for _ in range(iters):
-                dist.all_reduce(buf, group=group)
-            per_call.append((clock.now() - start) / iters)
-        rows.append([float(numel * elem)])
-        times.append(_median(per_call))
-    times = _max_over_ranks(times, group) if times else times
-    for row, t in zip(rows, times):
-        row.append(float(t))
-    return rows
-
-
-def decode_allreduce_sizes(hidden: int, batch: int, max_q: int, dtype: torch.dtype) -> list[int]:
-    """Message sizes (bytes) of one sublayer's all-reduce at decode (q=1) and verify shapes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    qs = sorted(q for q in {1, 2, 4, 8, max_q} if q <= max_q)
-    return [q * batch * hidden * elem for q in qs]
 
 
 class _Sampler:
@@ -383,7 +326,7 @@ def _samples(raw: dict[str, dict], contexts: list[int], qs: list[int], tp: int,
     values = [_median(t) for t in series]
     spreads = [relative_spread(t) for t in series]
     if tp > 1:
-        merged = _max_over_ranks(values + spreads, group)
+        merged = max_over_ranks(values + spreads, group)
         values, spreads = merged[:len(series)], merged[len(series):]
     k = len(contexts)
 
@@ -447,7 +390,7 @@ def measure(model, contexts: Sequence[int], batch: int = 1, max_q: int = DEFAULT
     """
     contexts = _check(mode, contexts, batch, max_q, repeats, warmup, kv)
     device, dtype, cfg = model.device, model.dtype, model.cfg
-    tp = _world(group) if group is not None else 1
+    tp = world_size(group) if group is not None else 1
     gen = torch.Generator().manual_seed(seed)
     cache = profile_cache(model, batch, contexts[-1] + max_q, kv, page)
     load_before = _load_average()

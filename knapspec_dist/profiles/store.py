@@ -337,10 +337,11 @@ def adopt(profile: LatencyProfile) -> ProfileChoice:
 
 def resolve(path: str | None, devices: Sequence[dict], shape: dict, dtype: str, *,
             measure: Measure, tp: int = 1, need: int | None = None, window: int | None = None,
-            contexts: Sequence[int] | None = None, borrow: bool = False) -> ProfileChoice:
-    """``lookup``, else one measured now by ``measure`` (at ``contexts``, default
-    ``contexts_for(need, window)``) and ``adopt``-ed."""
-    found = lookup(path, devices, shape, dtype, tp=tp, need=need, borrow=borrow)
+            contexts: Sequence[int] | None = None, borrow: bool = False,
+            kv: str = "fixed") -> ProfileChoice:
+    """``lookup`` (over the KV layout ``kv``), else one measured now by ``measure`` (at
+    ``contexts``, default ``contexts_for(need, window)``, over that layout) and ``adopt``-ed."""
+    found = lookup(path, devices, shape, dtype, tp=tp, need=need, borrow=borrow, kv=kv)
     if found is None:
         found = adopt(measure(list(contexts or contexts_for(need, window)),
                               decode_mode(devices[0])))
@@ -408,13 +409,14 @@ def borrowed(profile: LatencyProfile, device: dict, path: Path, why: str,
 
 
 def resolve_for_model(path: str | None, model: Transformer,
-                      need: int | None = None) -> ProfileChoice:
-    """``resolve`` for ``model`` in this process (one rank, measured here when needed)."""
+                      need: int | None = None, kv: str = "fixed") -> ProfileChoice:
+    """``resolve`` for ``model`` in this process (one rank, measured here when needed), over
+    the KV layout ``kv`` its runs decode over."""
     def measure(contexts: list[int], mode: str) -> LatencyProfile:
-        return profiler.measure(model, contexts=contexts, batch=1, mode=mode)
+        return profiler.measure(model, contexts=contexts, batch=1, mode=mode, kv=kv)
 
     return resolve(path, [device_info(model.device)], model.cfg.shape(), dtype_name(model.dtype),
-                   measure=measure, need=need, window=model.cfg.max_position_embeddings)
+                   measure=measure, need=need, window=model.cfg.max_position_embeddings, kv=kv)
 
 
 def resolve_profile(path: str | None, model: Transformer) -> LatencyProfile:

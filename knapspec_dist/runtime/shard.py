@@ -41,6 +41,7 @@ from knapspec_dist.parallel import (
     parameter_bytes,
 )
 from knapspec_dist.profiles import profiler
+from knapspec_dist.profiles.allreduce import measure_allreduce
 from knapspec_dist.profiles.device import device_info
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.runtime.accounting import Meter, split
@@ -106,8 +107,8 @@ class Shard:
         """[[bytes, seconds], ...] of one all-reduce on this replica's group (collective)."""
         if self.world == 1:
             return [[float(b), 0.0] for b in sizes]
-        return profiler.measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
-                                          repeats=repeats)
+        return measure_allreduce(dist.group.WORLD, sizes, dtype=self.model.dtype,
+                                 repeats=repeats)
 
     def free_memory(self) -> int:
         """Bytes free on this rank's device now (engine/memory.py's ``free_bytes``)."""

@@ -62,8 +62,8 @@ class StrategyBuilder:
     benchmark that builds a strategy per run (``knapspec throughput``) would measure a profile
     per run. The builder keeps what it resolved for the rest of its run, and no longer."""
 
-    def __init__(self, model: Transformer):
-        self.model = model
+    def __init__(self, model: Transformer, kv: str = "fixed"):
+        self.model, self.kv = model, kv  # kv: the KV layout the runs decode over
         self.resolved: dict[str | None, list[LatencyProfile]] = {}
 
     def __call__(self, options: StrategyOptions) -> Strategy:
@@ -71,7 +71,7 @@ class StrategyBuilder:
         if options.name in PRICED:
             if options.profile not in self.resolved:
                 check_options(options, self.model.cfg)  # a bad option is refused before
-                self.resolved[options.profile] = resolve_for_model(options.profile,
-                                                                   self.model).profiles
+                self.resolved[options.profile] = resolve_for_model(
+                    options.profile, self.model, kv=self.kv).profiles
             profiles = self.resolved[options.profile]
         return build_strategy(options, self.model, profiles)

@@ -114,9 +114,7 @@ class SyncedSelector:
 
     def plan(self, model, batch):
         mine = self.inner.decide(model, batch)
-        code = encode(mine, self.pending, model.cfg.num_items)
-        if self.comm.cuda:
-            code = code.cuda()
+        code = encode(mine, self.pending, model.cfg.num_items).to(self.comm.device)
         self.comm.broadcast(code, src=0)
         agreed, timing = decode(code.cpu(), self.pending)
         self.inner.adopt(agreed)  # every rank, rank 0 too: all hold the broadcast's values

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from knapspec_dist.model.embedded import cache_dir, resolve_model_path
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import random_llama_weights
-from knapspec_dist.profiles.profiler import decode_allreduce_sizes
+from knapspec_dist.profiles.allreduce import decode_allreduce_sizes
 from knapspec_dist.ratio import ratio
 from knapspec_dist.runtime.cluster import connect
 from knapspec_dist.runtime.ray_engine import RayEngine

@@ -29,7 +29,7 @@ Why a spread bounds the gap: let ``e_a = z_a - z`` be a decode path's logit erro
 one-shot logits. If path a chose ``r`` and path b chose ``c``, then
 ``|z[r] - z[c]| <= max(|e_a[r] - e_a[c]|, |e_b[r] - e_b[c]|)``: the gap is bounded by how
 unevenly the paths' errors fall on the two tokens, the spread (:func:`logit_spread`). The
-logits are summed and kept in fp32 (model/decoder.py ``head_logits``), so in bf16 the spread
+logits are summed and kept in fp32 (model/head.py ``head_logits``), so in bf16 the spread
 comes from the hidden states, which differ from the one-shot's by other kernels' bf16 rounding
 in every layer. Measured (SmolLM2, bf16, CPU, 2 documents x 64 positions, top-5 tokens; 1-token
 decode and 2- and 5-token verify against the one-shot forward; ``scripts/logit_spread.py``):

@@ -7,8 +7,8 @@ Both engines are timed alike, each in one process: the start-up (load, a warm-up
 vLLM its compile and KV allocation), a run with one new token per row (prefill: every prompt in, its
 first token out), then the full run; decode is the full run less the prefill run, over the
 tokens after each row's first. Ours runs the scheduler a replica runs (engine/scheduler.py,
-paged KV as a job sizes it), so Ray's messages are not in it (tools/overhead.py measures
-those).
+paged KV as a job sizes it, priced by the profiles over pages a replica looks up), so Ray's
+messages are not in it (tools/overhead.py measures those).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
     start = time.perf_counter()
     model = load_model(job.model, dtype=resolve_dtype(job.dtype))
     runner = ModelRunner(model)
-    build = StrategyBuilder(model)
+    build = StrategyBuilder(model, kv="paged")  # priced over pages, as a job's replica is
     for options in strategies.values():  # profiles resolved in the start-up, as a job's are
         build(options)
     capacity = max(row_capacity(len(p), job.new_tokens) for p in job.prompts)
@@ -183,6 +183,7 @@ def compare(job: PeerJob, ours: dict, vllm: dict) -> dict:
         mine["identical_to_vllm"] = sum(a == b for a, b in zip(run["tokens"], vllm["tokens"]))
         mine["identical_to_ar"] = sum(a == b for a, b in zip(
             run["tokens"], ours["runs"].get("ar", run)["tokens"]))
+        mine["work"] = run.get("work")  # what the scheduler did: rounds, drafts, selections
         out["ours"][label] = mine
     return out
 
