@@ -218,3 +218,23 @@ def test_rows_waiting_for_memory_make_the_waves_as_wide_as_the_pool_held():
     assert progress.eta() == pytest.approx((10 - 1 + 2 * 10) / row_rate)
     progress.kv = None
     assert progress.in_flight() == 16
+
+
+def test_the_line_counts_a_trees_generations_beside_its_rows(caplog):
+    """A row summarized through a tree is one row and several generations (its nodes); the
+    line says both once they differ, as summary.json's ``rows.generations`` does."""
+    def outcome(tokens: int | None):
+        result = None if tokens is None else SimpleNamespace(
+            stats=SimpleNamespace(new_tokens=tokens))
+        return SimpleNamespace(result=result, error=None)
+
+    progress = Progress(total=2, every=0.0, label="rows", bar_enabled=False,
+                        clock=lambda: 1.0)
+    with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs"):
+        progress.update(outcome(5))  # an ordinary row: one generation
+        assert "1/2 rows (0 failed)," in caplog.text
+        for _ in range(3):  # a tree's three nodes, then its row (no result of its own)
+            progress.add_tokens(outcome(4))
+        progress.update(outcome(None))
+    assert progress.generations == 4 and progress.finished_tokens == 17
+    assert "2/2 rows (0 failed, 4 generations), 17 tokens" in caplog.text

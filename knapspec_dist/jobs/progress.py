@@ -64,6 +64,7 @@ class Progress:
     done: int = 0
     failed: int = 0
     finished_tokens: int = 0  # generated tokens of the rows finished in this pass
+    generations: int = 0  # generations finished: a row each, or each node of a summary tree
     work: Work = field(default_factory=Work)
     start: float = field(default=None)
     last: float = field(default=None)
@@ -82,6 +83,7 @@ class Progress:
         """A generation that is not a row of its own finished (a summary tree's node)."""
         if outcome.result is not None and outcome.error is None:
             self.finished_tokens += outcome.result.stats.new_tokens
+            self.generations += 1
 
     def update(self, outcome: Outcome) -> None:
         """A row finished (a tree's row: its nodes' tokens came by :meth:`add_tokens`)."""
@@ -167,8 +169,12 @@ class Progress:
             rate = ratio(w.prefilled, w.prefill_s / self.replicas)
             prefill = (f"prefilled {w.prefilled}/{self.prompt_tokens} prompt tokens "
                        f"({shown(rate, '.0f', '?')} tok/s), ")
-        log.info("%s: %d/%d rows (%d failed), %s%d tokens, %s tok/s, elapsed %s, ETA %s%s",
-                 self.label, self.done, self.total, self.failed, prefill, self.tokens,
+        # rows summarized through trees take several generations each: say how many ran
+        generations = (f", {self.generations} generations"
+                       if self.generations != self.done - self.failed else "")
+        log.info("%s: %d/%d rows (%d failed%s), %s%d tokens, %s tok/s, elapsed %s, ETA %s%s",
+                 self.label, self.done, self.total, self.failed, generations, prefill,
+                 self.tokens,
                  shown(self.tokens_per_s, ".1f", "?"), _hms(now - self.start),
                  _hms(eta) if eta is not None else "?", kv_line(self.kv))
 
