@@ -170,3 +170,14 @@ def test_a_cpu_fp32_model_uses_the_kernel_and_others_do_not():
     assert attention_backend(Model) == "sdpa"
     Model.backend = "sdpa"
     assert attention_backend(Model) == "sdpa"
+
+
+def test_indices_past_the_table_or_the_pool_are_refused_before_the_kernel_reads():
+    _, kt, v = pools(1, 3, 16)
+    q = torch.randn(1, 1, 2, 16)
+    with pytest.raises(ValueError, match="outside"):  # positions 31..32 past 2 blocks of 16
+        paged_attention(q, kt, v, torch.tensor([[1, 2]]), torch.tensor([31]))
+    with pytest.raises(ValueError, match="outside"):  # page 3 of a 3-page pool
+        paged_attention(q, kt, v, torch.tensor([[1, 3]]), torch.tensor([0]))
+    assert paged_attention(q, kt, v, torch.tensor([[1, 2]]), torch.tensor([30])).shape \
+        == (1, 2, 16)

@@ -157,7 +157,7 @@ def attend(q: torch.Tensor, keys, values, meta) -> torch.Tensor:
     (``meta.key_counts``) -> [B, T, H*hd]."""
     b, h, t, hd = q.shape
     if meta.table is not None:  # our CPU kernel, over the pools (keys laid out by dims)
-        return paged_attention(q, keys, values, meta.table, meta.starts)
+        return paged_attention(q, keys, values, meta.table, meta.starts, checked=True)
     if meta.key_counts is not None:
         o = torch.cat([_sdpa(q[i:i + 1], keys[i], values[i], meta, i)
                        for i in range(b)])

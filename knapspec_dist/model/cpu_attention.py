@@ -122,12 +122,23 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
             and library() is not None)
 
 
+def check_indices(table: torch.Tensor, starts: torch.Tensor, tokens: int, pages: int) -> None:
+    """The kernel trusts its indices: a page or position out of range would read past the
+    pool. Checked once per forward (model/forward_meta.py), not once per layer."""
+    if table.numel() and starts.numel() and (
+            int(starts.max()) + tokens > table.shape[1] * PAGE or int(starts.min()) < 0
+            or int(table.max()) >= pages or int(table.min()) < 0):
+        raise ValueError(f"positions up to {int(starts.max()) + tokens} or pages outside the "
+                         f"table's {table.shape[1]} blocks / the pool's {pages} pages")
+
+
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    table: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+                    table: torch.Tensor, starts: torch.Tensor,
+                    checked: bool = False) -> torch.Tensor:
     """q [B, H, T, hd] (any strides with contiguous dims) at positions ``starts[b] ..
     starts[b]+T-1`` against the pools ``keys`` [KV, pages, hd, 16] and ``values`` [KV,
     pages*16, hd] through ``table`` [B, blocks] -> [B, T, H*hd]: row b's query i sees its keys
-    ``0 .. starts[b]+i``."""
+    ``0 .. starts[b]+i``. ``checked``: ``check_indices`` already passed for this forward."""
     b, h, t, hd = q.shape
     kv, pages = keys.shape[0], keys.shape[1]
     if keys.dim() != 4 or keys.shape[3] != PAGE:
@@ -140,11 +151,8 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q = q.contiguous()
     table = table.contiguous()
     starts = starts.to(torch.int64).contiguous()
-    # the kernel trusts its indices: a page or position out of range would read past the pool
-    if b and (int(starts.max()) + t > table.shape[1] * PAGE or int(starts.min()) < 0
-              or int(table.max()) >= pages or int(table.min()) < 0):
-        raise ValueError(f"positions up to {int(starts.max()) + t} or pages outside the "
-                         f"table's {table.shape[1]} blocks / the pool's {pages} pages")
+    if not checked:
+        check_indices(table, starts, t, pages)
     out = q.new_empty(b, t, h * hd)
     rc = library().paged_attention(
         q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), keys.data_ptr(),

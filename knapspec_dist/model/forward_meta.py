@@ -15,6 +15,7 @@ import torch
 
 from knapspec_dist.model.attention import attends_per_row, attention_backend
 from knapspec_dist.model.block_mask import length_block_mask, paged_block_mask
+from knapspec_dist.model.cpu_attention import check_indices
 from knapspec_dist.model.transfer import upload
 
 
@@ -121,7 +122,10 @@ def forward_meta(model, starts: Sequence[int] | torch.Tensor, t: int, cache,
                                       cache.page)
     elif flex:
         block_mask = length_block_mask(starts_dev, t, kv_len)
+    table = None
+    if kernel:  # the rows' pages, checked once here for every layer's kernel call
+        table = cache.table[rows].contiguous()
+        check_indices(table, starts_dev, t, cache.n_pages)
     return ForwardMeta(starts_dev, positions, cos, sin, rows, kv_len, start, causal, backend,
-                       block_mask, slots, gather, key_counts, row_offsets,
-                       cache.table[rows] if kernel else None)
+                       block_mask, slots, gather, key_counts, row_offsets, table)
 
