@@ -10,7 +10,8 @@ import torch
 
 from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.cpu_attention import PAGE, paged_attention, unavailable_reason
+from knapspec_dist.model.cpu_attention import PAGE, paged_attention
+from knapspec_dist.model.cpu_build import unavailable_reason
 from knapspec_dist.model.paged_cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,

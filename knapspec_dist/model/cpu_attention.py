@@ -24,92 +24,35 @@ no gather.
   that row, and every row's arithmetic is the same whether its tile has 1 row or 8. So a
   decode step and a verify of the same positions give the same bits (the lossless check of
   speculation rests on it), whatever the batch or the thread count.
-- **Where.** x86 CPUs with AVX-512 (``torch.backends.cpu.get_cpu_capability()``) and a C
-  compiler (``cc``, else ``gcc``); fp32 and bf16 models (bf16 queries, keys and values are
-  widened exactly to fp32, the arithmetic is fp32, the output rounded to nearest even). The
-  shared library is built once per source and compiler flags into the cache folder
-  (``$KNAPSPEC_CACHE/kernels``; about a second). Elsewhere the attention backend stays
-  ``sdpa``, which reads the same cache laid out position-major.
+- **Where.** x86 CPUs with AVX-512 and a C compiler (model/cpu_build.py builds it); fp32 and
+  bf16 models (bf16 queries, keys and values are widened exactly to fp32, the arithmetic is
+  fp32, the output rounded to nearest even). Elsewhere the attention backend stays ``sdpa``,
+  which reads the same cache laid out position-major.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from knapspec_dist.model.embedded import cache_dir
+from knapspec_dist.model import cpu_build
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
 PAGE = 16  # positions per page: one AVX-512 vector of fp32 keys per dim
 MAX_HEAD_DIM = 256
-FLAGS = ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp",
-         "-fPIC", "-shared")
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def unavailable_reason() -> str | None:
-    """Why this machine cannot run the kernel, or None when it can."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return f"the CPU lacks AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
-    if _compiler() is None:
-        return "no C compiler (cc or gcc) on PATH"
-    return None
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel's shared library, built on first use; None (logged once) where it cannot
-    be built or loaded."""
-    reason = unavailable_reason()
-    if reason is None:
-        try:
-            return _load(_compiler())
-        except (OSError, subprocess.CalledProcessError) as e:
-            reason = f"building {SOURCE.name} failed: {e}"
-    log.info("CPU attention: torch SDPA (our paged kernel is unavailable: %s)", reason)
-    return None
-
-
-def _load(cc: str) -> ctypes.CDLL:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc,) + FLAGS).encode()).hexdigest()[:16]
-    folder = cache_dir() / "kernels"
-    target = folder / f"paged_attention-{key}.so"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        # built beside the target, then renamed: ranks starting together never load half a file
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
-                           capture_output=True, text=True)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
-    lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention.argtypes = (
-        [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-        + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float]
-        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
+    """The kernel's library (model/cpu_build.py), its entry typed; None where it cannot run."""
+    lib = cpu_build.library("paged_attention")
+    if lib is not None:
+        lib.paged_attention.restype = ctypes.c_int
+        lib.paged_attention.argtypes = (
+            [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+            + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float]
+            + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
     return lib
 
 

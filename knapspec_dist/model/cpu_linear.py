@@ -13,13 +13,18 @@ identity of speculation with plain decoding rests on; the identity itself is tes
 
 Applied from outside, as tensor parallelism is (parallel/layers.py): ``pack_linears`` swaps
 each sublayer's ``nn.Linear`` for a ``PackedLinear`` after the weights are loaded (and
-sharded); the packed copy is the one kept. The vocabulary head is packed in fp32,
+sharded); the packed copy is the one kept. The products of one input (q, k and v; gate and
+up) become one ``PackedGroup``, the sublayer's ``merged``: one weight read and one call
+where there were three or two (at 12 decoding rows, 2-core AMD EPYC: q, k, v 131 -> 86 us,
+gate and up 241 -> 216 us a layer). The vocabulary head is packed in fp32,
 where its logits are the plain product (not timed on its own); in bf16 it keeps its fp32
 accumulation (head.py ``head_logits``), and under tensor parallelism its vocab-parallel
 module.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 from torch import nn
@@ -71,20 +76,52 @@ class PackedHead(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
+class PackedGroup(nn.Module):
+    """Products of one input by several weights (``weight``: theirs stacked, ``sizes``: each
+    one's rows), as one product over the stack packed once; its output split into each
+    weight's part (views)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.sizes = sizes
+        self.packed = _pack(weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out.split(self.sizes, dim=-1)
+
+
+GROUPS = {"attention": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every sublayer's ``nn.Linear`` for a ``PackedLinear`` (and an fp32 ``LMHead`` for
-    a ``PackedHead``) where ``can_pack``; the count swapped (0 elsewhere: the model is left as
-    it was)."""
+    """Merge each sublayer's products of one input into a ``PackedGroup`` and swap its other
+    ``nn.Linear`` for a ``PackedLinear`` (and an fp32 ``LMHead`` for a ``PackedHead``) where
+    ``can_pack``; the count of linears swapped (0 elsewhere: the model is left as it was)."""
     if not can_pack(model.device, model.dtype):
         return 0
     swapped = 0
     for layer in model.layers:
-        for block in (layer.attention, layer.mlp):
+        for kind, block in (("attention", layer.attention), ("mlp", layer.mlp)):
+            group = [getattr(block, name) for name in GROUPS[kind]]
+            if all(type(linear) is nn.Linear for linear in group):
+                weight = torch.cat([linear.weight.detach() for linear in group])
+                bias = (None if group[0].bias is None
+                        else torch.cat([linear.bias.detach() for linear in group]))
+                sizes = [linear.out_features for linear in group]
+                for name in GROUPS[kind]:  # freed before packing: one dense copy at a time
+                    delattr(block, name)
+                del group
+                block.merged = PackedGroup(weight, bias, sizes)
+                del weight
+                _return_freed_memory()
+                swapped += len(sizes)
             for name, child in list(block.named_children()):
                 if type(child) is nn.Linear:
                     setattr(block, name, PackedLinear(child))
@@ -92,4 +129,14 @@ def pack_linears(model: nn.Module) -> int:
     if type(model.lm_head) is LMHead and model.dtype == torch.float32:
         model.lm_head = PackedHead(model.lm_head)
         swapped += 1
+    _return_freed_memory()
     return swapped
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's freed dense copies back to the system (glibc keeps them otherwise:
+    a rank would hold its weights' share plus the last copies' worth)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -36,10 +36,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -59,6 +63,19 @@ def _rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, meta: ForwardMeta
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, H, hd] -> rotated [B, H, T, hd]; k [B, T, KV, hd] -> rotated, same shape."""
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q = q * meta.cos + rotate_half(q) * meta.sin
+    k = k * meta.cos + rotate_half(k) * meta.sin
+    return q, k.transpose(1, 2)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class Capture(list):
@@ -87,20 +104,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.reduce = identity
+        self.rotary = apply_rotary  # a CPU's one-pass kernel is set from outside (cpu_ops.py)
+        self.merged: nn.Module | None = None  # q, k, v as one product (cpu_linear.py)
 
     def qkv(self, x: torch.Tensor, meta: ForwardMeta
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed input -> rotated q [B,H,T,hd], k and v [B,T,KV,hd]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = (self.merged(x) if self.merged is not None
+                   else (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * meta.cos + rotate_half(q) * meta.sin
-        k = k * meta.cos + rotate_half(k) * meta.sin
-        return q, k.transpose(1, 2), v
+        q, k = self.rotary(q, k, meta)
+        return q, k, v
 
     def forward(self, h: torch.Tensor, meta: ForwardMeta, cache: KVCache, layer: int
                 ) -> torch.Tensor:
@@ -118,10 +137,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.reduce = identity
+        self.gated = silu_and_mul  # a CPU's one-pass kernel is set from outside (cpu_ops.py)
+        self.merged: nn.Module | None = None  # gate and up as one product (cpu_linear.py)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = self.norm(h)
-        return h + self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = (self.merged(x) if self.merged is not None
+                    else (self.gate_proj(x), self.up_proj(x)))
+        return h + self.reduce(self.down_proj(self.gated(gate, up)))
 
 
 class Layer(nn.Module):

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.cpu_linear import pack_linears
+from knapspec_dist.model.cpu_ops import fuse_elementwise
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     model.inv_freq = rope_frequencies(cfg)[0].to(device)
     model.eval()
     pack_linears(model)  # on a CPU: the products through oneDNN (model/cpu_linear.py)
+    fuse_elementwise(model)  # and the element-wise steps in one pass each (model/cpu_ops.py)
     return model
 
 

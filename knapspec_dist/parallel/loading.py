@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import ModelConfig, load_config
-from knapspec_dist.model.cpu_linear import PackedHead, PackedLinear
+from knapspec_dist.model.cpu_linear import PackedGroup, PackedHead, PackedLinear
 from knapspec_dist.model.decoder import Transformer
 from knapspec_dist.model.weights import checkpoint_files, hf_name, load_model
 from knapspec_dist.parallel.comm import Comm
@@ -98,6 +98,6 @@ def parameter_bytes(model: Transformer) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     for m in model.modules():
-        if isinstance(m, (PackedLinear, PackedHead)):
+        if isinstance(m, (PackedLinear, PackedGroup, PackedHead)):
             total += m.packed.numel() * m.packed.element_size()
     return total
