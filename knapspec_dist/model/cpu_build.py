@@ -3,12 +3,12 @@ loaded through ctypes.
 
 Why built here and not shipped compiled: the kernels use AVX-512 intrinsics and OpenMP, and a
 build on the machine that runs them takes about a second with the system's ``cc`` (else
-``gcc``). The library goes to ``$KNAPSPEC_CACHE/kernels`` named by a hash of source, shared
-headers and flags; it is built beside the target and renamed, so ranks starting together never load half
-a file. OpenMP is torch's own (the same ``libgomp.so.1``, already loaded), so the kernels and
-torch's ops share one thread pool. ``-ffp-contract=off``: a product and a sum written apart
-round apart, as torch's eager ops do (the kernels write a fused multiply-add where they mean
-one).
+``gcc``). The library goes to ``$KNAPSPEC_CACHE/kernels``, named by a hash of the source, the
+shared headers and the flags; it is built beside the target and renamed, so ranks starting
+together never load half a file. OpenMP is torch's own (the same ``libgomp.so.1``, already
+loaded), so the kernels and torch's ops share one thread pool. ``-ffp-contract=off``: a
+product and a sum written apart round apart, as torch's eager ops do (the kernels write a
+fused multiply-add where they mean one).
 """
 
 from __future__ import annotations
