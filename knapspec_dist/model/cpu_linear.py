@@ -25,6 +25,7 @@ module.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from torch import nn
@@ -136,7 +137,15 @@ def pack_linears(model: nn.Module) -> int:
 def _return_freed_memory() -> None:
     """Hand the heap's freed dense copies back to the system (glibc keeps them otherwise:
     a rank would hold its weights' share plus the last copies' worth)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None

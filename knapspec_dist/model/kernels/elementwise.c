@@ -9,7 +9,6 @@
    the normalized row to the dtype before the weight, as torch's module does. */
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "vexp.h"
 
