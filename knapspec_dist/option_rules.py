@@ -146,6 +146,7 @@ TABLE = f"""
 --chunk-tokens            int    >= 1
 --chunk-overlap           int    >= 0
 --tree-depth              int    >= 2
+--tree-fan-in             int    >= 2
 --gamma                   int    1..{MAX_GAMMA}
 --tau-conf                float  [0, 1]
 --interval                int    >= 1

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pyarrow as pa
@@ -373,3 +374,23 @@ def test_a_kv_cache_too_small_for_one_row_is_refused_before_any_replica_starts(t
     assert "weights in" not in proc.stderr  # no shard loaded its weights
     assert time.monotonic() - start < 240
     assert not out.exists()
+
+
+def test_a_dispatcher_keeps_no_callback_or_input_past_its_run():
+    """The processor's stage holds its dispatcher: a callback kept past the run would close a
+    reference cycle, and the stage (with its replica's placement group) would only be freed
+    by the garbage collector, after Ray disconnected."""
+    engines = t.FakeEngines()
+    engines.strategy, engines.num_replicas = "ar", 1
+    sched = Dispatcher(t.FakeBackend(engines), JobConfig(input="x", output="y")
+                       .generation_config(), max_inflight=2)
+
+    class Sink(list):
+        pass
+
+    sink = Sink()
+    alive = weakref.ref(sink)
+    sched.run(iter([Task("a", [7]), Task("b", [8])]), sink.append)
+    assert sorted(o.task.key for o in sink) == ["a", "b"]
+    del sink
+    assert alive() is None

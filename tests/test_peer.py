@@ -24,6 +24,7 @@ import json, os, sys
 req = json.load(open(sys.argv[2]))
 tokens = json.load(open(os.environ["PEER_TOKENS"]))
 json.dump({{"startup_s": 9.0, "prefill_s": 2.0, "full_s": 3.0, "tokens": tokens,
+           "decode_window_s": 0.5, "decode_window_tokens": 2,
            "versions": {{"vllm": "stand-in", "torch": "-"}}, "threads": req["threads"]}},
           open(sys.argv[3], "w"))' "$@"
 """
@@ -62,8 +63,10 @@ def test_peer_runs_both_engines_on_the_same_prompts_and_counts_identical_rows(
     first = json.loads((out / "peer.json").read_text())
     ours = first["tokens"]["ar"]
     assert first["ours"]["ar"]["identical_to_vllm"] == 0 and len(ours) == 2
-    assert first["vllm"]["startup_s"] == 9.0 and first["vllm"]["decode_s"] == 1.0
+    assert first["vllm"]["startup_s"] == 9.0 and first["vllm"]["decode_tokens_per_s"] == 4.0
     assert first["ours"]["ar"]["speed_vs_vllm"]["startup_s"] > 0
+    window = first["ours"]["ar"]  # 3 new tokens a row, 2 rows: up to 4 after the first ones
+    assert 0 <= window["decoded"] <= 4 and 0 <= window["decode_s"] <= window["end_to_end_s"]
     peer_tokens.write_text(json.dumps([ours[0], [4, 5, 6]]))  # the peer agrees on one row
     assert main(args) == 0
     second = json.loads((out / "peer.json").read_text())
@@ -86,15 +89,18 @@ def test_a_missing_peer_venv_is_a_user_error(documents, tmp_path, capsys):
 
 
 def test_phases_split_prefill_and_decode_and_speed_is_the_peers_time_over_ours():
-    """Decode is the full run less the prefill run, over the tokens after each row's first."""
-    p = phases(10.0, 4.0, 6.0, [[1, 2, 3], [1]], prompt_tokens=400)
-    assert (p["decode_s"], p["prefill_tokens_per_s"], p["decode_tokens_per_s"]) == (2.0, 100, 1.0)
+    """Decode is the full run's window after every row's first token; its speed is our rate
+    over the peer's, the other phases' the peer's time over ours."""
+    p = phases(10.0, 4.0, 6.0, [[1, 2, 3], [1]], prompt_tokens=400, decode_s=2.0, decoded=1)
+    assert (p["decode_s"], p["prefill_tokens_per_s"], p["decode_tokens_per_s"]) == (2.0, 100, 0.5)
     job = PeerJob("m", "fp32", 2, 64, 4, 3, ["a", "b"], [[7] * 10, [8] * 30])
-    vllm = {"startup_s": 60.0, "prefill_s": 4.0, "full_s": 6.0, "tokens": [[1, 2, 3], [1]]}
+    vllm = {"startup_s": 60.0, "prefill_s": 4.0, "full_s": 6.0, "tokens": [[1, 2, 3], [1]],
+            "decode_window_s": 2.0, "decode_window_tokens": 2}
     ours = {"startup_s": 20.0, "prefill_s": 8.0,
-            "runs": {"ar": {"s": 10.0, "tokens": [[1, 2, 3], [2]]}}}
+            "runs": {"ar": {"s": 10.0, "tokens": [[1, 2, 3], [2]], "decode_window_s": 1.0,
+                            "decode_window_tokens": 2}}}
     result = compare(job, ours, vllm)
     speed = result["ours"]["ar"]["speed_vs_vllm"]
-    assert speed == {"startup_s": 3.0, "prefill_s": 0.5, "decode_s": 1.0, "end_to_end_s": 0.6}
+    assert speed == {"startup_s": 3.0, "prefill_s": 0.5, "decode_s": 2.0, "end_to_end_s": 0.6}
     assert result["ours"]["ar"]["identical_to_vllm"] == 1
     assert "| end to end | 6.0 s (1 tok/s) | 10.0 s (0 tok/s) | 0.60x |" in table(job, result)

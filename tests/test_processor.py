@@ -10,7 +10,12 @@ import ray
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
-from knapspec_dist.runtime.processor import ProcessorConfig, build_processor
+from knapspec_dist.runtime.processor import (
+    ProcessorConfig,
+    build_processor,
+    stages,
+    with_cores,
+)
 from knapspec_dist.runtime.ray_engine import RayEngine
 
 DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich.",
@@ -19,7 +24,7 @@ DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich."
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -89,3 +94,20 @@ def test_the_prefill_budget_is_part_of_the_rows_generation_config():
                                                              max_num_batched_tokens=256)
     with pytest.raises(UserError, match="--max-num-batched-tokens"):
         ProcessorConfig(strategy="ar", max_num_batched_tokens=0)
+
+
+def test_the_ranks_share_the_clusters_cores_unless_told(local_ray):
+    """Decided once for every replica (the fixture's Ray has 2 CPUs): threads on the ranks'
+    share of every core less the tokenize stage's, a reservation that leaves the Dataset's
+    own tasks a CPU (the maps around the stages above would wait forever without it); a
+    number given is kept for both."""
+    def cores(**options) -> tuple[int, float | None]:
+        config, reserved = with_cores(ProcessorConfig(strategy="ar", **options))
+        return config.cpus_per_rank, reserved
+
+    assert cores() == (2, 1.0)
+    assert cores(concurrency=(1, 2)) == (1, 0.5)  # the most replicas: 2 ranks
+    assert cores(tokenizer_cpus=1) == (1, 0.01)  # Ray refuses an empty bundle
+    assert cores(cpus_per_rank=2, concurrency=3) == (2, None)
+    engine_stage = stages(ProcessorConfig(strategy="ar"))[-1]
+    assert engine_stage.args[0].cpus_per_rank == 2 and engine_stage.args[1] == 1.0

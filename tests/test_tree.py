@@ -91,9 +91,9 @@ def combine(summaries, level, index):
 
 
 def grow(n_chunks: int, limit: int, order: random.Random | None = None, max_depth: int = 8,
-         known=None) -> tuple[DocumentTree, list]:
+         known=None, max_fan_in: int | None = None) -> tuple[DocumentTree, list]:
     tree = DocumentTree("doc", [([1], f"d{i}") for i in range(n_chunks)], combine, limit,
-                        max_depth, known or {})
+                        max_depth, known or {}, max_fan_in)
     ran = []
     pending = tree.ready()
     while pending and not tree.done:
@@ -114,6 +114,32 @@ def test_groups_pack_consecutive_summaries_greedily_until_one_is_left():
     assert groups(tree) == [[(0, 4), (4, 8), (8, 11)], [(0, 3)]]
     assert tree.root.text == "s2.0" and len(ran) == 11 + 3 + 1
     assert [len(level) for level in tree.levels] == [11, 3, 1]
+
+
+def test_a_bounded_fan_in_makes_smaller_groups_and_a_deeper_tree():
+    tree, ran = grow(11, limit=4 + 5 * 8, max_fan_in=3)  # eight would fit, three may
+    assert groups(tree) == [[(0, 3), (3, 6), (6, 9), (9, 11)], [(0, 3), (3, 4)], [(0, 2)]]
+    assert tree.root is not None and len(ran) == 11 + 4 + 2 + 1
+    wide, _ = grow(11, limit=4 + 5 * 8)
+    assert groups(wide) == [[(0, 8), (8, 11)], [(0, 2)]]
+    for seed in range(3):  # a full group starts without waiting for the next summary
+        other, _ = grow(11, limit=4 + 5 * 8, order=random.Random(seed), max_fan_in=3)
+        assert groups(other) == groups(tree)
+    started = DocumentTree("doc", [([1], f"d{i}") for i in range(6)], combine, 4 + 5 * 8, 8,
+                           max_fan_in=2)
+    chunks = started.ready()
+    for node in chunks[:2]:
+        started.finish(node, result("s"))
+    assert [n.children for n in started.ready()] == [(0, 2)]
+
+
+def test_a_bounded_fan_in_is_in_the_jobs_identity_and_none_leaves_it_as_it_was(tmp_path):
+    plain = job(tmp_path).fingerprint()["long_documents"]
+    assert "max_fan_in" not in plain  # outputs written before the option resume
+    bounded = job(tmp_path, tree_fan_in=4).fingerprint()["long_documents"]
+    assert bounded == {**plain, "max_fan_in": 4}
+    with pytest.raises(UserError, match="--tree-fan-in"):
+        job(tmp_path, tree_fan_in=1)
 
 
 def test_the_packing_does_not_depend_on_the_order_nodes_finish_in():

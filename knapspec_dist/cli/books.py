@@ -38,6 +38,7 @@ def register(sub) -> None:
     add_number(p, "--max-new-tokens", default=128)
     add_number(p, "--max-model-len", default=None)
     add_number(p, "--chunk-tokens", default=None)
+    add_number(p, "--tree-fan-in", default=None)
     add_number(p, "--max-num-seqs", default=None)
     add_number(p, "--temperature", default=DEMO_TEMPERATURE,
                help=f"the demo's sampling by default (a 135M model's greedy summaries loop): "
@@ -62,6 +63,7 @@ def cmd_books(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise UserError("--strategies must include ar: the speedup is over ar's tree")
     base = {"model": args.model, "max_new_tokens": args.max_new_tokens,
             "max_model_len": args.max_model_len, "chunk_tokens": args.chunk_tokens,
+            "tree_fan_in": args.tree_fan_in,
             "max_num_seqs": args.max_num_seqs, "temperature": args.temperature,
             "top_p": args.top_p, "seed": args.seed, "progress_bar": False}
     out = Path(args.out)

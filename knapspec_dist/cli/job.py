@@ -132,6 +132,9 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
     add_number(rows, "--tree-depth", default=8,
                help="most levels of a tree, its chunks' included; a document that "
                     "needs more fails (default 8)")
+    add_number(rows, "--tree-fan-in", default=None,
+               help="most summaries one group of a tree combines (default: as many as fit "
+                    "the window)")
     rows.add_argument("--chunk-instruction", default=CHUNK_INSTRUCTION,
                       help="a chunk's prompt: {document} where its text goes (else before "
                            "it); {part} and {parts} say which part of how many it is")
@@ -212,8 +215,8 @@ def config_from_args(args: argparse.Namespace, mode: str = "summarize") -> JobCo
         long_documents=args.long_documents or (
             None if mode == "summarize" or args.truncate else "fail"),
         chunk_tokens=args.chunk_tokens, chunk_overlap=args.chunk_overlap,
-        tree_depth=args.tree_depth, chunk_instruction=args.chunk_instruction,
-        combine_instruction=args.combine_instruction,
+        tree_depth=args.tree_depth, tree_fan_in=args.tree_fan_in,
+        chunk_instruction=args.chunk_instruction, combine_instruction=args.combine_instruction,
         baseline_fraction=args.baseline_fraction, max_inflight=args.max_inflight,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
         memory_utilization=args.memory_utilization,

@@ -30,7 +30,7 @@ NUMERIC = ("tp", "replicas", "cpus_per_rank", "max_new_tokens", "temperature", "
            "memory_utilization", "max_num_batched_tokens", "max_inflight", "max_attempts",
            "row_timeout", "checkpoint_rows", "checkpoint_seconds", "stop_after", "stream_rows",
            "tokenizers", "tokenizer_cpus", "progress_seconds", "chunk_tokens", "chunk_overlap",
-           "tree_depth")
+           "tree_depth", "tree_fan_in")
 STRATEGY_NUMERIC = ("gamma", "tau_conf", "interval")
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class JobConfig:
     chunk_tokens: int | None = None  # a chunk's document tokens; None: from the window
     chunk_overlap: int = 0  # tokens of the previous chunk repeated at a chunk's start
     tree_depth: int = 8  # the most levels of a tree, its chunks' included
+    tree_fan_in: int | None = None  # the most summaries a group combines; None: what fits
     chunk_instruction: str = CHUNK_INSTRUCTION
     combine_instruction: str = COMBINE_INSTRUCTION
     max_model_len: int | None = None  # None: the model's context window
@@ -135,7 +136,7 @@ class JobConfig:
         if self.long_documents != "tree":
             return None
         return TreeShape(self.chunk_tokens, self.chunk_overlap, self.tree_depth,
-                         self.chunk_instruction, self.combine_instruction)
+                         self.chunk_instruction, self.combine_instruction, self.tree_fan_in)
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.of(max_new_tokens=self.max_new_tokens,
@@ -204,7 +205,7 @@ class JobConfig:
             "max_model_len": self.max_model_len,
             # absent unless trees are made, as before they were, so that earlier outputs
             # resume (with --long-documents fail: a tree changes what a long row gets)
-            **({"long_documents": asdict(self.tree_shape())} if self.tree_shape() else {}),
+            **({"long_documents": self.tree_shape().fingerprint()} if self.tree_shape() else {}),
         }
 
     def to_dict(self) -> dict:

@@ -150,44 +150,48 @@ class Dispatcher:
         self.inflight = {}
         self._finished = 0
         self._on_result = on_result
-        stopping = False
-        full = None if should_stop is None else (
-            lambda: should_stop(self._finished + len(self.inflight)))
-        self._top_up(full, ahead=False)  # the first rows start before the lookahead is read
-        while self.queue or self.front or self.inflight:
-            if (should_stop is not None and not stopping
-                    and should_stop(self._finished + len(self.inflight))):
-                stopping = True
-                if self.queue:
-                    log.info("stopping early: %d queued row(s) and the rest of the input "
-                             "left for a later run", len(self.queue))
-                self.front.extend(t for t in self.queue if t.continues)
-                self.queue.clear()
-                self.source = iter(())
-            self._fill(full)
-            if not self.inflight:
-                if self.queue or self.front:
-                    raise ReplicaLost(f"no replica left to run "
-                                      f"{len(self.queue) + len(self.front)} row(s)")
-                break
-            for handle in self.backend.wait(list(self.inflight), self.tick_seconds):
-                flight = self._land(handle)
-                try:
-                    result = self.backend.result(handle)
-                except Exception as exc:  # noqa: BLE001 - sorted into replica vs row failures
-                    if self.backend.is_replica_failure(exc):
-                        self._retry_or_fail(flight, exc)
-                        self._restart(flight.replica, flight.epoch, exc)
-                    else:
-                        self._emit(Outcome(flight.task, error=describe_error(exc),
-                                           replica=flight.replica, kind="row"))
-                    continue
-                self._emit(Outcome(flight.task, result=result, replica=flight.replica))
-            self._check_timeouts()
-            if on_tick is not None:
-                on_tick()
-            if not stopping:
-                self._top_up(full)
+        try:
+            stopping = False
+            full = None if should_stop is None else (
+                lambda: should_stop(self._finished + len(self.inflight)))
+            self._top_up(full, ahead=False)  # the first rows start before the lookahead is read
+            while self.queue or self.front or self.inflight:
+                if (should_stop is not None and not stopping
+                        and should_stop(self._finished + len(self.inflight))):
+                    stopping = True
+                    if self.queue:
+                        log.info("stopping early: %d queued row(s) and the rest of the input "
+                                 "left for a later run", len(self.queue))
+                    self.front.extend(t for t in self.queue if t.continues)
+                    self.queue.clear()
+                    self.source = iter(())
+                self._fill(full)
+                if not self.inflight:
+                    if self.queue or self.front:
+                        raise ReplicaLost(f"no replica left to run "
+                                          f"{len(self.queue) + len(self.front)} row(s)")
+                    break
+                for handle in self.backend.wait(list(self.inflight), self.tick_seconds):
+                    flight = self._land(handle)
+                    try:
+                        result = self.backend.result(handle)
+                    except Exception as exc:  # noqa: BLE001 - sorted into replica vs row failures
+                        if self.backend.is_replica_failure(exc):
+                            self._retry_or_fail(flight, exc)
+                            self._restart(flight.replica, flight.epoch, exc)
+                        else:
+                            self._emit(Outcome(flight.task, error=describe_error(exc),
+                                               replica=flight.replica, kind="row"))
+                        continue
+                    self._emit(Outcome(flight.task, result=result, replica=flight.replica))
+                self._check_timeouts()
+                if on_tick is not None:
+                    on_tick()
+                if not stopping:
+                    self._top_up(full)
+        finally:  # the caller's callbacks and input are not kept: a stage holding this
+            # dispatcher would otherwise be in a cycle, freed only by the garbage collector
+            self._on_result, self.source = None, iter(())
 
     def push(self, task: Task, first: bool = True) -> None:
         """A task of a row already started (a summary tree's node), made while the run goes:

@@ -27,6 +27,10 @@ runtime/tree_tasks.py, shaped by ``tree``), or ``"truncate"``d, or fails (``"fai
 row says which (``document_path``) and how big its tree was (``tree_*``). Unlike the job's, a
 tree is not kept node by node: a Dataset has no resume.
 
+On a CPU each rank runs torch threads on its share of the cluster's cores (as the job's
+ranks do) unless ``cpus_per_rank`` says how many; Ray reserves the ranks all CPUs but one,
+which the Dataset's own read and ``map`` tasks need to run (``with_cores``).
+
 With ``should_continue_on_error`` a row that fails gets its ``error`` (and ``error_kind``)
 and the others go on; without it the first failure fails the Dataset, as in ``ray.data.llm``.
 
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import pyarrow as pa
@@ -60,6 +64,7 @@ from knapspec_dist.runtime.prompts import (
     make_builder,
 )
 from knapspec_dist.runtime.ray_engine import RayEngine
+from knapspec_dist.runtime.replica import share_cores
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.stages import (
     RESULT_FIELDS,
@@ -91,7 +96,7 @@ class ProcessorConfig:
     strategy: StrategyOptions | str = "knapspec"
     dtype: str = "fp32"
     device: str = "cpu"
-    cpus_per_rank: int = 1
+    cpus_per_rank: int | None = None  # None: the cluster's cores shared by the ranks
     max_num_seqs: int | None = None  # cap on rows in flight; None: 256 on a GPU, 16 on a CPU
     kv_cache_memory: int | str | None = None  # KV bytes per rank ("2GiB"); None: utilization
     memory_utilization: float = MEMORY_UTILIZATION  # of the memory free after the weights
@@ -134,7 +139,8 @@ class ProcessorConfig:
         check("max_new_tokens", self.sampling.get("max_new_tokens"))
         for name, value in (("chunk_tokens", self.tree.chunk_tokens),
                             ("chunk_overlap", self.tree.overlap),
-                            ("tree_depth", self.tree.max_depth)):
+                            ("tree_depth", self.tree.max_depth),
+                            ("tree_fan_in", self.tree.max_fan_in)):
             check(name, value)
         self.generation_config()  # bad sampling options fail here, not in a worker
 
@@ -166,11 +172,12 @@ class EngineStage:
     Dispatcher: every row of a batch is submitted at once, so they share the replica's
     continuous batch, and a replica failure restarts it and retries its rows."""
 
-    def __init__(self, config: ProcessorConfig):
+    def __init__(self, config: ProcessorConfig, reserved_cpus: float | None = None):
         c = config
         self.config = c
         self.engine = RayEngine(c.model, tp=c.tp, replicas=1, strategy=c.strategy, dtype=c.dtype,
                              device=c.device, cpus_per_rank=c.cpus_per_rank,
+                             reserved_cpus_per_rank=reserved_cpus,
                              max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
                              kv_cache_memory=c.kv_cache_memory,
                              memory_utilization=c.memory_utilization)
@@ -230,17 +237,55 @@ class EngineStage:
         return row
 
     def __del__(self):
+        """Stop the replica and hand its placement group (the driver's job owns it: it would
+        hold its CPUs until the driver exits) back when Ray Data's graceful shutdown drops
+        the stage. Nothing here is in a reference cycle (the dispatcher keeps no callback
+        past its run), or the stage would only be collected after Ray disconnected, where a
+        Ray call starts a second core worker and aborts the process."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is not None and ray.is_initialized():
             engine.shutdown()
 
 
+#: CPUs the processor's ranks leave to the Dataset's own tasks: a user's ``read_parquet`` or
+#: ``map`` reserves one each, and with every CPU held by the ranks it would never run.
+DATASET_CPUS = 1
+MIN_RESERVED = 0.01
+
+
+def with_cores(config: ProcessorConfig) -> tuple[ProcessorConfig, float | None]:
+    """``config`` with its CPUs per rank decided, once for every replica (each EngineStage
+    deciding for itself would race: the first to start would take every free CPU), and what
+    Ray reserves per rank (None: as many). Unless ``cpus_per_rank`` is given, on a CPU each
+    rank runs threads on its share of the cluster's cores (replica.share_cores, RayEngine's
+    rule, over ``tp`` x the most replicas, less the tokenize stage's CPUs) but reserves its
+    share of all but ``DATASET_CPUS`` of them (at least ``MIN_RESERVED``: Ray refuses an empty
+    bundle). All the cluster's CPUs, not those free now: an earlier processor's replicas
+    still held by Ray Data's idle actors are released, and the new ones wait for them. Needs
+    Ray up."""
+    if config.cpus_per_rank is not None or config.device == "cuda":
+        return replace(config, cpus_per_rank=config.cpus_per_rank or 1), None
+    pool = config.concurrency
+    replicas = pool[1] if isinstance(pool, tuple) else pool
+    ranks = config.tp * replicas
+    nodes = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    cpus = sum(nodes) - config.tokenizer_cpus * config.tokenizer_concurrency
+    threads = share_cores([int(n) for n in nodes], int(cpus), config.tp, replicas)
+    reserved = max(MIN_RESERVED, min(float(threads), (cpus - DATASET_CPUS) / ranks))
+    log.info("%d thread(s) per rank, %.2g CPU(s) reserved (the cluster's %g CPUs shared by %d "
+             "rank(s), %d left to the Dataset's tasks; cpus_per_rank sets both)", threads,
+             reserved, sum(nodes), ranks, DATASET_CPUS)
+    return replace(config, cpus_per_rank=threads), reserved
+
+
 def stages(config: ProcessorConfig) -> list[Stage]:
-    """The processor's tokenize and engine stages (runtime/stages.py)."""
+    """The processor's tokenize and engine stages (runtime/stages.py), with the CPUs per rank
+    decided (``with_cores``: Ray must be up)."""
+    config, reserved = with_cores(config)
     # The engine actor holds no CPU itself: its shard actors reserve the replica's CPUs/GPUs.
     return [Stage(TokenizeStage, (config.builder(), config.column), rows=16,
                   actors=config.tokenizer_concurrency, cpus=config.tokenizer_cpus),
-            Stage(EngineStage, (config,), rows=config.rows_per_call(),
+            Stage(EngineStage, (config, reserved), rows=config.rows_per_call(),
                   actors=config.concurrency, cpus=0)]
 
 
@@ -251,12 +296,12 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     before the result is consumed). The model, tp and strategy are checked here, at once."""
     check_setup(config.model, config.tp, config.strategy)
 
-    pipeline = stages(config)
-
     def processor(ds: ray.data.Dataset) -> ray.data.Dataset:
+        if not ray.is_initialized():  # as the Dataset's execution would
+            ray.init()
         if preprocess is not None:
             ds = ds.map(preprocess)
-        for stage in pipeline:
+        for stage in stages(config):  # Ray is up: the CPUs per rank can be decided
             ds = stage.on(ds)
         if postprocess is not None:
             ds = ds.map(postprocess)

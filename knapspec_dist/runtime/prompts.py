@@ -25,7 +25,7 @@ marked ``truncated``; else the row fails.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -61,13 +61,23 @@ class TreeShape:
     ``chunk_tokens``: a chunk's document tokens; None: half of what a chunk's prompt leaves
     after its template and the summary's tokens (BooookScore's 2-4k chunks in an 8k window).
     ``overlap``: tokens of the previous chunk's end repeated at a chunk's start.
-    ``max_depth``: the most levels a tree may have, its chunks' level included."""
+    ``max_depth``: the most levels a tree may have, its chunks' level included.
+    ``max_fan_in``: the most summaries one group combines; None: as many as fit the window."""
 
     chunk_tokens: int | None = None
     overlap: int = 0
     max_depth: int = 8
     chunk_instruction: str = CHUNK_INSTRUCTION
     combine_instruction: str = COMBINE_INSTRUCTION
+    max_fan_in: int | None = None
+
+    def fingerprint(self) -> dict:
+        """What a job's identity keeps of the shape: every field, the fan-in only when
+        bounded (as before it could be, so earlier outputs resume)."""
+        shape = asdict(self)
+        if self.max_fan_in is None:
+            del shape["max_fan_in"]
+        return shape
 
 
 @dataclass

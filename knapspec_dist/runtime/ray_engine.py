@@ -73,7 +73,7 @@ class RayEngine:
     def __init__(self, model: str, tp: int = 1, replicas: int = 1,
                  strategy: StrategyOptions | str = "knapspec", dtype: str = "fp32",
                  device: str = "cpu", address: str | None = None, *,
-                 cpus_per_rank: int | None = None,
+                 cpus_per_rank: int | None = None, reserved_cpus_per_rank: float | None = None,
                  startup_timeout_s: float = 300.0, profile_contexts: list[int] | None = None,
                  profile_repeats: int = 3, profile_need: int | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
@@ -82,7 +82,9 @@ class RayEngine:
         """``strategy``: its options, or a strategy's name with default options.
         ``cpus_per_rank`` CPUs are reserved per rank, and each rank runs that many torch
         threads (OMP_NUM_THREADS); None: the cluster's cores shared by the ranks
-        (``auto_cpus_per_rank``). ``profile_contexts`` / ``profile_repeats``: the
+        (``auto_cpus_per_rank``); ``reserved_cpus_per_rank``: what Ray reserves per rank
+        instead, fewer than its threads (the processor's ranks run threads on every core but
+        leave the Dataset's own tasks a CPU). ``profile_contexts`` / ``profile_repeats``: the
         measurement made when no stored profile matches; ``profile_need``: the longest
         context the work will run, which a stored profile must cover and a measured one does
         (profiles/store.py). The KV cache (engine/memory.py's rule, on every rank):
@@ -119,7 +121,7 @@ class RayEngine:
                                     fixed_slots)
         self.spec = ReplicaSpec(f"knapspec-{uuid.uuid4().hex[:8]}", self.path,
                                 self.config.vocab_size, tp, dtype, device, cpus_per_rank or 1,
-                                startup_timeout_s)
+                                startup_timeout_s, reserved_cpus_per_rank)
         try:
             self.tokenizer = load_tokenizer(path)
         except UserError as e:

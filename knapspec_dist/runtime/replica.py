@@ -50,8 +50,9 @@ class ReplicaSpec:
     tp: int
     dtype: str
     device: str
-    cpus_per_rank: int
+    cpus_per_rank: int  # a rank's torch threads
     startup_timeout_s: float
+    reserved_cpus: float | None = None  # the CPUs Ray reserves per rank; None: cpus_per_rank
 
     def name(self, index: int) -> str:
         return f"{self.tag}-r{index}"
@@ -59,7 +60,8 @@ class ReplicaSpec:
     @property
     def bundle(self) -> dict:
         """The resources of one rank."""
-        return {"CPU": self.cpus_per_rank, **({"GPU": 1} if self.device == "cuda" else {})}
+        cpus = self.cpus_per_rank if self.reserved_cpus is None else self.reserved_cpus
+        return {"CPU": cpus, **({"GPU": 1} if self.device == "cuda" else {})}
 
 
 @dataclass
@@ -171,7 +173,7 @@ def _start_actors(spec: ReplicaSpec, reps: list[Replica]) -> None:
     for rep in reps:
         for rank in range(spec.tp):
             rep.shards.append(shard_cls.options(
-                name=f"{spec.name(rep.index)}-rank{rank}", num_cpus=spec.cpus_per_rank,
+                name=f"{spec.name(rep.index)}-rank{rank}", num_cpus=spec.bundle["CPU"],
                 num_gpus=1 if spec.device == "cuda" else 0, max_restarts=0, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     rep.pg, placement_group_bundle_index=rank),

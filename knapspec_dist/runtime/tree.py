@@ -2,10 +2,11 @@
 
 Level 0 summarizes each chunk (runtime/chunking.py). Each higher level packs consecutive
 summaries of the level below, in order and greedily, into groups whose combining prompt fits
-the window, and summarizes each group; the tree ends when a level has one summary. A group is
-ready as soon as its own inputs are done and the next summary (the first that does not fit
-it) is known, so nothing waits for a whole level, and the packing depends on the texts alone:
-a rerun packs the same groups whatever order the nodes finished in.
+the window (of at most ``max_fan_in`` summaries), and summarizes each group; the tree ends
+when a level has one summary. A group is ready as soon as its own inputs are done and the
+next summary (the first that does not fit it) is known, so nothing waits for a whole level,
+and the packing depends on the texts alone: a rerun packs the same groups whatever order
+the nodes finished in.
 
 Pure state: the jobs layer (jobs/trees.py) submits :meth:`DocumentTree.ready` nodes to the
 replicas and hands their summaries to :meth:`DocumentTree.finish`. A node found in ``known``
@@ -60,7 +61,8 @@ class DocumentTree:
 
     ``chunks``: each chunk's level-0 prompt ids and text digest; ``combine``: the combining
     prompt's builder; ``limit``: the most prompt tokens a node may have; ``max_depth``: the
-    most levels (chunks' included); ``known``: (level, index) -> a node of an earlier run.
+    most levels (chunks' included); ``known``: (level, index) -> a node of an earlier run;
+    ``max_fan_in``: the most summaries one group combines (None: as many as fit).
     """
 
     key: object
@@ -69,6 +71,7 @@ class DocumentTree:
     limit: int
     max_depth: int
     known: dict[tuple[int, int], StoredNode] = field(default_factory=dict)
+    max_fan_in: int | None = None
     levels: list[list[Node]] = field(default_factory=list)
     error: str | None = None
     error_kind: str | None = None  # a failed node's (dispatch.Outcome.kind)
@@ -158,12 +161,14 @@ class DocumentTree:
             return False
         index = len(self.levels[level + 1]) if level + 1 < len(self.levels) else 0
         room = self.limit - len(self.combine([], level + 1, index))
+        fan_in = self.max_fan_in or len(below) + 1  # None: no bound
         end = start
-        while (end < len(below) and below[end].result is not None
+        while (end < len(below) and end - start < fan_in and below[end].result is not None
                and (room := room - len(below[end].result.token_ids) - SEPARATOR) >= 0):
             end += 1
         last = self._complete[level] and end == len(below)
-        full = end < len(below) and below[end].result is not None  # the next one did not fit
+        full = end - start == fan_in or (  # as many as it may have, or the next did not fit
+            end < len(below) and below[end].result is not None)
         if not (last or full):
             return False  # the group may still grow
         prompt = self.combine([n.text for n in below[start:end]], level + 1, index)

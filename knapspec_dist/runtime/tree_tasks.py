@@ -58,7 +58,7 @@ class TreeDispatch:
                 continue
             tree = DocumentTree(task.key, task.chunks, self.builder.combine_prompt,
                                 self.builder.limit, self.builder.tree.max_depth,
-                                self.known(task.key))
+                                self.known(task.key), self.builder.tree.max_fan_in)
             if tree.done:
                 on_done(tree, task)
                 continue

@@ -4,11 +4,14 @@ same model folder, prompt token ids, dtype, threads, rows at once, greedy decodi
 tokens.
 
 Both engines are timed alike, each in one process: the start-up (load, a warm-up, and for
-vLLM its compile and KV allocation), a run with one new token per row (prefill: every prompt in, its
-first token out), then the full run; decode is the full run less the prefill run, over the
-tokens after each row's first. Ours runs the scheduler a replica runs (engine/scheduler.py,
-paged KV as a job sizes it, priced by the profiles over pages a replica looks up), so Ray's
-messages are not in it (tools/overhead.py measures those).
+vLLM its compile and KV allocation), a run with one new token per row (prefill: every prompt
+in, its first token out), then the full run, driven step by step. Decode is the full run's
+window from the step after which every row has its first token to its end, with the tokens
+made in it: both engines mix the last prompts' chunks with the first rows' rounds, so only
+that window is decoding alone, timed within one run (a full run less a prefill run would
+subtract two noisy figures as large as decode itself). Ours runs the scheduler a replica
+runs (engine/scheduler.py, paged KV as a job sizes it, priced by the profiles over pages a
+replica looks up), so Ray's messages are not in it (tools/overhead.py measures those).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import torch
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import plan_for
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.scheduler import Scheduler
+from knapspec_dist.engine.sampling import prompt_keys
+from knapspec_dist.engine.scheduler import Scheduler, result
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.precision import resolve_dtype
@@ -138,8 +142,8 @@ def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
                           min(job.max_num_seqs, kv.max_num_seqs), capacity, runner=runner,
                           paging=kv.paging())
         t0 = time.perf_counter()
-        out = sched.run(prompts)
-        return {"s": time.perf_counter() - t0, "tokens": [r.token_ids for r in out],
+        window = decode_window(sched, prompts)
+        return {"s": time.perf_counter() - t0, "tokens": window.pop("tokens"), **window,
                 "work": sched.work.to_dict()}
 
     # a warm-up, as vLLM's start-up has: the cache's pages touched, oneDNN's kernels made
@@ -156,30 +160,54 @@ def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
             "runs": runs, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def decode_window(sched: Scheduler, prompts: list[list[int]]) -> dict:
+    """``sched.run(prompts)`` step by step, as vllm_side.py drives vLLM: the tokens, and the
+    seconds and tokens of the decode window (from the step after which every row has its
+    first token to the end)."""
+    for rid, (prompt, key) in enumerate(zip(prompts, prompt_keys(prompts))):
+        sched.add(rid, prompt, key=key)
+    done: dict[int, list[int]] = {}
+    opened = None  # (time, tokens so far) once every row has its first token
+    while sched.busy:
+        for row in sched.step():
+            done[row.rid] = result(row).token_ids
+        if opened is None and not sched.waiting and sched.batch.prefilling is None:
+            opened = (time.perf_counter(), sched.work.emitted)
+    end = time.perf_counter()
+    tokens = [done[i] for i in range(len(prompts))]
+    generated = sum(map(len, tokens))
+    opened = opened or (end, generated)
+    return {"tokens": tokens, "decode_window_s": end - opened[0],
+            "decode_window_tokens": generated - opened[1]}
+
+
 def phases(startup_s: float, prefill_s: float, full_s: float, tokens: list[list[int]],
-           prompt_tokens: int) -> dict:
+           prompt_tokens: int, decode_s: float, decoded: int) -> dict:
     """Seconds and rates of one engine's run: prefill (prompts in, first tokens out), decode
-    (the full run less the prefill run, over the tokens after each row's first), end to end."""
+    (the full run's window after every row's first token: ``decoded`` tokens in
+    ``decode_s``), end to end."""
     generated = sum(len(t) for t in tokens)
-    decode_s = max(full_s - prefill_s, 1e-9)
     return {"startup_s": startup_s, "prefill_s": prefill_s, "decode_s": decode_s,
-            "end_to_end_s": full_s, "generated": generated,
+            "decoded": decoded, "end_to_end_s": full_s, "generated": generated,
             "prefill_tokens_per_s": ratio(prompt_tokens, prefill_s),
-            "decode_tokens_per_s": ratio(generated - len(tokens), decode_s),
+            "decode_tokens_per_s": ratio(decoded, decode_s),
             "tokens_per_s": ratio(generated, full_s)}
 
 
 def compare(job: PeerJob, ours: dict, vllm: dict) -> dict:
     """Per engine and strategy: phases, speed against vLLM (its time over ours: above 1 we are
-    faster) and rows token-identical to vLLM's."""
+    faster; for decode, our rate over its, the windows' tokens may differ) and rows
+    token-identical to vLLM's."""
     peer = phases(vllm["startup_s"], vllm["prefill_s"], vllm["full_s"], vllm["tokens"],
-                  job.prompt_tokens)
+                  job.prompt_tokens, vllm["decode_window_s"], vllm["decode_window_tokens"])
     out = {"vllm": peer, "ours": {}}
     for label, run in ours["runs"].items():
         mine = phases(ours["startup_s"], ours["prefill_s"], run["s"], run["tokens"],
-                      job.prompt_tokens)
+                      job.prompt_tokens, run["decode_window_s"], run["decode_window_tokens"])
         mine["speed_vs_vllm"] = {k: ratio(peer[k], mine[k]) for k in
-                                 ("startup_s", "prefill_s", "decode_s", "end_to_end_s")}
+                                 ("startup_s", "prefill_s", "end_to_end_s")}
+        mine["speed_vs_vllm"]["decode_s"] = ratio(mine["decode_tokens_per_s"],
+                                                  peer["decode_tokens_per_s"])
         mine["identical_to_vllm"] = sum(a == b for a, b in zip(run["tokens"], vllm["tokens"]))
         mine["identical_to_ar"] = sum(a == b for a, b in zip(
             run["tokens"], ours["runs"].get("ar", run)["tokens"]))
