@@ -147,6 +147,7 @@ TABLE = f"""
 --chunk-overlap           int    >= 0
 --tree-depth              int    >= 2
 --tree-fan-in             int    >= 2
+--draws                   int    >= 1
 --gamma                   int    1..{MAX_GAMMA}
 --tau-conf                float  [0, 1]
 --interval                int    >= 1

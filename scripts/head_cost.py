@@ -1,5 +1,5 @@
 """What fp32 logits cost: a bf16 model's decode step and verify forward with the head summing
-into fp32 (``model.decoder.head_logits``) against a head that returns bf16 logits.
+into fp32 (model/head.py ``head_logits``) against a head that returns bf16 logits.
 
 The bf16-output head is ``F.linear(x, weight).float()``: what the model computed before its
 logits were fp32. Both heads run on the same cache at the same position after a corpus prompt

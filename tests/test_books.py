@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from knapspec_dist.tools.books import Run, kept, main_characters, report, table
+from knapspec_dist.tools.books import (
+    Run, book_of, draw_id, kept, main_characters, report, table)
 
 
 def test_main_characters_are_frequent_capitalized_words_seldom_lower_case():
@@ -40,10 +41,31 @@ def test_the_report_gives_levels_speedup_identity_and_characters_kept():
     result = report(books, runs)
     s = result["books"]["b"]["strategies"]["knapspec"]
     assert s["tree_speedup"] == 80.0 / 50.0 and s["identical_to_ar"]
-    assert s["levels"] == [{"level": 0, "nodes": 3, "prompt_tokens": 300, "generated_tokens": 30},
-                           {"level": 1, "nodes": 1, "prompt_tokens": 100, "generated_tokens": 10}]
+    assert s["levels"] == [{"level": 0, "nodes": 3, "prompt_tokens": 300, "generated_tokens": 30,
+                            "characters_kept": 2},
+                           {"level": 1, "nodes": 1, "prompt_tokens": 100, "generated_tokens": 10,
+                            "characters_kept": 0}]
     assert s["characters_kept"] == s["chunk_summaries_keep"] == ["Anne", "Wentworth"]
     assert result["books"]["b"]["truncate"]["characters_kept"] == ["Anne"]
     assert result["runs"]["knapspec"]["speedup"] == 100.0 / 80.0
     lines = table(result)
     assert "| b | knapspec | 80 | 50 | 4 | 3 | 2 | 1.60x | True | 2/2 / 2/2 / 1/2 |" in lines
+
+
+def test_draws_of_a_book_are_rows_of_their_own_read_together():
+    """Three copies of a book (ids of their own: seeds of their own) give one line a summary
+    with what each draw's summary kept and the mean."""
+    assert [draw_id("b", d) for d in range(3)] == ["b", "b~1", "b~2"]
+    assert {book_of(draw_id("b", d)) for d in range(3)} == {"b"}
+    text = "Anne and Anne and Anne. Wentworth, Wentworth."
+    ids = [draw_id("b", d) for d in range(3)]
+    summaries = {"b": "Anne and Wentworth.", "b~1": "Anne.", "b~2": "Nobody."}
+    runs = {"ar": Run("ar", Path("."), 100.0,
+                      {i: row(summaries[i], 80.0, [1]) for i in ids},
+                      [n | {"id": i} for i in ids for n in nodes("b")]),
+            "truncate": Run("truncate", Path("."), 10.0,
+                            {i: row("Wentworth.", 5.0, [1], path="truncated") for i in ids}, [])}
+    result = report({i: text for i in ids}, runs)
+    assert result["draws"] == {"b": {"ar": {"of": 2, "kept": [2, 1, 0], "mean": 1.0},
+                                     "truncate": {"of": 2, "kept": [1, 1, 1], "mean": 1.0}}}
+    assert "| b | ar | 2/2, 1/2, 0/2 | 1.00 |" in table(result)

@@ -1,13 +1,18 @@
 """The vocabulary head returns fp32 logits summed in fp32 (model/head.py ``head_logits``):
-in bf16 two tokens closer than a bf16 step no longer tie, and an fp32 model is unchanged."""
+in bf16 two tokens closer than a bf16 step no longer tie, and an fp32 model is unchanged. On
+CUDA a half-precision head's product is cuBLAS' (model/cuda_ops.py), chosen at load."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from knapspec_dist.model import cuda_ops
 from knapspec_dist.model import head as head_module
+from knapspec_dist.model.cuda_ops import cublas_logits, head_product, use_cuda_kernels
 from knapspec_dist.model.head import LMHead, head_logits
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.parallel.layers import VocabParallelLMHead, layout
@@ -85,3 +90,52 @@ def test_generation_runs_on_the_fp32_head(checkpoints, dtype):
     model = load_model(checkpoints["llama-gqa"], dtype=dtype, device="cpu")
     z = one_shot_logits(model, random_prompt(12, model.cfg.vocab_size, seed=0))
     assert z.dtype == torch.float32 and z.shape == (model.cfg.vocab_size,)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_cublas_head_is_chosen_for_half_precision_on_cuda_alone():
+    assert head_product("cuda", BF16) is cublas_logits
+    assert head_product("cuda:0", torch.float16) is cublas_logits
+    assert head_product("cuda", torch.float32) is None  # the plain fp32 product already
+    assert head_product("cpu", BF16) is None  # no CPU build has mm(out_dtype=)
+
+
+def test_a_cpu_model_keeps_the_portable_head(checkpoints):
+    model = load_model(checkpoints["llama-gqa"], dtype=BF16, device="cpu")
+    assert not use_cuda_kernels(model) and model.lm_head.product is head_logits
+
+
+def test_loading_sets_the_devices_product_on_either_head(checkpoints, monkeypatch):
+    """CUDA's choice emulated on a CPU: the product ``head_product`` names is what loading
+    sets and what the model's logits then run, and the vocab-parallel head takes it too."""
+    calls = []
+
+    def product(x, weight):
+        calls.append(x.shape)
+        return head_logits(x, weight)
+
+    monkeypatch.setattr(cuda_ops, "head_product", lambda device, dtype: product)
+    model = load_model(checkpoints["llama-gqa"], dtype=BF16, device="cpu")
+    assert model.lm_head.product is product
+    with torch.inference_mode():
+        model.logits(torch.randn(1, 3, model.cfg.hidden_size).to(BF16))
+    assert calls == [(1, 3, model.cfg.hidden_size)]
+    tp = SimpleNamespace(device="cuda", dtype=BF16, lm_head=VocabParallelLMHead(
+        layout(model.cfg, 0, 1), model.cfg.hidden_size, OneRank()))
+    monkeypatch.undo()
+    assert use_cuda_kernels(tp) and tp.lm_head.product is cublas_logits
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cublas_head_sums_bf16_operands_in_fp32():
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 64, device="cuda").to(BF16)
+    weight = torch.randn(1000, 64, device="cuda").to(BF16)
+    got = cublas_logits(x, weight)
+    exact = F.linear(x.double(), weight.double())
+    assert got.dtype == torch.float32 and got.shape == (3, 2, 1000)
+    rel = ((got.double() - exact).abs() / exact.abs().clamp(min=1.0)).max()
+    assert rel < 1e-6, rel

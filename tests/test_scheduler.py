@@ -5,6 +5,7 @@ give exactly the tokens each row gets alone."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -75,19 +76,17 @@ def test_batched_rows_get_the_tokens_they_get_alone(engine_model, name):
         assert sum(r.stats.drafted for r in batched) > 0, "speculation never ran"
 
 
-def counting_steps(sched: Scheduler) -> list[tuple[int, int]]:
-    """(prompt tokens prefilled, decoding rounds run) of each of ``sched``'s steps, appended
-    as it runs."""
-    steps, step = [], sched.step
+def counting_steps() -> tuple[list[tuple[int, int]], Callable[[Scheduler], None]]:
+    """(prompt tokens prefilled, decoding rounds run) of each step of a run, and the run's
+    ``on_step`` hook that appends them."""
+    steps, last = [], [0, 0]
 
-    def counted():
-        prefilled, rounds = sched.work.prefilled, sched.work.rounds
-        out = step()
-        steps.append((sched.work.prefilled - prefilled, sched.work.rounds - rounds))
-        return out
+    def counted(sched: Scheduler) -> None:
+        now = [sched.work.prefilled, sched.work.rounds]
+        steps.append((now[0] - last[0], now[1] - last[1]))
+        last[:] = now
 
-    sched.step = counted
-    return steps
+    return steps, counted
 
 
 @pytest.mark.parametrize("name", ["ar", "knapspec"])
@@ -103,14 +102,14 @@ def test_a_small_prefill_budget_chunks_prompts_across_steps_and_changes_no_token
     cap = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
     default = Scheduler(STRATEGIES[name](profile), model, config, 3, cap)
     assert default.max_num_batched_tokens == default_max_num_batched_tokens(model.device)
-    first = counting_steps(default)
-    want = [r.token_ids for r in default.run(ps)]
+    first, counted = counting_steps()
+    want = [r.token_ids for r in default.run(ps, on_step=counted)]
     assert first[0][0] >= sum(LENGTHS[:3])  # the default prefills the first rows at once
     for budget in (1, 7, 64):
         sched = Scheduler(STRATEGIES[name](profile), model,
                           replace(config, max_num_batched_tokens=budget), 3, cap)
-        steps = counting_steps(sched)
-        got = sched.run(ps)
+        steps, counted = counting_steps()
+        got = sched.run(ps, on_step=counted)
         assert [r.token_ids for r in got] == want, budget
         prefilled = [p for p, _ in steps]
         assert max(prefilled) == budget and sum(prefilled) == sum(LENGTHS)

@@ -1,10 +1,12 @@
 """``knapspec books``: whole books of the corpus summarized through the job's trees.
 
     knapspec books --books persuasion --strategies ar,knapspec --out docs/bench/books
+    knapspec books --strategies ar --draws 3 --chunk-tokens 2048 --out /tmp/books-2048
 
 Each strategy runs the summarization job over the books (``--long-documents tree``, the
 demo's seeded sampling),
-then a truncated ``ar`` job gives the summary of what fits the window. Prints and writes
+then a truncated ``ar`` job gives the summary of what fits the window; ``--draws N`` repeats
+each book N times in the same jobs, each copy with its own seeds. Prints and writes
 (``books.md``, ``books.json``) the time, generations, depth and tokens of each level, the
 speedup over ``ar``'s tree, and the main characters each summary keeps (tools/books.py). Not
 part of ``make test``: a novel takes minutes per strategy on a CPU.
@@ -23,7 +25,7 @@ from knapspec_dist.cli.demo import DEMO_TEMPERATURE, DEMO_TOP_P
 from knapspec_dist.errors import UserError
 from knapspec_dist.tools.bench.report import command_line, machine
 from knapspec_dist.tools.bench.specs import parse_strategies
-from knapspec_dist.tools.books import report, run_books, table
+from knapspec_dist.tools.books import draw_id, report, run_books, table
 from knapspec_dist.tools.corpus import AUSTEN_BOOKS, book_path
 
 
@@ -38,6 +40,7 @@ def register(sub) -> None:
     add_number(p, "--max-new-tokens", default=128)
     add_number(p, "--max-model-len", default=None)
     add_number(p, "--chunk-tokens", default=None)
+    add_number(p, "--chunk-overlap", default=0)
     add_number(p, "--tree-fan-in", default=None)
     add_number(p, "--max-num-seqs", default=None)
     add_number(p, "--temperature", default=DEMO_TEMPERATURE,
@@ -46,6 +49,9 @@ def register(sub) -> None:
                     "every strategy's tokens are ar's")
     add_number(p, "--top-p", default=DEMO_TOP_P)
     add_number(p, "--seed", default=0)
+    add_number(p, "--draws", default=1,
+               help="copies of each book in the jobs, each sampled with its own seeds (its "
+                    "row id's): the characters kept are read over them (default 1)")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_books, parser=p))
 
@@ -57,12 +63,14 @@ def cmd_books(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if path is None:
             raise UserError(f"--books: no book {name!r} in the corpus (of "
                             f"{', '.join(AUSTEN_BOOKS)})")
-        books[name.strip()] = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
+        books |= {draw_id(name.strip(), d): text for d in range(args.draws)}
     strategies = {s.label: s.options for s in parse_strategies(args.strategies)}
     if "ar" not in strategies:
         raise UserError("--strategies must include ar: the speedup is over ar's tree")
     base = {"model": args.model, "max_new_tokens": args.max_new_tokens,
             "max_model_len": args.max_model_len, "chunk_tokens": args.chunk_tokens,
+            "chunk_overlap": args.chunk_overlap,
             "tree_fan_in": args.tree_fan_in,
             "max_num_seqs": args.max_num_seqs, "temperature": args.temperature,
             "top_p": args.top_p, "seed": args.seed, "progress_bar": False}
@@ -76,7 +84,8 @@ def cmd_books(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     (out / "books.md").write_text(
         f"# knapspec books ({header['date']})\n\n`{header['command']}`\n\n{m['cpu']} "
         f"({m['cpu_count']} CPUs); temperature {args.temperature}, top-p {args.top_p}, seed "
-        f"{args.seed} (coupled), {args.max_new_tokens} new tokens a node.\n\n"
+        f"{args.seed} (coupled), {args.max_new_tokens} new tokens a node, {args.draws} draw(s) "
+        f"a book.\n\n"
         + "\n".join(lines) + "\n")
     emit("\n".join(lines))
     return 0

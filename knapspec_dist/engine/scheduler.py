@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -161,15 +162,19 @@ class Scheduler:
         seed = row_seed(self.config.sampling.seed, rid if key is None else key)
         self.waiting.append(Row(rid, list(prompt), limit, seed))
 
-    def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
+    def run(self, prompts: list[list[int]], on_step: Callable[[Scheduler], None] | None = None
+            ) -> list[GenerationResult]:
         """Generate every prompt (all checked before any runs); results in input order, each
-        row keyed by ``prompt_keys``."""
+        row keyed by ``prompt_keys``. ``on_step`` sees the scheduler after each step (a
+        benchmark's clock: tools/peer/compare.py)."""
         for rid, (prompt, key) in enumerate(zip(prompts, prompt_keys(prompts))):
             self.add(rid, prompt, key=key)
         done: dict[int, GenerationResult] = {}
         while self.busy:
             for row in self.step():
                 done[row.rid] = result(row)
+            if on_step is not None:
+                on_step(self)
         return [done[i] for i in range(len(prompts))]
 
     def step(self) -> list[Row]:

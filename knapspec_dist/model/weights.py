@@ -20,6 +20,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
 from knapspec_dist.model.cpu_linear import pack_linears
 from knapspec_dist.model.cpu_ops import fuse_elementwise
+from knapspec_dist.model.cuda_ops import use_cuda_kernels
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     model.eval()
     pack_linears(model)  # on a CPU: the products through oneDNN (model/cpu_linear.py)
     fuse_elementwise(model)  # and the element-wise steps in one pass each (model/cpu_ops.py)
+    use_cuda_kernels(model)  # on CUDA: the bf16 head's fp32 sums by cuBLAS (model/cuda_ops.py)
     return model
 
 

@@ -105,8 +105,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """This rank's vocab slice of the logits (fp32, ``head_logits``), all-gathered into the
-    full [.., V] logits."""
+    """This rank's vocab slice of the logits (fp32, ``product`` as model/head.py's), all-gathered
+    into the full [.., V] logits."""
+
+    product = staticmethod(head_logits)
 
     def __init__(self, lay: Layout, hidden: int, comm: Comm):
         super().__init__()
@@ -114,7 +116,7 @@ class VocabParallelLMHead(nn.Module):
         self.vocab, self.comm = lay.vocab, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        full = self.comm.all_gather_last(head_logits(x, self.weight))
+        full = self.comm.all_gather_last(self.product(x, self.weight))
         return full[..., :self.vocab] if full.shape[-1] != self.vocab else full
 
 

@@ -64,7 +64,7 @@ from knapspec_dist.runtime.prompts import (
     make_builder,
 )
 from knapspec_dist.runtime.ray_engine import RayEngine
-from knapspec_dist.runtime.replica import share_cores
+from knapspec_dist.runtime.replica import node_cpus, share_cores
 from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.stages import (
     RESULT_FIELDS,
@@ -268,9 +268,9 @@ def with_cores(config: ProcessorConfig) -> tuple[ProcessorConfig, float | None]:
     pool = config.concurrency
     replicas = pool[1] if isinstance(pool, tuple) else pool
     ranks = config.tp * replicas
-    nodes = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    nodes = node_cpus()
     cpus = sum(nodes) - config.tokenizer_cpus * config.tokenizer_concurrency
-    threads = share_cores([int(n) for n in nodes], int(cpus), config.tp, replicas)
+    threads = share_cores(nodes, int(cpus), config.tp, replicas)
     reserved = max(MIN_RESERVED, min(float(threads), (cpus - DATASET_CPUS) / ranks))
     log.info("%d thread(s) per rank, %.2g CPU(s) reserved (the cluster's %g CPUs shared by %d "
              "rank(s), %d left to the Dataset's tasks; cpus_per_rank sets both)", threads,

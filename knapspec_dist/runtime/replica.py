@@ -83,18 +83,27 @@ def auto_cpus_per_rank(tp: int, replicas: int, device: str) -> int:
     CUDA a rank's work is the GPU's: 1."""
     if device == "cuda":
         return 1
-    return share_cores([int(n.get("Resources", {}).get("CPU", 0))
-                        for n in ray.nodes() if n.get("Alive")],
-                       int(ray.available_resources().get("CPU", 0)), tp, replicas)
+    return share_cores(node_cpus(), int(ray.available_resources().get("CPU", 0)), tp, replicas)
 
 
-def share_cores(node_cpus: list[int], free: int, tp: int, replicas: int) -> int:
+def alive_nodes() -> list[dict]:
+    """The resources (``CPU``, ``GPU``, ``memory``, ...) of each node of the Ray cluster alive
+    now."""
+    return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+
+def node_cpus() -> list[int]:
+    """CPUs of each alive node."""
+    return [int(n.get("CPU", 0)) for n in alive_nodes()]
+
+
+def share_cores(nodes: list[int], free: int, tp: int, replicas: int) -> int:
     """The rule of ``auto_cpus_per_rank`` over the nodes' CPU counts and the cluster's CPUs
     free now; at least 1."""
-    if not node_cpus:
+    if not nodes:
         return 1
     ranks = tp * replicas
-    return max(1, min(max(node_cpus) // tp, sum(node_cpus) // ranks, free // ranks))
+    return max(1, min(max(nodes) // tp, sum(nodes) // ranks, free // ranks))
 
 
 def check_resources(spec: ReplicaSpec, replicas: int) -> None:
@@ -102,7 +111,7 @@ def check_resources(spec: ReplicaSpec, replicas: int) -> None:
     GPUs (one per rank on CUDA, ``tp`` of them on one node) and CPUs (``cpus_per_rank``
     per rank), instead of waiting for placement groups that never come."""
     need = spec.bundle
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    nodes = alive_nodes()
     total = {k: sum(n.get(k, 0) for n in nodes) for k in need}
     node_max = {k: max((n.get(k, 0) for n in nodes), default=0) for k in need}
     ranks = spec.tp * replicas
@@ -126,9 +135,7 @@ def node_memory(device: str) -> int | None:
         if not torch.cuda.is_available():
             return None
         return int(torch.cuda.get_device_properties(0).total_memory)
-    sizes = [n.get("Resources", {}).get("memory", 0)
-             + n.get("Resources", {}).get("object_store_memory", 0)
-             for n in ray.nodes() if n.get("Alive")]
+    sizes = [n.get("memory", 0) + n.get("object_store_memory", 0) for n in alive_nodes()]
     return int(max(sizes)) if sizes and max(sizes) > 0 else None
 
 

@@ -4,7 +4,10 @@ the speedup over the tree, and whether the summary keeps the book's main charact
 Each strategy runs the same job (``run_job``, its trees, greedy decoding) into an output folder
 of its own; a truncated job (``--long-documents truncate``, ``ar``) gives the summary of what
 fits the window, for the quality check. The main characters are the book's most frequent
-capitalized names (:func:`main_characters`); a summary keeps those it names.
+capitalized names (:func:`main_characters`); a summary keeps those it names. One sampled
+summary keeps a few of ten, and the next draw another few: ``draws`` repeats each book in the
+same job under ids of their own (each its own seeds, :func:`draw_id`), and the quality is
+read over the draws.
 """
 
 from __future__ import annotations
@@ -48,6 +51,19 @@ def main_characters(text: str, k: int = 10) -> list[str]:
 def kept(summary: str | None, names: list[str]) -> list[str]:
     """The names a summary mentions."""
     return [n for n in names if summary and re.search(rf"\b{re.escape(n)}\b", summary)]
+
+
+DRAW_MARK = "~"
+
+
+def draw_id(book: str, draw: int) -> str:
+    """The row id of a book's ``draw``-th copy: the book's name for the first (so one draw
+    samples what a run of one book does), ``name~d`` after it."""
+    return book if draw == 0 else f"{book}{DRAW_MARK}{draw}"
+
+
+def book_of(row_id: str) -> str:
+    return row_id.split(DRAW_MARK)[0]
 
 
 @dataclass
@@ -97,8 +113,7 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
             run = runs[label]
             row = run.rows[book]
             levels: dict[int, dict] = {}
-            chunks = " ".join(n["generated_text"] or "" for n in run.nodes
-                              if n["id"] == book and n["level"] == 0)
+            texts: dict[int, list[str]] = {}
             for n in run.nodes:
                 if n["id"] == book:
                     acc = levels.setdefault(n["level"], {"level": n["level"], "nodes": 0,
@@ -107,6 +122,9 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                     acc["nodes"] += 1
                     acc["prompt_tokens"] += n["num_input_tokens"]
                     acc["generated_tokens"] += n["num_generated_tokens"]
+                    texts.setdefault(n["level"], []).append(n["generated_text"] or "")
+            for level, acc in levels.items():  # where names are lost: each level's together
+                acc["characters_kept"] = len(kept(" ".join(texts[level]), names))
             ar_row = runs["ar"].rows[book] if "ar" in runs else None
             entry["strategies"][label] = {
                 "error": row["error"], "path": row["document_path"],
@@ -119,17 +137,36 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                 list(row["generated_tokens"]) == list(ar_row["generated_tokens"]),
                 "levels": [levels[k] for k in sorted(levels)],
                 "characters_kept": kept(row["generated_text"], names),
-                "chunk_summaries_keep": kept(chunks, names),  # level 0's, all together
+                "chunk_summaries_keep": kept(" ".join(texts.get(0, [])), names),
                 "summary": row["generated_text"]}
         if "truncate" in runs:
             row = runs["truncate"].rows[book]
             entry["truncate"] = {"error": row["error"], "summary": row["generated_text"],
                                  "characters_kept": kept(row["generated_text"], names)}
         out["books"][book] = entry
+    out["draws"] = over_draws(out["books"])
     out["runs"] = {label: {"wall_s": r.wall_s} for label, r in runs.items()}
     if "ar" in runs:
         out["runs"] |= {label: {"wall_s": r.wall_s, "speedup": ratio(runs["ar"].wall_s, r.wall_s)}
                         for label, r in runs.items() if label != "truncate"}
+    return out
+
+
+def over_draws(entries: dict) -> dict:
+    """Per book (its draws' rows together) and summary (each strategy's tree, ``truncate``):
+    the main characters each draw's summary kept, and their mean."""
+    out: dict = {}
+    for row_id, entry in entries.items():
+        book = out.setdefault(book_of(row_id), {})
+        summaries = dict(entry["strategies"])
+        if "truncate" in entry:
+            summaries["truncate"] = entry["truncate"]
+        for label, s in summaries.items():
+            book.setdefault(label, {"of": len(entry["characters"]), "kept": []})["kept"].append(
+                len(s["characters_kept"]))
+    for book in out.values():
+        for s in book.values():
+            s["mean"] = sum(s["kept"]) / len(s["kept"])
     return out
 
 
@@ -148,12 +185,20 @@ def table(result: dict) -> list[str]:
                 f"{s['depth']} | {_fmt(s['tree_speedup'])} | {s['identical_to_ar']} | "
                 f"{len(s['characters_kept'])}/{names} / {len(s['chunk_summaries_keep'])}/"
                 f"{names} / {len(trunc)}/{names} |")
-    lines += ["", "Tokens per level (prompt / generated):", ""]
+    lines += ["", "Tokens per level (prompt / generated) and the main characters its summaries "
+              "keep together:", ""]
     for book, entry in result["books"].items():
         for label, s in entry["strategies"].items():
             levels = ", ".join(f"L{lv['level']}: {lv['nodes']} x, {lv['prompt_tokens']} / "
-                               f"{lv['generated_tokens']}" for lv in s["levels"])
+                               f"{lv['generated_tokens']}, keeps {lv['characters_kept']}"
+                               for lv in s["levels"])
             lines.append(f"- {book}, {label}: {levels}")
+    lines += ["", "Main characters kept, by draw (its own seeds) and their mean:", "",
+              "| book | summary | kept, each draw | mean |", "|---|---|---|---:|"]
+    for book, summaries in result["draws"].items():
+        for label, s in summaries.items():
+            each = ", ".join(f"{k}/{s['of']}" for k in s["kept"])
+            lines.append(f"| {book} | {label} | {each} | {s['mean']:.2f} |")
     return lines
 
 

@@ -32,8 +32,7 @@ import torch
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.engine.memory import plan_for
 from knapspec_dist.engine.model_runner import ModelRunner
-from knapspec_dist.engine.sampling import prompt_keys
-from knapspec_dist.engine.scheduler import Scheduler, result
+from knapspec_dist.engine.scheduler import Scheduler
 from knapspec_dist.engine.sequence import row_capacity
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.precision import resolve_dtype
@@ -161,24 +160,21 @@ def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
 
 
 def decode_window(sched: Scheduler, prompts: list[list[int]]) -> dict:
-    """``sched.run(prompts)`` step by step, as vllm_side.py drives vLLM: the tokens, and the
-    seconds and tokens of the decode window (from the step after which every row has its
-    first token to the end)."""
-    for rid, (prompt, key) in enumerate(zip(prompts, prompt_keys(prompts))):
-        sched.add(rid, prompt, key=key)
-    done: dict[int, list[int]] = {}
-    opened = None  # (time, tokens so far) once every row has its first token
-    while sched.busy:
-        for row in sched.step():
-            done[row.rid] = result(row).token_ids
-        if opened is None and not sched.waiting and sched.batch.prefilling is None:
-            opened = (time.perf_counter(), sched.work.emitted)
+    """``sched.run(prompts)``, seen after every step as vllm_side.py sees vLLM's: the tokens,
+    and the seconds and tokens of the decode window (from the step after which every row has
+    its first token to the end)."""
+    opened = []  # (time, tokens so far) once every row has its first token
+
+    def watch(s: Scheduler) -> None:
+        if not opened and not s.waiting and s.batch.prefilling is None:
+            opened.append((time.perf_counter(), s.work.emitted))
+
+    tokens = [r.token_ids for r in sched.run(prompts, on_step=watch)]
     end = time.perf_counter()
-    tokens = [done[i] for i in range(len(prompts))]
     generated = sum(map(len, tokens))
-    opened = opened or (end, generated)
-    return {"tokens": tokens, "decode_window_s": end - opened[0],
-            "decode_window_tokens": generated - opened[1]}
+    start, made = opened[0] if opened else (end, generated)
+    return {"tokens": tokens, "decode_window_s": end - start,
+            "decode_window_tokens": generated - made}
 
 
 def phases(startup_s: float, prefill_s: float, full_s: float, tokens: list[list[int]],
@@ -227,7 +223,7 @@ def table(job: PeerJob, result: dict) -> list[str]:
     lines = [head + " |", "|---|---:|" + "---:|---:|" * len(labels)]
     rows = [("start-up", "startup_s", None), ("prefill", "prefill_s", "prefill_tokens_per_s"),
             ("decode", "decode_s", "decode_tokens_per_s"),
-            ("end to end", "end_to_end_s", "tokens_per_s")]
+            ("end to end", "end_to_end_s", None)]  # its rate would mix both phases
     peer = result["vllm"]
     for name, key, rate in rows:
         def cell(r: dict) -> str:
