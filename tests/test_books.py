@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from knapspec_dist.tools.books import (
-    Run, book_of, draw_id, kept, main_characters, report, table)
+from knapspec_dist.tools.books import Run, book_of, draw_id, kept, main_characters, report, table
 
 
 def test_main_characters_are_frequent_capitalized_words_seldom_lower_case():
