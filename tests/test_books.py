@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from knapspec_dist.tools.books import Run, book_of, draw_id, kept, main_characters, report, table
+from knapspec_dist.tools.books import (
+    Run,
+    book_of,
+    chunk_recall,
+    draw_id,
+    kept,
+    main_characters,
+    report,
+    table,
+)
 
 
 def test_main_characters_are_frequent_capitalized_words_seldom_lower_case():
@@ -24,15 +33,16 @@ def row(text, seconds, tokens, error=None, path="tree"):
 
 
 def nodes(book):
-    return [{"id": book, "level": lv, "num_input_tokens": 100, "num_generated_tokens": 10,
-             "generated_text": text} for lv, text in ((0, "Anne"), (0, "x"), (0, "Wentworth"),
-                                                      (1, "y"))]
+    return [{"id": book, "level": lv, "index": i, "num_input_tokens": 100,
+             "num_generated_tokens": 10, "generated_text": text}
+            for lv, i, text in ((0, 0, "Anne"), (0, 1, "x"), (0, 2, "Wentworth"), (1, 0, "y"))]
 
 
 def test_the_report_gives_levels_speedup_identity_and_characters_kept():
     books = {"b": "Anne and Anne and Anne. Wentworth, Wentworth."}
+    chunks = {books["b"]: ["Anne and Anne.", "Isabella, Isabella.", "Wentworth, Wentworth."]}
     runs = {"ar": Run("ar", Path("."), 100.0, {"b": row("Anne and Wentworth.", 80.0, [1, 2])},
-                      nodes("b")),
+                      nodes("b"), chunks),
             "knapspec": Run("knapspec", Path("."), 80.0,
                             {"b": row("Anne and Wentworth.", 50.0, [1, 2])}, nodes("b")),
             "truncate": Run("truncate", Path("."), 10.0,
@@ -45,6 +55,8 @@ def test_the_report_gives_levels_speedup_identity_and_characters_kept():
                            {"level": 1, "nodes": 1, "prompt_tokens": 100, "generated_tokens": 10,
                             "characters_kept": 0}]
     assert s["characters_kept"] == s["chunk_summaries_keep"] == ["Anne", "Wentworth"]
+    assert result["books"]["b"]["strategies"]["ar"]["chunk_recall"] == 2 / 3  # "x": Isabella?
+    assert s["chunk_recall"] is None  # its chunks not given
     assert result["books"]["b"]["truncate"]["characters_kept"] == ["Anne"]
     assert result["runs"]["knapspec"]["speedup"] == 100.0 / 80.0
     lines = table(result)
@@ -65,6 +77,17 @@ def test_draws_of_a_book_are_rows_of_their_own_read_together():
             "truncate": Run("truncate", Path("."), 10.0,
                             {i: row("Wentworth.", 5.0, [1], path="truncated") for i in ids}, [])}
     result = report({i: text for i in ids}, runs)
-    assert result["draws"] == {"b": {"ar": {"of": 2, "kept": [2, 1, 0], "mean": 1.0},
-                                     "truncate": {"of": 2, "kept": [1, 1, 1], "mean": 1.0}}}
-    assert "| b | ar | 2/2, 1/2, 0/2 | 1.00 |" in table(result)
+    assert result["draws"] == {
+        "b": {"ar": {"of": 2, "kept": [2, 1, 0], "mean": 1.0, "chunk_recall": None},
+              "truncate": {"of": 2, "kept": [1, 1, 1], "mean": 1.0, "chunk_recall": None}}}
+    assert "| b | ar | 2/2, 1/2, 0/2 | 1.00 | - |" in table(result)
+
+
+def test_chunk_recall_is_the_mean_share_of_each_chunks_own_names_its_summary_keeps():
+    chunks = ["Anne met Anne. Wentworth saw Wentworth.",  # names: Anne, Wentworth
+              "Elliot, Elliot and Elliot.",  # Elliot
+              "nobody at all here."]  # no names: not counted
+    summaries = {0: "Anne left.", 1: "Elliot stayed.", 2: "Nothing."}
+    assert chunk_recall(chunks, summaries) == (1 / 2 + 1) / 2
+    assert chunk_recall(chunks, {0: None}) == 0.0  # a summary that failed keeps nothing
+    assert chunk_recall([], {}) is None

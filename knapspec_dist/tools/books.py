@@ -16,7 +16,7 @@ import collections
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,6 +26,8 @@ from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import NODES, ROWS
 from knapspec_dist.jobs.runner import run_job
 from knapspec_dist.ratio import ratio
+from knapspec_dist.runtime.chunking import chunk_document
+from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,32 @@ def kept(summary: str | None, names: list[str]) -> list[str]:
     return [n for n in names if summary and re.search(rf"\b{re.escape(n)}\b", summary)]
 
 
+CHUNK_NAMES = 5  # a chunk's own main characters that its summary is checked for
+
+
+def chunk_recall(chunks: list[str], summaries: dict[int, str | None]) -> float | None:
+    """The mean, over a tree's chunks, of the share of each chunk's own main characters
+    (its ``CHUNK_NAMES`` most frequent names) that the chunk's summary (by index) names:
+    a leaf's quality, read over dozens of summaries where the root is one."""
+    shares = []
+    for i, text in enumerate(chunks):
+        names = main_characters(text, CHUNK_NAMES)
+        if names and i in summaries:
+            shares.append(len(kept(summaries[i], names)) / len(names))
+    return sum(shares) / len(shares) if shares else None
+
+
+def chunk_texts(config: JobConfig, text: str) -> list[str]:
+    """The chunks the job cut ``text`` into (the same builder's size and overlap: the cut is
+    deterministic)."""
+    tokenizer, window = load_text_tools(config)
+    shape = config.tree_shape()
+    builder = PromptBuilder(tokenizer, config.mode, config.instruction,
+                            config.max_model_len or window, config.max_new_tokens, False,
+                            config.input_column, shape)
+    return [c.text for c in chunk_document(text, tokenizer, builder.chunk_tokens, shape.overlap)]
+
+
 DRAW_MARK = "~"
 
 
@@ -75,6 +103,7 @@ class Run:
     wall_s: float
     rows: dict
     nodes: list
+    chunks: dict = field(default_factory=dict)  # book text -> its chunks' texts (trees)
 
 
 def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) -> dict[str, Run]:
@@ -97,7 +126,9 @@ def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) ->
         rows = {r["id"]: r for r in pq.read_table(folder / ROWS).to_pylist()}
         nodes = (pq.read_table(folder / NODES).to_pylist()
                  if any((folder / NODES).glob("*.parquet")) else [])
-        runs[label] = Run(label, folder, wall, rows, nodes)
+        chunks = ({} if options["long_documents"] != "tree" else
+                  {text: chunk_texts(config, text) for text in set(books.values())})
+        runs[label] = Run(label, folder, wall, rows, nodes, chunks)
     return runs
 
 
@@ -138,6 +169,9 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                 "levels": [levels[k] for k in sorted(levels)],
                 "characters_kept": kept(row["generated_text"], names),
                 "chunk_summaries_keep": kept(" ".join(texts.get(0, [])), names),
+                "chunk_recall": chunk_recall(run.chunks.get(text, []), {
+                    n["index"]: n["generated_text"] for n in run.nodes
+                    if n["id"] == book and n["level"] == 0}),
                 "summary": row["generated_text"]}
         if "truncate" in runs:
             row = runs["truncate"].rows[book]
@@ -162,11 +196,16 @@ def over_draws(entries: dict) -> dict:
         if "truncate" in entry:
             summaries["truncate"] = entry["truncate"]
         for label, s in summaries.items():
-            book.setdefault(label, {"of": len(entry["characters"]), "kept": []})["kept"].append(
-                len(s["characters_kept"]))
+            acc = book.setdefault(label, {"of": len(entry["characters"]), "kept": [],
+                                          "chunk_recall": []})
+            acc["kept"].append(len(s["characters_kept"]))
+            if s.get("chunk_recall") is not None:
+                acc["chunk_recall"].append(s["chunk_recall"])
     for book in out.values():
         for s in book.values():
             s["mean"] = sum(s["kept"]) / len(s["kept"])
+            recall = s.pop("chunk_recall")
+            s["chunk_recall"] = sum(recall) / len(recall) if recall else None
     return out
 
 
@@ -193,12 +232,16 @@ def table(result: dict) -> list[str]:
                                f"{lv['generated_tokens']}, keeps {lv['characters_kept']}"
                                for lv in s["levels"])
             lines.append(f"- {book}, {label}: {levels}")
-    lines += ["", "Main characters kept, by draw (its own seeds) and their mean:", "",
-              "| book | summary | kept, each draw | mean |", "|---|---|---|---:|"]
+    lines += ["", "Main characters kept, by draw (its own seeds) and their mean; chunk recall: "
+              f"the share of each chunk's {CHUNK_NAMES} main characters its summary names, "
+              "over the chunks and draws:", "",
+              "| book | summary | kept, each draw | mean | chunk recall |",
+              "|---|---|---|---:|---:|"]
     for book, summaries in result["draws"].items():
         for label, s in summaries.items():
             each = ", ".join(f"{k}/{s['of']}" for k in s["kept"])
-            lines.append(f"| {book} | {label} | {each} | {s['mean']:.2f} |")
+            recall = "-" if s["chunk_recall"] is None else f"{s['chunk_recall']:.2f}"
+            lines.append(f"| {book} | {label} | {each} | {s['mean']:.2f} | {recall} |")
     return lines
 
 
