@@ -5,13 +5,14 @@ model, no Ray)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from knapspec_dist.engine.generation import GenerationResult, GenerationStats
 from knapspec_dist.errors import UserError
 from knapspec_dist.runtime.chunking import chunk_document, text_digest
-from knapspec_dist.runtime.prompts import PromptBuilder, TreeShape
+from knapspec_dist.runtime.prompts import DEFAULT_CHUNK_TOKENS, PromptBuilder, TreeShape
 from knapspec_dist.runtime.tree import DocumentTree, StoredNode
 
 from fakes import FakeEngines, docs_of, fake_tools, job, read_rows, run, write_input
@@ -75,6 +76,18 @@ def test_a_long_document_row_carries_its_chunks_prompts_instead_of_one_prompt():
     assert prompt.build(0, "c", doc).error.startswith("prompt has 61 tokens")  # no tree
     tight = PromptBuilder(tok, "text", "Sum:", 20, 4, False, "document", shape)
     assert "--chunk-tokens" in tight.build(0, "d", doc).error  # the template alone is too long
+
+
+def test_the_default_chunk_is_capped_whatever_the_window():
+    """Half of what a large window leaves would squeeze thousands more tokens into one
+    summary: the default stops at DEFAULT_CHUNK_TOKENS; a small window keeps its half."""
+    tok, shape = tokenizer(), TreeShape(chunk_instruction="Part {part} of {parts}:")
+    assert PromptBuilder(tok, "text", "Sum:", 100_000, 4, False, "document",
+                         shape).chunk_tokens == DEFAULT_CHUNK_TOKENS
+    assert PromptBuilder(tok, "text", "Sum:", 4_000, 4, False, "document",
+                         shape).chunk_tokens == (4_000 - 4 - 16) // 2
+    assert PromptBuilder(tok, "text", "Sum:", 100_000, 4, False, "document",
+                         replace(shape, chunk_tokens=5_000)).chunk_tokens == 5_000
 
 
 # ---------------------------------------------------------------- the tree

@@ -126,7 +126,8 @@ def add_job_args(p: argparse.ArgumentParser, mode: str = "summarize") -> None:
                            "fail the row (default: tree for the summarization job, else fail)")
     add_number(rows, "--chunk-tokens", default=None,
                help="a tree's chunk, in document tokens, cut at a paragraph break, else "
-                    "a sentence end (default: half of what a chunk's prompt leaves)")
+                    "a sentence end (default: 2048, or half of what a chunk's prompt leaves where "
+                    "that is less)")
     add_number(rows, "--chunk-overlap", default=0,
                help="tokens of a chunk's predecessor repeated at its start (default 0)")
     add_number(rows, "--tree-depth", default=8,

@@ -54,12 +54,22 @@ COMBINE_INSTRUCTION = ("{document}\n\nThe text above is made of summaries of con
                        "parts of one document, in order. Summarize it in a few sentences.")
 
 
+#: The default chunk, where the window holds it: BooookScore's smaller chunk, and the best of
+#: 2,048, 3,072 and 3,995 tokens in a measurement of SmolLM2 summarizing whole novels into
+#: 128-token chunk summaries (each chunk's own main characters named by its summary: 0.32,
+#: 0.29, 0.22 of them; docs/long-documents.md), with the fastest tree of the three. A chunk is
+#: compressed into ``--max-new-tokens``: its size goes with that, not with the window (a 128k
+#: window's half would squeeze 63k tokens into one summary).
+DEFAULT_CHUNK_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """How a text row longer than the window becomes a tree of summaries (runtime/tree.py).
 
-    ``chunk_tokens``: a chunk's document tokens; None: half of what a chunk's prompt leaves
-    after its template and the summary's tokens (BooookScore's 2-4k chunks in an 8k window).
+    ``chunk_tokens``: a chunk's document tokens; None: ``DEFAULT_CHUNK_TOKENS``, or half of
+    what a chunk's prompt leaves after its template and the summary's tokens where that is
+    less.
     ``overlap``: tokens of the previous chunk's end repeated at a chunk's start.
     ``max_depth``: the most levels a tree may have, its chunks' level included.
     ``max_fan_in``: the most summaries one group combines; None: as many as fit the window."""
@@ -118,10 +128,12 @@ class PromptBuilder:
                 self.tree_error = str(e)
 
     def _chunk_tokens(self, tree: TreeShape) -> int:
-        """A chunk's document tokens: as given, or half of what its prompt leaves."""
+        """A chunk's document tokens: as given, else ``DEFAULT_CHUNK_TOKENS`` or half of what
+        its prompt leaves, the smaller."""
         overhead = len(self.chunk_prompt("", 10 ** 6, 10 ** 6)) + 8  # + re-tokenizing's slack
         room = self.limit - overhead - tree.overlap
-        chunk = tree.chunk_tokens if tree.chunk_tokens is not None else room // 2
+        chunk = tree.chunk_tokens if tree.chunk_tokens is not None else min(
+            DEFAULT_CHUNK_TOKENS, room // 2)
         if chunk < 1 or chunk > room:
             raise UserError(
                 f"--chunk-tokens {chunk} + --chunk-overlap {tree.overlap} do not fit the "
