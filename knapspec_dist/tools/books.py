@@ -27,7 +27,7 @@ from knapspec_dist.jobs.output import NODES, ROWS
 from knapspec_dist.jobs.runner import run_job
 from knapspec_dist.ratio import ratio
 from knapspec_dist.runtime.chunking import chunk_document
-from knapspec_dist.runtime.prompts import PromptBuilder, load_text_tools
+from knapspec_dist.runtime.prompts import load_text_tools, make_builder
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,12 @@ def chunk_recall(chunks: list[str], summaries: dict[int, str | None]) -> float |
 def chunk_texts(config: JobConfig, text: str) -> list[str]:
     """The chunks the job cut ``text`` into (the same builder's size and overlap: the cut is
     deterministic)."""
-    tokenizer, window = load_text_tools(config)
     shape = config.tree_shape()
-    builder = PromptBuilder(tokenizer, config.mode, config.instruction,
-                            config.max_model_len or window, config.max_new_tokens, False,
-                            config.input_column, shape)
-    return [c.text for c in chunk_document(text, tokenizer, builder.chunk_tokens, shape.overlap)]
+    builder = make_builder(load_text_tools, config, config.mode, config.instruction,
+                           config.max_model_len, config.max_new_tokens, False,
+                           config.input_column, shape)
+    return [c.text for c in chunk_document(text, builder.tokenizer, builder.chunk_tokens,
+                                           shape.overlap)]
 
 
 DRAW_MARK = "~"
@@ -114,7 +114,7 @@ def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) ->
     pq.write_table(pa.table({"id": list(books), "document": list(books.values())}), source)
     plans = {label: {"strategy": s, "long_documents": "tree"} for label, s in strategies.items()}
     plans["truncate"] = {"strategy": "ar", "long_documents": "truncate"}
-    runs = {}
+    runs, chunks = {}, None
     for label, options in plans.items():
         folder = out / label
         config = JobConfig(input=str(source), output=str(folder), baseline_fraction=0,
@@ -126,9 +126,10 @@ def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) ->
         rows = {r["id"]: r for r in pq.read_table(folder / ROWS).to_pylist()}
         nodes = (pq.read_table(folder / NODES).to_pylist()
                  if any((folder / NODES).glob("*.parquet")) else [])
-        chunks = ({} if options["long_documents"] != "tree" else
-                  {text: chunk_texts(config, text) for text in set(books.values())})
-        runs[label] = Run(label, folder, wall, rows, nodes, chunks)
+        tree = options["long_documents"] == "tree"
+        if tree and chunks is None:  # every strategy's tree cuts the same chunks
+            chunks = {text: chunk_texts(config, text) for text in set(books.values())}
+        runs[label] = Run(label, folder, wall, rows, nodes, chunks if tree else {})
     return runs
 
 
@@ -145,6 +146,7 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
             row = run.rows[book]
             levels: dict[int, dict] = {}
             texts: dict[int, list[str]] = {}
+            leaves: dict[int, str | None] = {}  # level 0's summaries by chunk
             for n in run.nodes:
                 if n["id"] == book:
                     acc = levels.setdefault(n["level"], {"level": n["level"], "nodes": 0,
@@ -154,6 +156,8 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                     acc["prompt_tokens"] += n["num_input_tokens"]
                     acc["generated_tokens"] += n["num_generated_tokens"]
                     texts.setdefault(n["level"], []).append(n["generated_text"] or "")
+                    if n["level"] == 0:
+                        leaves[n["index"]] = n["generated_text"]
             for level, acc in levels.items():  # where names are lost: each level's together
                 acc["characters_kept"] = len(kept(" ".join(texts[level]), names))
             ar_row = runs["ar"].rows[book] if "ar" in runs else None
@@ -169,9 +173,7 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                 "levels": [levels[k] for k in sorted(levels)],
                 "characters_kept": kept(row["generated_text"], names),
                 "chunk_summaries_keep": kept(" ".join(texts.get(0, [])), names),
-                "chunk_recall": chunk_recall(run.chunks.get(text, []), {
-                    n["index"]: n["generated_text"] for n in run.nodes
-                    if n["id"] == book and n["level"] == 0}),
+                "chunk_recall": chunk_recall(run.chunks.get(text, []), leaves),
                 "summary": row["generated_text"]}
         if "truncate" in runs:
             row = runs["truncate"].rows[book]
@@ -197,16 +199,16 @@ def over_draws(entries: dict) -> dict:
             summaries["truncate"] = entry["truncate"]
         for label, s in summaries.items():
             acc = book.setdefault(label, {"of": len(entry["characters"]), "kept": [],
-                                          "chunk_recall": []})
+                                          "recalls": []})
             acc["kept"].append(len(s["characters_kept"]))
             if s.get("chunk_recall") is not None:
-                acc["chunk_recall"].append(s["chunk_recall"])
-    for book in out.values():
-        for s in book.values():
-            s["mean"] = sum(s["kept"]) / len(s["kept"])
-            recall = s.pop("chunk_recall")
-            s["chunk_recall"] = sum(recall) / len(recall) if recall else None
-    return out
+                acc["recalls"].append(s["chunk_recall"])
+    return {name: {label: {"of": acc["of"], "kept": acc["kept"],
+                           "mean": sum(acc["kept"]) / len(acc["kept"]),
+                           "chunk_recall": (sum(acc["recalls"]) / len(acc["recalls"])
+                                            if acc["recalls"] else None)}
+                   for label, acc in book.items()}
+            for name, book in out.items()}
 
 
 def table(result: dict) -> list[str]:
