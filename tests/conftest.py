@@ -11,7 +11,10 @@ Everything heavy is built once per session and cached:
 * ``tiny_vocab_checkpoint`` / ``tiny``: a 3-layer model with an 8-token vocabulary (the
   checkpoint, and our model of it), for distribution tests;
 * ``corpus_prompt``: a ~1k-token document from the corpus (shared corpus, else the bundled
-  sample), as SmolLM2 token ids.
+  sample), as SmolLM2 token ids;
+* ``cpu_build``: each build of our CPU kernels this CPU executes in turn
+  (model/kernels/build.py), chosen by its setting (tests/test_cpu_builds.py compiles the
+  others and says which it cannot run).
 
 The SmolLM2 fixtures fail (they do not skip) when the embedded model is not installed: the
 tests that use them are must-show tests of the foundation.
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import models` unde
 
 from knapspec_dist import llm as local  # noqa: E402
 from knapspec_dist.model import attention  # noqa: E402
+from knapspec_dist.model.kernels import build  # noqa: E402
 from knapspec_dist.model.tokenizer import encode  # noqa: E402
 from knapspec_dist.model.weights import load_model  # noqa: E402
 from knapspec_dist.tools.corpus import document_of_tokens  # noqa: E402
@@ -48,6 +52,18 @@ torch.set_num_threads(1)
 os.environ["KNAPSPEC_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="knapspec-test-profiles-")
 
 CONFIG_NAMES = sorted(CONFIGS)
+
+
+@pytest.fixture(params=build.executable_isas())
+def cpu_build(request, monkeypatch) -> str:
+    """Every test that uses it runs once per build of our CPU kernels this CPU executes: the
+    lower builds too (AVX2 and generic on an AVX-512 machine), so no path goes untested for
+    want of a machine with that vector unit."""
+    reason = build.unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(f"{request.param} build: {reason}")
+    monkeypatch.setenv(build.SETTING, request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

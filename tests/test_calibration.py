@@ -422,3 +422,44 @@ def test_on_for_knapspec_off_for_the_authors_and_named_by_flags(engine_model):
     assert not calibrates("clasp@3")
     with pytest.raises(UserError, match="unknown flag 'calibrate'"):
         parse_strategy("clasp:calibrate")
+
+
+@pytest.mark.parametrize("origin", ["borrowed", "measured"])
+def test_borrowed_prices_are_checked_by_the_clock_before_any_dp_or_draft(engine_model, origin):
+    """Another machine's profile (3x off here) prices nothing until SUSTAIN timed rounds
+    have confirmed or refitted it: until then every round is plain and no DP runs. A profile
+    of this machine selects from its first due round."""
+    model = engine_model("llama-gqa")
+    shape = model.cfg.shape()
+    stored = replace(cost_model(layers=model.cfg.num_layers, shape=shape), origin=origin)
+    true = cost_model(3.0, layers=model.cfg.num_layers, shape=shape)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (30, 300)]
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    selector = KnapSpecSelector(stored, KnapSpecConfig(interval=4, m=2, overhead_budget=1e9,
+                                                       calibrate=True))
+    seen: list[tuple[bool, int]] = []  # per round: prices checked before it, its drafts
+    dps: list[int] = []  # rounds timed when each DP ran
+    timed_round, select = selector.timed, selector.select
+
+    def timed_and_seen(timing, report=True):
+        seen.append((selector.calibration.checked, timing.drafts))
+        timed_round(timing, report)
+
+    def select_and_seen(*args):
+        dps.append(selector.calibration.rounds)
+        return select(*args)
+
+    selector.timed, selector.select = timed_and_seen, select_and_seen
+    clock = SimClock()
+    results = generate(SelfSpeculative(selector, tau_conf=0.0, name="knapspec"), model,
+                       prompts, config, runner=ChargedRunner(model, clock, true), clock=clock)
+    expected = generate(Autoregressive(), model, prompts, config)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert dps, "no DP ran"
+    if origin == "borrowed":
+        assert selector.calibration.refits >= 1  # 3x off: refitted, then checked
+        assert min(dps) >= calibration.SUSTAIN
+        assert all(drafts == 0 for checked, drafts in seen if not checked)
+    else:
+        assert min(dps) < calibration.SUSTAIN

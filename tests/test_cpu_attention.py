@@ -1,4 +1,4 @@
-"""Our CPU attention kernel over pages (model/cpu_attention.py): its values against plain
+"""Our CPU attention kernel over pages (model/kernels/paged_attention.py): its values against plain
 attention in fp64, and the bit-for-bit properties the lossless check rests on (a verify of
 T positions gives the bits of T decode steps; a row's result ignores the rows beside it and
 the thread count)."""
@@ -10,12 +10,10 @@ import torch
 
 from knapspec_dist.model.attention import attention_backend
 from knapspec_dist.model.config import ModelConfig
-from knapspec_dist.model.cpu_attention import PAGE, paged_attention
-from knapspec_dist.model.cpu_build import unavailable_reason
+from knapspec_dist.model.kernels.paged_attention import PAGE, paged_attention
 from knapspec_dist.model.paged_cache import PagedKVCache
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=f"kernel unavailable: {unavailable_reason()}")
+pytestmark = pytest.mark.usefixtures("cpu_build")  # each build this CPU executes
 
 
 def pools(kv: int, pages: int, hd: int, seed: int = 0):

@@ -1,19 +1,18 @@
-"""The one-pass element-wise kernels (model/cpu_ops.py): values against torch's eager ops
-(rotary bit for bit: the same IEEE products and sums in the same order), a row's bits
-independent of the rows and threads beside it, and a fused model against the plain one."""
+"""The one-pass element-wise kernels (model/kernels/elementwise.py), each build this CPU
+executes: values against torch's eager ops (rotary bit for bit: the same IEEE products and
+sums in the same order), a row's bits independent of the rows and threads beside it, and a
+fused model against the plain one."""
 
 import pytest
 import torch
 from test_model import one_shot
 
 import knapspec_dist.model.weights as weights
-from knapspec_dist.model import cpu_ops
-from knapspec_dist.model.cpu_build import unavailable_reason
 from knapspec_dist.model.decoder import RMSNorm, apply_rotary, silu_and_mul
 from knapspec_dist.model.forward_meta import ForwardMeta
+from knapspec_dist.model.kernels import elementwise as cpu_ops
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=f"kernels unavailable: {unavailable_reason()}")
+pytestmark = pytest.mark.usefixtures("cpu_build")  # each build this CPU executes
 DTYPES = [torch.float32, torch.bfloat16]
 
 

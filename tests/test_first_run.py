@@ -191,3 +191,27 @@ def test_engine_starts_from_another_cpus_profile_and_a_measurement_is_not_timed_
         assert info.profile["origin"] == "measured", info
         assert info.profile["key"].endswith("__paged"), info  # over the pages it decodes over
         assert [r.token_ids for r in engine.generate(prompts, **greedy)] == expected
+
+
+@pytest.mark.parametrize("field,other", [("isa", ["avx2", "avx512f", "fma", "sve"]),
+                                         ("kernels", "an-other-build")])
+def test_a_cpu_of_the_same_name_with_another_vector_unit_borrows(model, dirs,
+                                                                   other_cpus_profile, field,
+                                                                   other):
+    """One CPU model name covers AVX2-only and AVX-512 parts: a profile of the same name
+    measured on another vector unit, or over another build of our kernels, is another CPU's
+    (a starting point that calibration checks). A profile over another build is kept under
+    another key (the build follows the vector unit unless the setting forces one)."""
+    shipped, _ = dirs
+    here, shape = device_info(model.device), model.cfg.shape()
+    assert here["kernels"] and "isa" in here
+    twin = replace(other_cpus_profile, device={**here, field: other})
+    twin.save(shipped / f"{twin.key()}.json")
+    assert store.lookup(None, [here], shape, "fp32") is None
+    choice = store.lookup(None, [here], shape, "fp32", borrow=True)
+    assert choice.origin == "borrowed" and choice.profile.device == here
+    mine = replace(other_cpus_profile, device=here)
+    mine.save(shipped / f"{mine.key()}.json")
+    assert (mine.key() != twin.key()) == (field == "kernels")
+    found = store.lookup(None, [here], shape, "fp32")
+    assert found is not None and found.origin == "loaded" and found.profile.device == here

@@ -1,6 +1,6 @@
 """The vocabulary head returns fp32 logits summed in fp32 (model/head.py ``head_logits``):
 in bf16 two tokens closer than a bf16 step no longer tie, and an fp32 model is unchanged. On
-CUDA a half-precision head's product is cuBLAS' (model/cuda_ops.py), chosen at load."""
+CUDA a half-precision head's product is cuBLAS' (model/kernels/cuda.py), chosen at load."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from knapspec_dist.model import cuda_ops
 from knapspec_dist.model import head as head_module
-from knapspec_dist.model.cuda_ops import cublas_logits, head_product, use_cuda_kernels
 from knapspec_dist.model.head import LMHead, head_logits
+from knapspec_dist.model.kernels import cuda as cuda_ops
+from knapspec_dist.model.kernels.cuda import cublas_logits, head_product, use_cuda_kernels
 from knapspec_dist.model.weights import load_model
 from knapspec_dist.parallel.layers import VocabParallelLMHead, layout
 from knapspec_dist.tools.ties import one_shot_logits

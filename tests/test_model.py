@@ -13,10 +13,16 @@ import torch
 from torch import nn
 
 from knapspec_dist.model.cache import KVCache
-from knapspec_dist.model.cpu_linear import PackedGroup, PackedHead, PackedLinear, can_pack
 from knapspec_dist.model.decoder import Capture, rope_frequencies
 from knapspec_dist.model.forward_meta import forward_meta
 from knapspec_dist.model.head import LMHead
+from knapspec_dist.model.kernels import packed_linear
+from knapspec_dist.model.kernels.packed_linear import (
+    PackedGroup,
+    PackedHead,
+    PackedLinear,
+    can_pack,
+)
 from knapspec_dist.model.weights import load_model
 
 from conftest import CONFIG_NAMES, random_prompt
@@ -75,8 +81,9 @@ def test_llama3_rope_scaling_matters(engine_model):
     assert not torch.allclose(scaled, plain)
 
 
-# SmolLM2's logits reach ~30 over 30 layers; our products (oneDNN, model/cpu_linear.py) sum in
-# another order than transformers' (MKL): 2e-4 apart at most on this prompt, 7e-6 relative.
+# SmolLM2's logits reach ~30 over 30 layers; our products (oneDNN,
+# model/kernels/packed_linear.py) sum in another order than transformers' (MKL): 2e-4 apart
+# at most on this prompt, 7e-6 relative.
 SMOLLM2_TOL = 5e-4
 
 
@@ -255,16 +262,25 @@ def test_the_packed_head_follows_an_edit_of_its_weight():
     torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-5)
 
 
-def test_packing_leaves_other_devices_and_dtypes_alone():
+def test_packing_leaves_other_devices_and_dtypes_alone(monkeypatch):
     assert not can_pack(torch.device("cuda"), torch.float32)
     assert not can_pack(torch.device("cpu"), torch.float16)
-    assert can_pack(torch.device("cpu"), torch.bfloat16) == torch.backends.mkldnn.is_available()
+    for bf16_path in (True, False):  # oneDNN's bf16 path: AVX-512 BW/VL/DQ, not AVX2 alone
+        monkeypatch.setattr(packed_linear, "onednn_bf16", lambda: bf16_path)
+        assert can_pack(torch.device("cpu"), torch.bfloat16) == (
+            bf16_path and torch.backends.mkldnn.is_available())
 
 
-def test_a_bf16_model_keeps_its_fp32_head(checkpoints):
-    """The bf16 head sums in fp32 (head.py head_logits): it is not swapped."""
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_a_bf16_model_keeps_its_fp32_head(checkpoints, monkeypatch, onednn_bf16):
+    """The bf16 head sums in fp32 (head.py head_logits): it is not swapped. Where oneDNN has
+    no bf16 path (an AVX2-only CPU: packing would raise), the products stay torch's linear."""
+    if onednn_bf16 and not packed_linear.onednn_bf16():
+        pytest.skip("oneDNN has no bf16 path on this CPU: packing bf16 weights would raise")
+    monkeypatch.setattr(packed_linear, "onednn_bf16", lambda: onednn_bf16)
     model = load_model(checkpoints["llama-gqa"], dtype=torch.bfloat16, device="cpu")
     assert type(model.lm_head) is LMHead
-    assert type(model.layers[0].mlp.merged) is PackedGroup
+    merged = model.layers[0].mlp.merged
+    assert type(merged) is PackedGroup if onednn_bf16 else merged is None
     logits = model.logits(torch.randn(1, 2, model.cfg.hidden_size, dtype=torch.bfloat16))
     assert logits.dtype == torch.float32

@@ -87,7 +87,8 @@ def _storages(tree) -> set[int]:
 
 def _to_meta(x):
     """A tensor's shape and dtype on the meta device; a packed oneDNN weight (a CPU model's
-    products, model/cpu_linear.py) has no ``to("meta")``, so its logical shape stands in."""
+    products, model/kernels/packed_linear.py) has no ``to("meta")``, so its logical shape
+    stands in."""
     if isinstance(x, torch.Tensor) and x.is_mkldnn:
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x.to("meta") if isinstance(x, torch.Tensor) else x

@@ -29,9 +29,10 @@ Backends, one per device kind, pinned rather than left to a library default:
   (engine/buckets.py), so continuous batching compiles a few kernels, not one per batch size.
   cuDNN attention, the CUDA default for bf16, rebuilt a plan for every new key length: 2.75x
   slower decoding at 4k on an H200 (docs/gpu-measurements.md).
-- ``cpu`` (CPU with AVX-512, fp32 or bf16): our own kernel over the pages, every row and
-  head of a forward in one call, prefill, decode and verify alike (model/cpu_attention.py);
-  its cache keeps keys by dims (``key_layout``).
+- ``cpu`` (a CPU our kernels are built for, model/kernels/build.py; fp32 or bf16): our own
+  kernel over the pages, every row and head of a forward in one call, prefill, decode and
+  verify alike (model/kernels/paged_attention.py); its cache keeps keys by dims
+  (``key_layout``).
 - ``sdpa`` also runs on CUDA (flash / memory-efficient kernels only, never cuDNN), as the
   fallback and the comparison that ``knapspec gpu-check`` measures.
 """
@@ -47,8 +48,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from knapspec_dist.model.cpu_attention import PAGE as KERNEL_PAGE
-from knapspec_dist.model.cpu_attention import paged_attention, supports
+from knapspec_dist.model.kernels.paged_attention import PAGE as KERNEL_PAGE
+from knapspec_dist.model.kernels.paged_attention import paged_attention, supports
 
 BACKENDS = ("sdpa", "flex", "cpu")
 FLEX_BLOCK = 128  # flex_attention's default block size, for queries and keys
@@ -61,7 +62,8 @@ def default_backend(device: torch.device | str) -> str:
 
 def attention_backend(model) -> str:
     """The backend a model's forwards use: its own choice (``model.backend``), else flex on
-    CUDA, and on a CPU our paged kernel where it runs (model/cpu_attention.py), else SDPA."""
+    CUDA, and on a CPU our paged kernel where it runs (model/kernels/paged_attention.py),
+    else SDPA."""
     if model.backend is not None:
         return model.backend
     if torch.device(model.device).type == "cuda":

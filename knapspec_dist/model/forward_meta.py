@@ -15,7 +15,7 @@ import torch
 
 from knapspec_dist.model.attention import attends_per_row, attention_backend
 from knapspec_dist.model.block_mask import length_block_mask, paged_block_mask
-from knapspec_dist.model.cpu_attention import check_indices
+from knapspec_dist.model.kernels.paged_attention import check_indices
 from knapspec_dist.model.transfer import upload
 
 

@@ -2,8 +2,8 @@
 
 The decoder's head (``LMHead``) and the vocab-parallel one (parallel/layers.py) both call
 their ``product``, :func:`head_logits` unless a device's module chose its own at load: an
-fp32 CPU model's head is swapped for oneDNN's (model/cpu_linear.py), a bf16 CUDA model's
-product is cuBLAS' (model/cuda_ops.py).
+fp32 CPU model's head is swapped for oneDNN's (model/kernels/packed_linear.py), a bf16 CUDA model's
+product is cuBLAS' (model/kernels/cuda.py).
 """
 
 from __future__ import annotations

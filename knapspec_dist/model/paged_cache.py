@@ -40,7 +40,8 @@ class PagedKVCache:
         """``batch`` rows of at most ``capacity`` positions each, over ``n_pages`` pages of
         ``page`` positions (the scratch page included). ``key_layout``: "positions" (keys
         ``[KV, n_pages * page, hd]``, as values are) or "dims" (``[KV, n_pages, hd, page]``:
-        each page's keys dims-major, what our CPU kernel reads, model/cpu_attention.py)."""
+        each page's keys dims-major, what our CPU kernel reads,
+        model/kernels/paged_attention.py)."""
         if page < 1 or n_pages < 2:
             raise ValueError(f"a paged cache needs page >= 1 and 2+ pages, got {page}, {n_pages}")
         if key_layout not in KEY_LAYOUTS:

@@ -18,10 +18,10 @@ from safetensors import SafetensorError, safe_open
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import load_config
-from knapspec_dist.model.cpu_linear import pack_linears
-from knapspec_dist.model.cpu_ops import fuse_elementwise
-from knapspec_dist.model.cuda_ops import use_cuda_kernels
 from knapspec_dist.model.decoder import Transformer, rope_frequencies
+from knapspec_dist.model.kernels.cuda import use_cuda_kernels
+from knapspec_dist.model.kernels.elementwise import fuse_elementwise
+from knapspec_dist.model.kernels.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,12 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     assert not missing, f"parameters not loaded: {missing}"
     model.inv_freq = rope_frequencies(cfg)[0].to(device)
     model.eval()
-    pack_linears(model)  # on a CPU: the products through oneDNN (model/cpu_linear.py)
-    fuse_elementwise(model)  # and the element-wise steps in one pass each (model/cpu_ops.py)
-    use_cuda_kernels(model)  # on CUDA: the bf16 head's fp32 sums by cuBLAS (model/cuda_ops.py)
+    # The device kernels, applied from outside (model/kernels/): on a CPU the products
+    # through oneDNN and the element-wise steps in one pass each; on CUDA the bf16 head's
+    # fp32 sums by cuBLAS.
+    pack_linears(model)
+    fuse_elementwise(model)
+    use_cuda_kernels(model)
     return model
 
 

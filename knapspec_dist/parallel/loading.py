@@ -11,8 +11,8 @@ from safetensors import safe_open
 
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.config import ModelConfig, load_config
-from knapspec_dist.model.cpu_linear import PackedGroup, PackedHead, PackedLinear
 from knapspec_dist.model.decoder import Transformer
+from knapspec_dist.model.kernels.packed_linear import PackedGroup, PackedHead, PackedLinear
 from knapspec_dist.model.weights import checkpoint_files, hf_name, load_model
 from knapspec_dist.parallel.comm import Comm
 from knapspec_dist.parallel.layers import Layout, layout, shard_modules
@@ -91,7 +91,7 @@ def load_sharded(model_dir: str | Path, rank: int, world: int, *, group=None,
 
 def parameter_bytes(model: Transformer) -> int:
     """Bytes of this rank's parameters (a tied weight counted once), a CPU model's packed
-    weights (model/cpu_linear.py) included."""
+    weights (model/kernels/packed_linear.py) included."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from knapspec_dist.model.kernels.build import chosen_isa
+
 try:
     import pynvml
 except ImportError:  # NVML is optional: torch's device name is still a real identity
@@ -26,7 +28,9 @@ def device_info(device: torch.device | str) -> dict[str, Any]:
     """Who measured: NVML name and memory on NVIDIA GPUs; CPU model and thread count otherwise.
 
     On a CPU the thread count is part of ``name`` (hence of the profile key): a profile taken
-    with 2 threads says nothing about 16.
+    with 2 threads says nothing about 16. So are the vector unit (``isa``: one CPU model name
+    covers AVX2-only and AVX-512 parts) and the build of our kernels that runs
+    (``kernels``, model/kernels/build.py): each can change a CPU's speed twofold.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -35,7 +39,7 @@ def device_info(device: torch.device | str) -> dict[str, Any]:
     model = cpu_model_name()
     info: dict[str, Any] = {"kind": "cpu", "name": f"{model} ({threads} threads)",
                             "cpu_model": model, "threads": threads, "logical_cpus": os.cpu_count(),
-                            "machine": platform.machine()}
+                            "machine": platform.machine(), "kernels": chosen_isa() or "torch"}
     info.update(_cpuinfo_details())
     return info
 

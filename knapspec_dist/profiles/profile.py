@@ -138,10 +138,14 @@ class LatencyProfile:
         return total
 
     def key(self) -> str:
-        """Deterministic, file-name-safe key: device name, model shape, dtype, batch, tp, mode
-        (and ``__paged`` for a paged KV cache's)."""
+        """Deterministic, file-name-safe key: device name (and a CPU's kernel build), model
+        shape, dtype, batch, tp, mode (and ``__paged`` for a paged KV
+        cache's)."""
         shape = "-".join(f"{k}{self.model.get(k, 'x')}" for k in MODEL_KEYS)
-        raw = (f"{self.device.get('name', 'unknown')}__{shape}__{self.dtype}__b{self.batch}"
+        name = self.device.get("name", "unknown")
+        if self.device.get("kernels"):
+            name += f" {self.device['kernels']}"
+        raw = (f"{name}__{shape}__{self.dtype}__b{self.batch}"
                f"__tp{self.tp}__{self.mode}{'__paged' if self.kv == 'paged' else ''}")
         return re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-").lower()
 

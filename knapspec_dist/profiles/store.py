@@ -125,9 +125,17 @@ def matches(profile: LatencyProfile, device: dict, shape: dict, dtype: str, batc
             tp: int, mode: str = "eager", kv: str = "fixed") -> bool:
     return (profile.device.get("name") == device.get("name")
             and profile.device.get("threads") == device.get("threads")
+            and same_vector_unit(profile.device, device)
             and not shape_mismatch(profile, shape)
             and profile.dtype == dtype and profile.batch == batch and profile.tp == tp
             and profile.mode == mode and profile.kv == kv)
+
+
+def same_vector_unit(measured: dict, device: dict) -> bool:
+    """Whether a CPU profile's vector unit and kernel build are the device's, where both say
+    (a profile that does not record one matches on its name alone)."""
+    return all(measured.get(k) is None or device.get(k) is None or measured[k] == device[k]
+               for k in ("isa", "kernels"))
 
 
 def find_profile(directories: Sequence[Path], device: dict, shape: dict, dtype: str,

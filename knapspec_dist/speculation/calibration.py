@@ -237,6 +237,7 @@ class Calibration:
         self.since_fit = 0
         self.cache: dict[int, LatencyProfile] = {}
         self.memo: dict[RoundTiming, Features] = {}  # the samples' features (``fit``)
+        self.checked = False  # whether the clock has confirmed or refitted the prices
 
     def factors(self, batch: int) -> Factors:
         return self.fits.get(batch) or self.fits.get(None) or Factors()
@@ -259,7 +260,17 @@ class Calibration:
 
     def observe(self, t: RoundTiming, report: bool = True) -> bool:
         """One timed round; whether the prices were refitted from it. ``report``: whether a
-        refit that is news is logged and saved here (TP: on rank 0 only)."""
+        refit that is news is logged and saved here (TP: on rank 0 only). The prices are
+        ``checked`` from the first round at which ``SUSTAIN`` rounds have been timed and no
+        run of rounds off the band is pending (a drift about to refit)."""
+        refitted = self._observe(t, report)
+        if not self.checked and self.rounds >= SUSTAIN and not any(self.runs.values()):
+            self.checked = True
+            log.debug("online calibration: prices checked after %d rounds%s", self.rounds,
+                      f" ({self.refits} refits)" if self.refits else "")
+        return refitted
+
+    def _observe(self, t: RoundTiming, report: bool) -> bool:
         b, band = t.batch, self.band(t.batch)
         self.rounds += 1
         off = abs((t.draft_s + t.verify_s) / self.predicted(t) - 1.0) > band

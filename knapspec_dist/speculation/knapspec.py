@@ -5,6 +5,8 @@ every sublayer) at the last ``m`` committed positions, captured for free during 
 (``KnapsackSelector``: what they share, which never calls back into a subclass). Each one's
 ``decide`` is its whole decision, read top to bottom; KnapSpec's (``KnapSpecSelector``):
 
+0. prices: are they another machine's, not yet checked by this run's clock (``unchecked``)?
+   Then plain decoding, and no DP, until they are.
 1. cadence: is a selection due (schedule.py ``SelectionSchedule``)?
 2. spare: can the due DP be spared, because it cannot pay for itself (``SpareRule``)?
 3. DP: weigh each sublayer (its measured latency at the batch's mean context n, integer
@@ -283,10 +285,12 @@ class KnapSpecSelector(KnapsackSelector):
                                     max_skip_fraction=config.max_skip_fraction)
 
     def decide(self, model: Transformer, batch: Batch) -> Decision:
-        """Cadence, spare, DP (estimate, choose: ``select``), guard."""
+        """Unchecked prices, cadence, spare, DP (estimate, choose: ``select``), guard."""
         self.profile = self.price(batch.size)
         layers = model.cfg.num_layers
-        if self.due(batch):
+        if self.unchecked:
+            self.plan_now = PLAIN  # a due selection waits until the clock has checked them
+        elif self.due(batch):
             if self.nothing_pays(batch, mean_context(batch), layers,
                                  self.reference_positions(batch)):
                 self.plan_now = PLAIN  # plain decoding until the next selection
@@ -316,6 +320,15 @@ class KnapSpecSelector(KnapsackSelector):
                               plan_of(dp.candidates, choice), dp.positions)
         self.remember(selection, dp_alphas, lower, useful)
         return self.made(selection)
+
+    @property
+    def unchecked(self) -> bool:
+        """Whether the prices are another machine's (a borrowed profile) that this run's
+        timed rounds have not yet confirmed or refitted (calibration.py ``checked``): no DP
+        is run and nothing is drafted on them. A borrowed AMD EPYC profile priced an
+        AVX2-only EPYC 2.7x off, and its first DP cost more than plain decoding saved."""
+        return (self.pricing.base.origin == "borrowed" and self.calibration is not None
+                and not self.calibration.checked)
 
     @property
     def by_tokens_per_time(self) -> bool:

@@ -26,19 +26,28 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 from torch import nn
 
 from knapspec_dist.model.head import LMHead
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+log = logging.getLogger(__name__)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN runs this model's products: a CPU with oneDNN, in fp32 or bf16."""
-    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in PACKED_DTYPES)
+    """oneDNN runs this model's products: a CPU with oneDNN, in fp32, or in bf16 where
+    oneDNN's bf16 path exists on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT on x86: on an
+    AVX2-only CPU its weight reorder raises). Elsewhere the model keeps torch's ``linear``."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16())
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN computes bf16 products on this CPU."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -106,6 +115,8 @@ def pack_linears(model: nn.Module) -> int:
     ``nn.Linear`` for a ``PackedLinear`` (and an fp32 ``LMHead`` for a ``PackedHead``) where
     ``can_pack``; the count of linears swapped (0 elsewhere: the model is left as it was)."""
     if not can_pack(model.device, model.dtype):
+        if torch.device(model.device).type == "cpu" and model.dtype == torch.bfloat16:
+            _log_unpacked_bf16()
         return 0
     swapped = 0
     for layer in model.layers:
@@ -132,6 +143,11 @@ def pack_linears(model: nn.Module) -> int:
         swapped += 1
     _return_freed_memory()
     return swapped
+
+
+@functools.cache
+def _log_unpacked_bf16() -> None:
+    log.info("bf16 products through torch's linear: oneDNN has no bf16 path on this CPU")
 
 
 def _return_freed_memory() -> None:

@@ -3,8 +3,8 @@
 cuBLAS reads the bf16 operands as they are and sums and writes in fp32
 (``torch.mm(..., out_dtype=float32)``, which no CPU build has), so the head's fp32 logits
 (model/head.py) cost no upcast copy of the head. Applied from outside at load, as the CPU's
-kernels are (model/cpu_linear.py, model/cpu_ops.py): ``use_cuda_kernels`` sets the head's
-``product``, the decoder's and the vocab-parallel one alike.
+kernels are (packed_linear.py, elementwise.py beside this module): ``use_cuda_kernels`` sets
+the head's ``product``, the decoder's and the vocab-parallel one alike.
 """
 
 from __future__ import annotations

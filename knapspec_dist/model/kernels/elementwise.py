@@ -9,10 +9,11 @@ about 7.5 % of the run, the largest share left beside the products and attention
 norm, a row) depends on its own inputs only, never on the rows or threads beside it, so a
 decode step and a verify of the same positions keep giving the same bits.
 
-Applied from outside, as the packed products are (model/cpu_linear.py): ``fuse_elementwise``
-swaps each ``RMSNorm`` for a ``CPURMSNorm`` holding the same weight, and sets each sublayer's
-``rotary`` and ``gated`` functions, on a CPU where the kernels build (model/cpu_build.py) in
-fp32 or bf16. Elsewhere the decoder keeps torch's ops.
+Applied from outside, as the packed products are (packed_linear.py): ``fuse_elementwise``
+swaps each ``RMSNorm`` for a ``CPURMSNorm`` holding the same weight, and sets each
+sublayer's ``rotary`` and ``gated`` functions, on a CPU where the kernels build (build.py:
+AVX-512, AVX2, NEON or generic, one source) in fp32 or bf16. Elsewhere the decoder keeps
+torch's ops.
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from knapspec_dist.model import cpu_build
 from knapspec_dist.model.decoder import RMSNorm, apply_rotary, silu_and_mul
 from knapspec_dist.model.decoder import rms_norm as torch_rms_norm
+from knapspec_dist.model.kernels import build
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for ``isa`` (default: the chosen build, model/kernels/build.py)."""
+    return _typed(build.library("elementwise", isa))
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    lib = cpu_build.library("elementwise")
+def _typed(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     if lib is not None:
         lib.rms_norm.argtypes = [_P, _I, _I, _I, _P, _F, _P, ctypes.c_int, ctypes.c_int]
         lib.rotary.argtypes = [_P] + [_I] * 7 + [_P, _P, _I, ctypes.c_int, ctypes.c_int]

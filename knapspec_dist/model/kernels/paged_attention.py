@@ -1,4 +1,4 @@
-"""Our own CPU attention kernel over the paged KV cache (``kernels/paged_attention.c``).
+"""Our own CPU attention kernel over the paged KV cache (``csrc/paged_attention.c``).
 
 Why: torch's SDPA cannot read a paged cache, so the CPU path attended row by row, one call
 per row per layer, each reading a row's keys at a third of the memory's rate (decode
@@ -9,24 +9,25 @@ tokens per row (prefill, chunked prefill, decode, verify), over the rows' pages,
 no gather.
 
 - **Layout.** A page holds 16 positions. Keys are stored per page dims-major, ``[KV, pages,
-  head_dim, 16]``: a page's keys are one 16-float vector per dim, so ``q . K`` is one
-  broadcast-FMA per dim and no key is transposed at read time. Values stay position-major,
-  ``[KV, pages * 16, head_dim]``. The cache writes keys in this layout when built with
-  ``key_layout="dims"`` (model/paged_cache.py).
+  head_dim, 16]``: a page's keys are 16 floats per dim (one AVX-512 vector, two AVX2 ones),
+  so ``q . K`` is a broadcast-FMA per dim and no key is transposed at read time. Values stay
+  position-major, ``[KV, pages * 16, head_dim]``. The cache writes keys in this layout when
+  built with ``key_layout="dims"`` (model/paged_cache.py).
 - **Work.** Each KV head's query group is folded into rows (position-major, then head), so a
   key is read once per KV head, not once per query head. A unit of work is a tile of up to 8
-  folded rows of one batch row and one KV head, done by one thread over all its pages with
-  an online softmax (flash attention); units are shared out dynamically by OpenMP, through
-  torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded), so the kernel and
-  torch's ops use one thread pool.
+  folded rows (4 where the vector unit has fewer registers) of one batch row and one KV
+  head, done by one thread over all its pages with an online softmax (flash attention);
+  units are shared out dynamically by OpenMP, through torch's own OpenMP runtime (the same
+  ``libgomp.so.1``, already loaded), so the kernel and torch's ops use one thread pool.
 - **Bits.** A query row's result depends on its own query, keys and position only: pages
   are visited in order from the first, a page wholly past a row's position is skipped for
   that row, and every row's arithmetic is the same whether its tile has 1 row or 8. So a
   decode step and a verify of the same positions give the same bits (the lossless check of
-  speculation rests on it), whatever the batch or the thread count.
-- **Where.** x86 CPUs with AVX-512 and a C compiler (model/cpu_build.py builds it); fp32 and
-  bf16 models (bf16 queries, keys and values are widened exactly to fp32, the arithmetic is
-  fp32, the output rounded to nearest even). Elsewhere the attention backend stays ``sdpa``,
+  speculation rests on it), whatever the batch, the thread count or the build.
+- **Where.** Any CPU with a C compiler that build.py builds for (AVX-512 or AVX2 on x86, NEON
+  on Arm, generic elsewhere; one source, csrc/vec.h); fp32 and bf16 models (bf16 queries,
+  keys and values are widened exactly to fp32, the arithmetic is fp32, the output rounded
+  to nearest even). Elsewhere the attention backend stays ``sdpa``,
   which reads the same cache laid out position-major.
 """
 
@@ -37,16 +38,20 @@ import functools
 
 import torch
 
-from knapspec_dist.model import cpu_build
+from knapspec_dist.model.kernels import build
 
-PAGE = 16  # positions per page: one AVX-512 vector of fp32 keys per dim
+PAGE = 16  # positions per page: csrc/vec.h's logical width W
 MAX_HEAD_DIM = 256
 
 
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernel built for ``isa`` (default: the chosen build, model/kernels/build.py), its
+    entry typed; None where it cannot run."""
+    return _typed(build.library("paged_attention", isa))
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The kernel's library (model/cpu_build.py), its entry typed; None where it cannot run."""
-    lib = cpu_build.library("paged_attention")
+def _typed(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     if lib is not None:
         lib.paged_attention.restype = ctypes.c_int
         lib.paged_attention.argtypes = (

@@ -1,75 +1,57 @@
-/* Attention of a forward's new tokens over a paged KV cache, on a CPU with AVX-512 (fp32 or
-   bf16 tensors; the arithmetic is fp32 either way).
+/* Attention of a forward's new tokens over a paged KV cache (fp32 or bf16 tensors; the
+   arithmetic is fp32 either way), written once over vec.h's vector type.
 
-   Built and loaded by model/cpu_attention.py, which documents the layout and why. In short:
-   keys are stored per page dims-major, [KV][pages][HD][PAGE], so a page's 16 keys are one
-   vector per dim and q.K is a broadcast-FMA per dim; values row-major, [KV][pages*PAGE][HD].
-   Each (row, KV head, tile of up to TILE folded query rows) is one unit of work, done by one
-   thread from the first key to the last: a query row's result depends only on its own
-   query, its own keys and its own position, never on the rows, heads or thread count
-   beside it, so a decode step and a verify of the same positions give the same bits. */
-#include <immintrin.h>
+   Built and loaded by model/kernels/paged_attention.py, which documents the layout and why.
+   In short: keys are stored per page dims-major, [KV][pages][HD][PAGE], so a page's 16 keys
+   are NV vectors per dim and q.K is a broadcast-FMA per dim; values row-major,
+   [KV][pages*PAGE][HD]. Each (row, KV head, tile of up to TILE folded query rows) is one unit
+   of work, done by one thread from the first key to the last: a query row's result depends
+   only on its own query, its own keys and its own position, never on the rows, heads or
+   thread count beside it, nor on the build (vec.h), so a decode step and a verify of the same
+   positions give the same bits. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define PAGE 16
-#define TILE 8
+#include "vec.h"
+
+#define PAGE W /* a page's keys are the W logical lanes */
 #define MAXHD 256
 
-#include "vexp.h"
-
-/* Loads and stores of 16 elements (or one) at element offset i, per element type: fp32, or
-   bf16 (uint16_t) widened exactly to fp32 and stored back rounded to nearest even. */
-static inline __m512 ld_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
-static inline __m512 ld_bf16(const void *p, int64_t i) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline float one_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
-static inline float one_bf16(const void *p, int64_t i) {
-    const uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-static inline void st_f32(void *p, int64_t i, __m512 x) { _mm512_storeu_ps((float *)p + i, x); }
-static inline void st_bf16(void *p, int64_t i, __m512 x) {
-    __m512i b = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(b));
-}
-
-/* s[t] = q[t] . K for one page, N rows at once (a constant per instance, so the rows'
-   accumulators stay in registers); q rows are MAXHD apart (fp32, already scaled). */
+/* s[t][j] = q[t] . K for one page (lanes j*VL ..), N rows at once (a constant per instance,
+   so the rows' accumulators stay in registers); q rows are MAXHD apart (fp32, scaled). */
 #define QK(N, T)                                                                         \
-    static void qk##N##_##T(int hd, const float *q, const void *k, __m512 *s) {         \
-        __m512 a[N];                                                                     \
-        for (int t = 0; t < N; t++) a[t] = _mm512_setzero_ps();                         \
+    static void qk##N##_##T(int hd, const float *q, const void *k, vf (*s)[NV]) {       \
+        vf a[N][NV];                                                                     \
+        for (int t = 0; t < N; t++)                                                      \
+            for (int j = 0; j < NV; j++) a[t][j] = vzero();                              \
         for (int d = 0; d < hd; d++) {                                                   \
-            const __m512 kd = ld_##T(k, d * PAGE);                                       \
-            for (int t = 0; t < N; t++)                                                  \
-                a[t] = _mm512_fmadd_ps(_mm512_set1_ps(q[t * MAXHD + d]), kd, a[t]);     \
+            vf kd[NV];                                                                   \
+            for (int j = 0; j < NV; j++) kd[j] = ld_##T(k, d * PAGE + j * VL, VL);       \
+            for (int t = 0; t < N; t++) {                                                \
+                const vf qd = vsplat(q[t * MAXHD + d]);                                  \
+                for (int j = 0; j < NV; j++) a[t][j] = vfma(qd, kd[j], a[t][j]);         \
+            }                                                                            \
         }                                                                                \
-        for (int t = 0; t < N; t++) s[t] = a[t];                                         \
+        for (int t = 0; t < N; t++)                                                      \
+            for (int j = 0; j < NV; j++) s[t][j] = a[t][j];                              \
     }
 /* acc[t] += p[t] . V for one page, N rows at once; acc rows MAXHD apart, p rows PAGE. */
 #define PV(N, T)                                                                         \
     static void pv##N##_##T(int hd, const float *p, const void *v, float *acc) {        \
-        for (int c = 0; c < hd; c += 16) {                                               \
-            __m512 o[N];                                                                 \
-            for (int t = 0; t < N; t++) o[t] = _mm512_load_ps(acc + t * MAXHD + c);     \
+        for (int c = 0; c < hd; c += VL) {                                               \
+            vf o[N];                                                                     \
+            for (int t = 0; t < N; t++) o[t] = ld_f32(acc, t * MAXHD + c, VL);           \
             for (int j = 0; j < PAGE; j++) {                                             \
-                const __m512 vj = ld_##T(v, j * hd + c);                                 \
+                const vf vj = ld_##T(v, j * hd + c, VL);                                 \
                 for (int t = 0; t < N; t++)                                              \
-                    o[t] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * PAGE + j]), vj, o[t]);   \
+                    o[t] = vfma(vsplat(p[t * PAGE + j]), vj, o[t]);                      \
             }                                                                            \
-            for (int t = 0; t < N; t++) _mm512_store_ps(acc + t * MAXHD + c, o[t]);     \
+            for (int t = 0; t < N; t++) st_f32(acc, t * MAXHD + c, o[t], VL);            \
         }                                                                                \
     }
 
-typedef void (*qk_fn)(int, const float *, const void *, __m512 *);
+typedef void (*qk_fn)(int, const float *, const void *, vf (*)[NV]);
 typedef void (*pv_fn)(int, const float *, const void *, float *);
 
 typedef struct {
@@ -86,30 +68,36 @@ typedef struct {
     void *out;                            /* [B][T][H][HD], contiguous */
 } Args;
 
+#if TILE == 8
+#define FOR_TILE(X, T) X(1, T) X(2, T) X(3, T) X(4, T) X(5, T) X(6, T) X(7, T) X(8, T)
+#define FNS(P, T) {0, P##1_##T, P##2_##T, P##3_##T, P##4_##T, P##5_##T, P##6_##T, P##7_##T, P##8_##T}
+#else
+#define FOR_TILE(X, T) X(1, T) X(2, T) X(3, T) X(4, T)
+#define FNS(P, T) {0, P##1_##T, P##2_##T, P##3_##T, P##4_##T}
+#endif
+
 /* Folded rows r0 .. r0+n of KV head `kv` of batch row `b`: row r is the query at the r/g-th
    new position of query head kv*g + r%g. */
 #define TILE_FN(T)                                                                       \
-    QK(1, T) QK(2, T) QK(3, T) QK(4, T) QK(5, T) QK(6, T) QK(7, T) QK(8, T)             \
-    PV(1, T) PV(2, T) PV(3, T) PV(4, T) PV(5, T) PV(6, T) PV(7, T) PV(8, T)             \
-    static const qk_fn QKS_##T[TILE + 1] = {0, qk1_##T, qk2_##T, qk3_##T, qk4_##T,      \
-                                            qk5_##T, qk6_##T, qk7_##T, qk8_##T};        \
-    static const pv_fn PVS_##T[TILE + 1] = {0, pv1_##T, pv2_##T, pv3_##T, pv4_##T,      \
-                                            pv5_##T, pv6_##T, pv7_##T, pv8_##T};        \
+    FOR_TILE(QK, T) FOR_TILE(PV, T)                                                      \
+    static const qk_fn QKS_##T[TILE + 1] = FNS(qk, T);                                   \
+    static const pv_fn PVS_##T[TILE + 1] = FNS(pv, T);                                   \
     static void tile_##T(const Args *a, int b, int kv, int r0, int n) {                  \
         float q[TILE][MAXHD] __attribute__((aligned(64)));                              \
         float acc[TILE][MAXHD] __attribute__((aligned(64)));                            \
         float p[TILE][PAGE] __attribute__((aligned(64)));                               \
         float m[TILE];                                                                   \
-        __m512 l[TILE];                                                                  \
+        vf l[TILE][NV];                                                                  \
         int64_t limit[TILE]; /* keys row t sees: 0 .. limit-1 */                         \
         const int hd = a->hd, g = a->heads / a->kv_heads;                                \
+        const vi iota = viota();                                                         \
         for (int t = 0; t < n; t++) {                                                    \
             const int r = r0 + t, i = r / g, h = kv * g + r % g;                         \
             const int64_t at = b * a->q_b + i * a->q_t + h * a->q_h;                     \
             for (int d = 0; d < hd; d++) q[t][d] = one_##T(a->q, at + d) * a->scale;    \
             memset(acc[t], 0, sizeof(float) * hd);                                       \
             m[t] = -INFINITY;                                                            \
-            l[t] = _mm512_setzero_ps();                                                  \
+            for (int j = 0; j < NV; j++) l[t][j] = vzero();                              \
             limit[t] = a->starts[b] + i + 1;                                             \
         }                                                                                \
         const int64_t pages = (limit[n - 1] + PAGE - 1) / PAGE; /* rows in position order */ \
@@ -123,42 +111,46 @@ typedef struct {
                 const char *nk = (const char *)a->k + (head + table[pg + 1]) * hd * PAGE * size; \
                 const char *nv = (const char *)a->v + (head + table[pg + 1]) * PAGE * hd * size; \
                 for (int c = 0; c < hd * PAGE * size; c += 64) {                         \
-                    _mm_prefetch(nk + c, _MM_HINT_T0);                                   \
-                    _mm_prefetch(nv + c, _MM_HINT_T0);                                   \
+                    __builtin_prefetch(nk + c, 0, 3);                                    \
+                    __builtin_prefetch(nv + c, 0, 3);                                    \
                 }                                                                        \
             }                                                                            \
             const int64_t key0 = pg * PAGE;                                              \
             int t0 = 0; /* rows before t0 have seen all their keys */                    \
             while (t0 < n && limit[t0] <= key0) t0++;                                    \
-            __m512 s[TILE];                                                              \
+            vf s[TILE][NV];                                                              \
             QKS_##T[n - t0](hd, q[t0], (const T##_t *)a->k + k, s + t0);                 \
             for (int t = t0; t < n; t++) {                                               \
                 const int64_t valid = limit[t] - key0;                                   \
-                if (valid < PAGE)                                                        \
-                    s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),                 \
-                                              (__mmask16)((1u << valid) - 1u), s[t]);    \
-                const float top = _mm512_reduce_max_ps(s[t]);                            \
-                if (top > m[t]) { /* a new running max: rescale what was summed */       \
-                    const __m512 alpha = _mm512_set1_ps(                                 \
-                        _mm512_cvtss_f32(vexp(_mm512_set1_ps(m[t] - top))));             \
-                    m[t] = top;                                                          \
-                    l[t] = _mm512_mul_ps(l[t], alpha);                                   \
-                    for (int c = 0; c < hd; c += 16)                                     \
-                        _mm512_store_ps(acc[t] + c,                                      \
-                                        _mm512_mul_ps(_mm512_load_ps(acc[t] + c), alpha)); \
+                float top = -INFINITY;                                                   \
+                for (int j = 0; j < NV; j++) {                                           \
+                    if (valid < PAGE)                                                    \
+                        s[t][j] = vselect(iota + j * VL >= (int32_t)valid,               \
+                                          vsplat(-INFINITY), s[t][j]);                   \
+                    const float mj = vmax_lanes(s[t][j]);                                \
+                    top = mj > top ? mj : top;                                           \
                 }                                                                        \
-                const __m512 e = vexp(_mm512_sub_ps(s[t], _mm512_set1_ps(m[t])));        \
-                l[t] = _mm512_add_ps(l[t], e);                                           \
-                _mm512_store_ps(p[t], e);                                                \
+                if (top > m[t]) { /* a new running max: rescale what was summed */       \
+                    const vf alpha = vsplat(vexp(vsplat(m[t] - top))[0]);                \
+                    m[t] = top;                                                          \
+                    for (int j = 0; j < NV; j++) l[t][j] = l[t][j] * alpha;              \
+                    for (int c = 0; c < hd; c += VL)                                     \
+                        st_f32(acc[t], c, ld_f32(acc[t], c, VL) * alpha, VL);            \
+                }                                                                        \
+                for (int j = 0; j < NV; j++) {                                           \
+                    const vf e = vexp(s[t][j] - m[t]);                                   \
+                    l[t][j] = l[t][j] + e;                                               \
+                    st_f32(p[t], j * VL, e, VL);                                         \
+                }                                                                        \
             }                                                                            \
             PVS_##T[n - t0](hd, p[t0], (const T##_t *)a->v + v, acc[t0]);                \
         }                                                                                \
         for (int t = 0; t < n; t++) {                                                    \
             const int r = r0 + t, i = r / g, h = kv * g + r % g;                         \
-            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[t]));        \
+            const vf inv = vsplat(1.0f / vsum_wide(l[t]));                               \
             const int64_t at = (((int64_t)b * a->tokens + i) * a->heads + h) * hd;       \
-            for (int c = 0; c < hd; c += 16)                                             \
-                st_##T(a->out, at + c, _mm512_mul_ps(_mm512_load_ps(acc[t] + c), inv)); \
+            for (int c = 0; c < hd; c += VL)                                             \
+                st_##T(a->out, at + c, ld_f32(acc[t], c, VL) * inv, VL);                 \
         }                                                                                \
     }
 
@@ -173,7 +165,7 @@ int paged_attention(const void *q, int64_t q_b, int64_t q_t, int64_t q_h, const 
                     const void *v, const int64_t *table, int64_t blocks, const int64_t *starts,
                     int64_t pages, int rows, int tokens, int heads, int kv_heads, int hd,
                     float scale, void *out, int threads, int dtype) {
-    if (hd % 16 || hd > MAXHD || heads % kv_heads || rows < 1 || tokens < 1 || dtype < 0
+    if (hd % W || hd > MAXHD || heads % kv_heads || rows < 1 || tokens < 1 || dtype < 0
         || dtype > 1)
         return 1;
     const Args a = {q, q_b, q_t, q_h, k, v, table, blocks, starts, pages, rows, heads,
