@@ -68,20 +68,23 @@ typedef struct {
     void *out;                            /* [B][T][H][HD], contiguous */
 } Args;
 
-#if TILE == 8
-#define FOR_TILE(X, T) X(1, T) X(2, T) X(3, T) X(4, T) X(5, T) X(6, T) X(7, T) X(8, T)
-#define FNS(P, T) {0, P##1_##T, P##2_##T, P##3_##T, P##4_##T, P##5_##T, P##6_##T, P##7_##T, P##8_##T}
+#define TILE 8 /* query rows a unit of work takes: each page is read once for all of them */
+#define FOR_8(X, T) X(1, T) X(2, T) X(3, T) X(4, T) X(5, T) X(6, T) X(7, T) X(8, T)
+#define FNS_8(P, T) {0, P##1_##T, P##2_##T, P##3_##T, P##4_##T, P##5_##T, P##6_##T, P##7_##T, P##8_##T}
+#if QK_ROWS == 8
+#define FOR_QK(X, T) FOR_8(X, T)
+#define FNS_QK(P, T) FNS_8(P, T)
 #else
-#define FOR_TILE(X, T) X(1, T) X(2, T) X(3, T) X(4, T)
-#define FNS(P, T) {0, P##1_##T, P##2_##T, P##3_##T, P##4_##T}
+#define FOR_QK(X, T) X(1, T) X(2, T) X(3, T) X(4, T)
+#define FNS_QK(P, T) {0, P##1_##T, P##2_##T, P##3_##T, P##4_##T}
 #endif
 
 /* Folded rows r0 .. r0+n of KV head `kv` of batch row `b`: row r is the query at the r/g-th
    new position of query head kv*g + r%g. */
 #define TILE_FN(T)                                                                       \
-    FOR_TILE(QK, T) FOR_TILE(PV, T)                                                      \
-    static const qk_fn QKS_##T[TILE + 1] = FNS(qk, T);                                   \
-    static const pv_fn PVS_##T[TILE + 1] = FNS(pv, T);                                   \
+    FOR_QK(QK, T) FOR_8(PV, T)                                                           \
+    static const qk_fn QKS_##T[QK_ROWS + 1] = FNS_QK(qk, T);                             \
+    static const pv_fn PVS_##T[TILE + 1] = FNS_8(pv, T);                                 \
     static void tile_##T(const Args *a, int b, int kv, int r0, int n) {                  \
         float q[TILE][MAXHD] __attribute__((aligned(64)));                              \
         float acc[TILE][MAXHD] __attribute__((aligned(64)));                            \
@@ -119,7 +122,9 @@ typedef struct {
             int t0 = 0; /* rows before t0 have seen all their keys */                    \
             while (t0 < n && limit[t0] <= key0) t0++;                                    \
             vf s[TILE][NV];                                                              \
-            QKS_##T[n - t0](hd, q[t0], (const T##_t *)a->k + k, s + t0);                 \
+            for (int t = t0; t < n; t += QK_ROWS) /* QK_ROWS rows' accumulators at once */ \
+                QKS_##T[n - t < QK_ROWS ? n - t : QK_ROWS](hd, q[t], (const T##_t *)a->k + k, \
+                                                           s + t);                       \
             for (int t = t0; t < n; t++) {                                               \
                 const int64_t valid = limit[t] - key0;                                   \
                 float top = -INFINITY;                                                   \

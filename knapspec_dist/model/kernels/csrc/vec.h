@@ -19,17 +19,18 @@
 #include <stdint.h>
 #include <string.h>
 
+/* QK_ROWS: the query rows whose q.K accumulators (W / VL vectors a row) stay in registers. */
 #if defined(KNAPSPEC_AVX512)
 #include <immintrin.h>
 #define VL 16
-#define TILE 8 /* query rows a unit of attention keeps in registers: 32 zmm */
+#define QK_ROWS 8 /* 32 zmm: 8 accumulators, a key vector, a broadcast */
 #elif defined(KNAPSPEC_AVX2)
 #include <immintrin.h>
 #define VL 8
-#define TILE 4 /* 16 ymm: 2 accumulators a row, 2 key vectors, a broadcast */
+#define QK_ROWS 4 /* 16 ymm: 2 accumulators a row, 2 key vectors, a broadcast */
 #else
 #define VL 4
-#define TILE 4
+#define QK_ROWS 4
 #endif
 #define W 16        /* the logical width of every sum across lanes */
 #define NV (W / VL) /* vectors per logical width */
@@ -40,9 +41,13 @@ typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 
 static inline vf vsplat(float x) {
-    vf r;
-    for (int i = 0; i < VL; i++) r[i] = x;
-    return r;
+#if VL == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif VL == 8
+    return (vf){x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x};
+#endif
 }
 static inline vf vzero(void) { return vsplat(0.0f); }
 static inline vi viota(void) {
@@ -78,9 +83,11 @@ static inline float vsum_wide(vf *v) {
     return x[0];
 }
 static inline float vmax_lanes(vf x) {
-    float m = x[0];
-    for (int i = 1; i < VL; i++) m = x[i] > m ? x[i] : m;
-    return m;
+    for (int w = VL / 2; w >= 1; w /= 2) {
+        const vf y = __builtin_shuffle(x, viota() ^ w);
+        x = vselect(y > x, y, x);
+    }
+    return x[0];
 }
 
 /* Element types: fp32, or bf16 (uint16_t) widened exactly to fp32 and rounded back to nearest
