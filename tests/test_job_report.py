@@ -56,11 +56,13 @@ def result_of(summary: dict) -> JobResult:
 def test_a_strategy_that_drafted_nothing_says_so_and_labels_the_speedup_noise():
     summary, *_ = job_summary(drafted=0)
     assert summary["acceptance"]["note"] == ("knapspec chose plain decoding for every row: "
-                                             "no subnet paid on this hardware")
+                                             "no draft, copied or from a subnet, paid on "
+                                             "this hardware")
     assert summary["baseline"]["note"] == ("both passes decoded plainly: this is run-to-run "
                                            "noise, not a speedup")
     text = report(result_of(summary))
-    assert "knapspec chose plain decoding for every row: no subnet paid on this hardware" in text
+    assert ("knapspec chose plain decoding for every row: no draft, copied or from a subnet, "
+            "paid on this hardware") in text
     assert ("speedup vs ar: 1.05x (both passes decoded plainly: this is run-to-run noise, "
             "not a speedup)") in text
 

@@ -23,7 +23,8 @@ exec {python} -c '
 import json, os, sys
 req = json.load(open(sys.argv[2]))
 tokens = json.load(open(os.environ["PEER_TOKENS"]))
-json.dump({{"startup_s": 9.0, "prefill_s": 2.0, "full_s": 3.0, "tokens": tokens,
+k = (req["ngram"] or [0])[0]  # n-gram drafts of K tokens: K/10 s faster
+json.dump({{"startup_s": 9.0, "prefill_s": 2.0, "full_s": 3.0 - k / 10, "tokens": tokens,
            "decode_window_s": 0.5, "decode_window_tokens": 2,
            "versions": {{"vllm": "stand-in", "torch": "-"}}, "threads": req["threads"]}},
           open(sys.argv[3], "w"))' "$@"
@@ -73,6 +74,16 @@ def test_peer_runs_both_engines_on_the_same_prompts_and_counts_identical_rows(
     assert second["ours"]["ar"]["identical_to_vllm"] == 1
     assert "| rows token-identical to vLLM | - | 1/2 |" in capsys.readouterr().out
     assert "stand-in" in (out / "peer.md").read_text()
+    ngram = second["vllm_ngram"]  # the default sweep, 2:3 and 4:3; 4:3 the fastest
+    assert list(ngram["runs"]) == ["2:3", "4:3"] and ngram["best"] == "4:3"
+    assert ngram["runs"]["4:3"]["end_to_end_s"] == pytest.approx(2.6)
+    mine = second["ours"]["ar"]
+    assert mine["speed_vs_vllm_ngram"]["end_to_end_s"] == pytest.approx(
+        2.6 / mine["end_to_end_s"])
+    assert "| 4:3 (fastest) |" in (out / "peer.md").read_text()
+    assert main(args + ["--vllm-ngram", "none"]) == 0
+    assert "vllm_ngram" not in json.loads((out / "peer.json").read_text())
+    assert main(args + ["--vllm-ngram", "4"]) == 2
 
 
 def test_a_row_the_job_would_fail_fails_the_comparison(smollm2, documents):

@@ -2,10 +2,13 @@
 
     make vllm-venv        # vLLM's CPU build (vllm where CUDA is) in .venv-vllm, once
     knapspec peer --input knapspec_dist/data/sample_chapters.parquet --dtype fp32 \\
-        --threads 2 --new-tokens 96 --max-num-seqs 16 --strategies ar,knapspec --out bench/peer
+        --threads 2 --new-tokens 96 --max-num-seqs 16 --strategies ar,knapspec \\
+        --vllm-ngram 2:3,4:3 --out bench/peer
 
 The same model folder, prompt token ids, dtype, threads, rows at once, greedy decoding and new
-tokens for both (tools/peer/compare.py says how each is timed). Prints the ratios for
+tokens for both (tools/peer/compare.py says how each is timed); vLLM also with its own
+n-gram drafts, each K:N of ``--vllm-ngram`` (a small sweep: ours is compared with the
+fastest). Prints the ratios for
 start-up, prefill, decode and end to end, and how many rows are token-identical to vLLM's;
 writes ``peer.json`` and ``peer.md`` to ``--out``. Not part of ``make test``: it takes minutes.
 """
@@ -19,6 +22,7 @@ import json
 from pathlib import Path
 
 from knapspec_dist.cli.common import add_number, emit, existing_model_path
+from knapspec_dist.errors import UserError
 from knapspec_dist.jobs.options import DEFAULT_INSTRUCTION
 from knapspec_dist.tools.bench.report import command_line, machine
 from knapspec_dist.tools.bench.specs import parse_strategies
@@ -49,10 +53,27 @@ def register(sub) -> None:
     add_number(p, "--max-num-seqs", default=16, help="rows at once, both engines")
     add_number(p, "--max-model-len", default=8192)
     p.add_argument("--strategies", default="ar", help="ours, as for bench: ar,knapspec")
+    p.add_argument("--vllm-ngram", default="2:3,4:3",
+                   help="vLLM's n-gram drafts, each K:N (K tokens drafted from n-grams of up "
+                        "to N) run once beside plain vLLM; 'none' for plain vLLM alone")
     p.add_argument("--vllm-python", default=None,
                    help="vLLM's venv (or its python); default .venv-vllm (make vllm-venv)")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=functools.partial(cmd_peer, parser=p))
+
+
+def parse_ngram(text: str) -> list[tuple[int, int]]:
+    """``2:3,4:3`` -> [(2, 3), (4, 3)]; ``none`` -> []."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    out = []
+    for part in text.split(","):
+        k, _, n = part.strip().partition(":")
+        if not (k.isdigit() and n.isdigit() and int(k) > 0 and int(n) > 0):
+            raise UserError(f"--vllm-ngram {part.strip()!r}: expected K:N, two positive "
+                            "integers, e.g. 4:3")
+        out.append((int(k), int(n)))
+    return out
 
 
 def cmd_peer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -66,9 +87,11 @@ def cmd_peer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                    instruction=args.instruction, dtype=args.dtype, threads=args.threads,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    new_tokens=args.new_tokens)
+    sweep = parse_ngram(args.vllm_ngram)
     vllm = run_vllm(job, python)  # first: a missing venv fails before our runs
+    ngram = {f"{k}:{n}": run_vllm(job, python, ngram=(k, n)) for k, n in sweep}
     ours = run_ours(job, specs)
-    result = compare(job, ours, vllm)
+    result = compare(job, ours, vllm, ngram)
     header = {"command": command_line(args, parser), "machine": machine("cpu"),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "torch": ours["torch"], "vllm": vllm["versions"], "model": str(path),

@@ -120,8 +120,10 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0  # decoding rounds it took part in: one full-model forward each, after prefill
-    drafted: int = 0
+    drafted: int = 0  # drafts judged, from either source
     accepted: int = 0
+    copied_drafted: int = 0  # of them, copied from the row's own tokens (lookup.py)
+    copied_accepted: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0

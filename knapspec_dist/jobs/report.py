@@ -32,6 +32,11 @@ def report(result: JobResult) -> str:
                      f"{kv['bytes'] / 2 ** 30:.2f} GiB), peak {kv['peak_use']:.0%}; rows in "
                      f"flight {kv['mean_rows']:.1f} mean, {kv['peak_rows']} peak; "
                      f"{kv['memory_wait_s']:.1f}s waiting for memory")
+    sources = s["acceptance"].get("by_source")
+    if sources and s["acceptance"]["drafted"]:
+        lines.append("drafts: " + "; ".join(
+            f"{name} {src['accepted']} of {src['drafted']} kept"
+            for name, src in sources.items() if src["drafted"]))
     if s["acceptance"].get("note"):
         lines.append(s["acceptance"]["note"])
     if (s.get("job") or {}).get("reproducible_note"):

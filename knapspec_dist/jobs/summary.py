@@ -35,9 +35,12 @@ all its runs.  Definitions (all over rows without an error):
   one (what the selection priced it at, over the seconds it priced), the ``PLANS_SHOWN``
   plans with the most seconds, the rest summed as ``other``.
 * notes, present only when they apply: ``acceptance.note`` when a drafting strategy drafted
-  no token in any ok row (it chose plain decoding throughout: no subnet paid on this
-  hardware); ``baseline.note`` when the strategy's baseline pass drafted nothing either, so
-  ``speedup`` compares two plain-decoding passes: run-to-run noise, not a speedup.
+  no token in any ok row (it chose plain decoding throughout: no draft, copied or from a
+  subnet, paid on this hardware); ``baseline.note`` when the strategy's baseline pass
+  drafted nothing either, so ``speedup`` compares two plain-decoding passes: run-to-run
+  noise, not a speedup.
+* ``acceptance.by_source``: the drafted and accepted tokens of drafts copied from the rows'
+  own tokens (``copied``) and of subnets (``subnet``).
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def error_kind(message: str) -> str:
 
 #: The columns of an output part the summary reads.
 COLUMNS = ["num_input_tokens", "num_generated_tokens", "time_taken_llm", "prefill_s",
-           "tokens_per_s", "drafted", "accepted", "attention_skipped", "mlp_skipped",
+           "tokens_per_s", "drafted", "accepted", "copied_drafted", "copied_accepted",
+           "attention_skipped", "mlp_skipped",
            "selections", "mean_batch", "replica", "generation_start", "generation_end",
            "generated_tokens", "error",  # the tokens: for the baseline rows (lossless)
            "document_path", "tree_generations"]
@@ -143,6 +147,8 @@ class Totals:
     batch_sum: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    copied_drafted: int = 0
+    copied_accepted: int = 0
     attention: float = 0.0  # attention_skipped x drafted
     mlp: float = 0.0
     selections: int = 0
@@ -168,6 +174,8 @@ class Totals:
         self.batch_sum += _sum(pc.multiply(mean_batch, gen), 0.0)
         self.drafted += _sum(drafted)
         self.accepted += _sum(_col(ok, "accepted"))
+        self.copied_drafted += _sum(pc.fill_null(_col(ok, "copied_drafted"), 0))
+        self.copied_accepted += _sum(pc.fill_null(_col(ok, "copied_accepted"), 0))
         self.attention += _sum(pc.multiply(pc.fill_null(_col(ok, "attention_skipped"), 0),
                                            drafted), 0.0)
         self.mlp += _sum(pc.multiply(pc.fill_null(_col(ok, "mlp_skipped"), 0), drafted), 0.0)
@@ -204,10 +212,16 @@ class Totals:
 
     def acceptance(self) -> dict:
         d = self.drafted
+        copied, kept = self.copied_drafted, self.copied_accepted
         return {"drafted": d, "accepted": self.accepted,
                 "acceptance_rate": ratio(self.accepted, d),
                 "attention_skipped": ratio(self.attention, d),
-                "mlp_skipped": ratio(self.mlp, d), "selections": self.selections}
+                "mlp_skipped": ratio(self.mlp, d), "selections": self.selections,
+                "by_source": {  # drafts copied from the rows' own tokens, and subnets'
+                    "copied": {"drafted": copied, "accepted": kept,
+                               "acceptance_rate": ratio(kept, copied)},
+                    "subnet": {"drafted": d - copied, "accepted": self.accepted - kept,
+                               "acceptance_rate": ratio(self.accepted - kept, d - copied)}}}
 
 
 def _table(rows: list[dict]) -> pa.Table:
@@ -226,7 +240,8 @@ NOISE_NOTE = "both passes decoded plainly: this is run-to-run noise, not a speed
 
 def plain_note(strategy: str) -> str:
     """``acceptance.note`` when a drafting strategy drafted nothing."""
-    return f"{strategy} chose plain decoding for every row: no subnet paid on this hardware"
+    return (f"{strategy} chose plain decoding for every row: no draft, copied or from a "
+            "subnet, paid on this hardware")
 
 
 def _acceptance_of_job(ok: Totals, strategy: str | None) -> dict:

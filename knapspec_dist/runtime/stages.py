@@ -70,6 +70,7 @@ def result_columns(result) -> dict:
             "finish_reason": result.finish_reason, "time_taken_llm": s.wall_s,
             "prefill_s": s.prefill_s, "tokens_per_s": s.tokens_per_s, "rounds": s.rounds,
             "drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
+            "copied_drafted": s.copied_drafted, "copied_accepted": s.copied_accepted,
             "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
             "selections": s.selections, "mean_batch": s.mean_batch,
             "plans": [{"plan": label, **asdict(t)} for label, t in s.plans.items()],
@@ -92,6 +93,8 @@ RESULT_FIELDS = [
     ("time_taken_llm", pa.float64()),  # wall seconds of this row's generation
     ("prefill_s", pa.float64()), ("tokens_per_s", pa.float64()), ("rounds", pa.int64()),
     ("drafted", pa.int64()), ("accepted", pa.int64()), ("acceptance_rate", pa.float64()),
+    # of them, drafts copied from the row's own tokens (the rest: a subnet's)
+    ("copied_drafted", pa.int64()), ("copied_accepted", pa.int64()),
     # mean attention / MLP sublayers skipped per draft token
     ("attention_skipped", pa.float64()), ("mlp_skipped", pa.float64()),
     ("selections", pa.int64()),

@@ -204,8 +204,9 @@ def merged_result(tree: DocumentTree) -> GenerationResult:
     root = tree.root
     stats = [n.result.stats for n in tree.nodes]
     total = GenerationStats()
-    for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "wall_s",
-                 "prefill_s", "draft_s", "verify_s", "select_s", "selections", "fallbacks"):
+    for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted",
+                 "copied_drafted", "copied_accepted", "wall_s", "prefill_s", "draft_s",
+                 "verify_s", "select_s", "selections", "fallbacks"):
         setattr(total, name, sum(getattr(s, name) for s in stats))
     for name in ("attention_skipped", "mlp_skipped"):  # means per drafted token
         total.__setattr__(name, sum(getattr(s, name) * s.drafted for s in stats)

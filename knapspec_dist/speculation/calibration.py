@@ -72,7 +72,9 @@ IRLS_STEPS = 10  # reweightings of the Huber fit at most (it settles in a few)
 @dataclass(frozen=True)
 class RoundTiming:
     """One timed round: ``drafts`` draft forwards with ``skip`` skipped (0: a plain round) and
-    their ``draft_s``, then one verify of ``drafts + 1`` tokens in ``verify_s``."""
+    their ``draft_s``, then one verify of ``verified`` tokens in ``verify_s``: the pending
+    token, the drafts and the ``copied`` ones (drafts copied from the rows' own tokens,
+    lookup.py, which cost no forward)."""
 
     batch: int
     context: int
@@ -80,11 +82,17 @@ class RoundTiming:
     drafts: int
     draft_s: float
     verify_s: float
+    copied: int = 0
+
+    @property
+    def verified(self) -> int:
+        return self.drafts + self.copied + 1
 
     def row(self) -> list:
-        """As saved with an online profile: [batch, context, drafts, draft_s, verify_s, skip]."""
+        """As saved with an online profile: [batch, context, drafts, draft_s, verify_s, skip,
+        copied]."""
         return [self.batch, self.context, self.drafts, self.draft_s, self.verify_s,
-                sorted(self.skip)]
+                sorted(self.skip), self.copied]
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,7 @@ def scaled(profile: LatencyProfile, f: Factors) -> LatencyProfile:
 def round_seconds(profile: LatencyProfile, t: RoundTiming, num_layers: int) -> float:
     """The seconds ``profile`` prices round ``t`` at: its draft forwards, then its verify."""
     return (t.drafts * profile.draft_time(t.skip, t.context, num_layers)
-            + profile.verify_time(t.drafts + 1, t.context))
+            + profile.verify_time(t.verified, t.context))
 
 
 def verify_line(profile: LatencyProfile, q: int) -> LinearFit:
@@ -145,14 +153,15 @@ def verify_line(profile: LatencyProfile, q: int) -> LinearFit:
 def sublayer_features(profile: LatencyProfile, t: RoundTiming, num_layers: int
                       ) -> tuple[list[float], float]:
     """(attention, MLP, head seconds the profile prices in one forward of ``t``, the measured
-    forward): a draft forward, or for a plain round the verify in the profile's proportions."""
+    forward): a draft forward, or for a round without one the verify in the profile's
+    proportions."""
     attn, mlp = profile.attention_time(t.context), profile.mlp_time()
     if t.drafts:
         ran_a = sum(1 for i in range(0, 2 * num_layers, 2) if i not in t.skip)
         ran_m = sum(1 for i in range(1, 2 * num_layers, 2) if i not in t.skip)
         return [ran_a * attn, ran_m * mlp, profile.head], t.draft_s / t.drafts
     full = [num_layers * attn, num_layers * mlp, profile.head]
-    ratio = profile.verify_time(1, t.context) / sum(full)
+    ratio = profile.verify_time(t.verified, t.context) / sum(full)
     return [x * ratio for x in full], t.verify_s
 
 
@@ -190,7 +199,7 @@ def features(t: RoundTiming, price: Callable[[int], LatencyProfile], num_layers:
     step (``sublayer_features``), and its verify line's context and constant parts at t."""
     p = price(t.batch)
     xs, y = sublayer_features(p, t, num_layers)
-    v = verify_line(p, t.drafts + 1)
+    v = verify_line(p, t.verified)
     return xs, y, [v.slope * t.context, v.intercept]
 
 
@@ -207,7 +216,7 @@ def fit(samples: list[RoundTiming], price: Callable[[int], LatencyProfile],
             f = memo[t] = features(t, price, num_layers)
         rows.append(f[0])
         ys.append(f[1])
-        by_q.setdefault(t.drafts + 1, []).append((f[2], t.verify_s))
+        by_q.setdefault(t.verified, []).append((f[2], t.verify_s))
     attention, mlp, head = huber_fit(rows, ys)
     verify = {0: tuple(huber_fit([x for xs in by_q.values() for x, _ in xs],
                                  [y for xs in by_q.values() for _, y in xs]))}
@@ -350,7 +359,8 @@ class Calibration:
         out = scaled(base, f)
         out.samples = {**base.samples, "online": {
             "rounds": [t.row() for t in self.regimes.get(batch, self.samples)],
-            "columns": ["batch", "context", "drafts", "draft_s", "verify_s", "skip"],
+            "columns": ["batch", "context", "drafts", "draft_s", "verify_s", "skip",
+                        "copied"],
             "factors": {"attention": f.attention, "mlp": f.mlp, "head": f.head,
                         "verify": {str(q): list(k) for q, k in sorted(f.verify.items())}}}}
         out.origin = "online"

@@ -13,6 +13,7 @@ from knapspec_dist.speculation.knapspec import (
     KnapSpecConfig,
     KnapSpecSelector,
 )
+from knapspec_dist.speculation.lookup import CopiedDrafts
 from knapspec_dist.speculation.options import StrategyOptions, check_options, parse_skip
 from knapspec_dist.speculation.paper import PaperSelector
 from knapspec_dist.speculation.selfspec import SelfSpeculative, StaticSelector
@@ -31,8 +32,12 @@ def build_strategy(options: StrategyOptions, model: Transformer,
     if options.name == "static":
         skip = parse_skip(options.skip, model.cfg.num_layers)
         return SelfSpeculative(StaticSelector(skip, options.gamma), options.tau_conf, "static")
+    copied = None
+    if options.name == "knapspec" and not options.paper and options.drafts != "subnet":
+        config = KnapSpecConfig()
+        copied = CopiedDrafts(config.min_gain, config.noise_z)
     return SelfSpeculative(build_selector(options, model, profiles), options.tau_conf,
-                           options.name)
+                           options.name, copied)
 
 
 def build_selector(options: StrategyOptions, model: Transformer,
@@ -49,7 +54,7 @@ def build_selector(options: StrategyOptions, model: Transformer,
     calibrate = options.calibrate if options.calibrate is not None else not options.paper
     config = KnapSpecConfig(interval=options.interval, coupled=options.coupled,
                             objective=options.objective, select_once=options.select_once,
-                            calibrate=calibrate)
+                            calibrate=calibrate, subnets=options.drafts != "copy")
     return (PaperSelector if options.paper else KnapSpecSelector)(profiles, config)
 
 

@@ -87,6 +87,7 @@ class KnapSpecConfig:
     select_once: bool = False  # ablation: select after prefill only
     calibrate: bool = False  # refit the prices from the run's timed rounds (calibration.py;
     # the strategy ``knapspec`` turns it on: speculation/factory.py)
+    subnets: bool = True  # select subnets at all (off: ``knapspec:copy``, copied drafts only)
 
 
 @dataclass
@@ -160,6 +161,18 @@ class KnapsackSelector(Selector):
         if not plan.gamma:
             return 1.0 / self.profile.verify_time(1, context)
         return self.predicted_tps
+
+    @property
+    def unchecked(self) -> bool:
+        """Whether the prices are another machine's (a borrowed profile) that this run's
+        timed rounds have not yet confirmed or refitted (calibration.py ``checked``): no DP
+        is run and nothing is drafted on them. A borrowed AMD EPYC profile priced an
+        AVX2-only EPYC 2.7x off, and its first DP cost more than plain decoding saved."""
+        return (self.pricing.base.origin == "borrowed" and self.calibration is not None
+                and not self.calibration.checked)
+
+    def round_prices(self, batch: int) -> LatencyProfile | None:
+        return None if self.unchecked else self.price(batch)
 
     # ------------------------------------------------------------------ Selector
 
@@ -288,7 +301,7 @@ class KnapSpecSelector(KnapsackSelector):
         """Unchecked prices, cadence, spare, DP (estimate, choose: ``select``), guard."""
         self.profile = self.price(batch.size)
         layers = model.cfg.num_layers
-        if self.unchecked:
+        if self.unchecked or not self.config.subnets:
             self.plan_now = PLAIN  # a due selection waits until the clock has checked them
         elif self.due(batch):
             if self.nothing_pays(batch, mean_context(batch), layers,
@@ -320,15 +333,6 @@ class KnapSpecSelector(KnapsackSelector):
                               plan_of(dp.candidates, choice), dp.positions)
         self.remember(selection, dp_alphas, lower, useful)
         return self.made(selection)
-
-    @property
-    def unchecked(self) -> bool:
-        """Whether the prices are another machine's (a borrowed profile) that this run's
-        timed rounds have not yet confirmed or refitted (calibration.py ``checked``): no DP
-        is run and nothing is drafted on them. A borrowed AMD EPYC profile priced an
-        AVX2-only EPYC 2.7x off, and its first DP cost more than plain decoding saved."""
-        return (self.pricing.base.origin == "borrowed" and self.calibration is not None
-                and not self.calibration.checked)
 
     @property
     def by_tokens_per_time(self) -> bool:

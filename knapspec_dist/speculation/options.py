@@ -12,8 +12,10 @@ from knapspec_dist.profiles.store import load_profile
 NAMES = ("ar", "static", "knapspec", "clasp")
 FLAGS = {"coupled": {"coupled": True}, "alpha": {"objective": "alpha"},
          "once": {"select_once": True}, "tpt": {"objective": "tpt"}, "paper": {"paper": True},
-         "calibrate": {"calibrate": True}, "fixed": {"calibrate": False}}
-KNAPSPEC_ONLY = ("paper", "calibrate", "fixed")
+         "calibrate": {"calibrate": True}, "fixed": {"calibrate": False},
+         "copy": {"drafts": "copy"}, "subnet": {"drafts": "subnet"}}
+KNAPSPEC_ONLY = ("paper", "calibrate", "fixed", "copy", "subnet")
+DRAFTS = ("both", "copy", "subnet")  # knapspec's draft sources: copied (lookup.py), subnets
 PAPER_MIN_INTERVAL = 7  # m = 5 gathered rounds (2..6) and the DP's round
 
 
@@ -32,6 +34,9 @@ class StrategyOptions:
     # knapspec: refit prices from the run's timed rounds (speculation/calibration.py); None: on for
     # the default, off for :paper (flags ``calibrate`` / ``fixed``)
     calibrate: bool | None = None
+    # knapspec: where drafts come from, each round priced by TPT: "both" (the default),
+    # "copy" (copied from the row's own tokens only, no DP) or "subnet" (subnets only)
+    drafts: str = "both"
 
 
 def parse_skip(text: str, num_layers: int) -> frozenset[int]:
@@ -69,6 +74,12 @@ def check_options(options: StrategyOptions, cfg) -> None:
     if options.paper and options.name != "knapspec":
         raise UserError("'paper' is a knapspec variant (knapspec:paper), not one of "
                         f"{options.name}")
+    if options.drafts not in DRAFTS:
+        raise UserError(f"drafts must be one of {', '.join(DRAFTS)}, got {options.drafts!r}")
+    if options.drafts != "both" and options.name != "knapspec":
+        raise UserError(f"'{options.drafts}' is a knapspec option, not one of {options.name}")
+    if options.paper and options.drafts == "copy":
+        raise UserError("knapspec:paper drafts from subnets only; 'copy' does not apply")
     if options.paper and options.interval < PAPER_MIN_INTERVAL:
         raise UserError(f"knapspec:paper re-selects every interval rounds, gathering rounds 2-6 "
                         f"of each: the interval must be >= {PAPER_MIN_INTERVAL}, got "

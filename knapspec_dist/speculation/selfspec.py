@@ -26,7 +26,10 @@ from knapspec_dist.engine.sampling import SamplingConfig, accept, choose, confid
 from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.model.transfer import upload
+from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.speculation.calibration import RoundTiming
+from knapspec_dist.speculation.lookup import CopiedDrafts, CopiedRound
 from knapspec_dist.speculation.options import format_skip
 
 
@@ -68,6 +71,11 @@ class Selector(ABC):
         """Tokens per second per row the selection predicted for ``plan`` (None: no price)."""
         return None
 
+    def round_prices(self, batch: int) -> LatencyProfile | None:
+        """What prices a round of ``batch`` rows now, where the selector holds checked prices
+        (copied drafts are priced by them); None: no prices to draft on."""
+        return None
+
     @abstractmethod
     def plan(self, model: Transformer, batch: Batch) -> Plan:
         """The plan for the next round of ``batch``."""
@@ -88,16 +96,37 @@ class StaticSelector(Selector):
 
 
 class SelfSpeculative(Strategy):
-    """Draft with a subnet of the model, verify with the whole model; every row at once."""
+    """Draft with a subnet of the model, or copy drafts from each row's own tokens
+    (``copied``, lookup.py), verify with the whole model; every row at once."""
 
-    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static"):
+    def __init__(self, selector: Selector, tau_conf: float = 0.7, name: str = "static",
+                 copied: CopiedDrafts | None = None):
         self.selector, self.tau_conf, self.name = selector, tau_conf, name
+        self.copied = copied
 
     def start(self, model: Transformer) -> None:
         self.selector.start(model)
+        if self.copied is not None:
+            self.copied.start()
 
     def retired(self, rid: int) -> None:
         self.selector.retire(rid)
+        if self.copied is not None:
+            self.copied.retire(rid)
+
+    def copies(self, batch: Batch, plan: Plan) -> CopiedRound | None:
+        """This round's copied drafts, where the selector's prices say they beat both plain
+        decoding and ``plan``'s subnet (its predicted rate)."""
+        profile = self.selector.round_prices(batch.size) if self.copied is not None else None
+        if profile is None:
+            return None
+        n = round(statistics.fmean(batch.lengths))
+        size = batch.size
+        rival = size / profile.verify_time(1, n)
+        if plan.gamma:
+            rival = max(rival, size * (self.selector.predicted_rate(plan, n) or 0.0))
+        room = [max(r.limit - len(r.out) - 1, 0) for r in batch.rows]
+        return self.copied.plan(batch.rows, room, lambda q: profile.verify_time(q, n), rival)
 
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
@@ -110,16 +139,28 @@ class SelfSpeculative(Strategy):
         t0 = timer.mark()  # CUDA events on a GPU: timing never waits for the device
         selections, fallbacks = sel.selections, sel.fallbacks
         plan = sel.plan(model, batch)
+        copied = self.copies(batch, plan)
+        if copied is not None:
+            plan = Plan(frozenset(), 0)  # no draft forward: the verify judges the copies
         t1 = timer.mark()
         lengths = batch.lengths
         gamma = min(plan.gamma, max(r.limit - len(r.out) - 1 for r in rows))
         inputs = batch.inputs(dev)  # the round's one upload; drafts and verify share its noise
-        drafts, cap, draft_logits = self._draft(forward, cache, plan.skip, inputs, lengths, gamma,
-                                                sampling)
+        if copied is None:
+            drafts, cap, draft_logits = self._draft(forward, cache, plan.skip, inputs, lengths,
+                                                    gamma, sampling)
+        else:
+            drafts, cap = self._copied(copied, rows, dev)
         t2 = timer.mark()
         capture = Capture() if sel.wants_reference() else None
         logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
                          slice(0, size), capture=capture, starts_dev=inputs.starts)
+        if copied is not None and sampling.method == "rejection" and not sampling.greedy:
+            # a copied token is a proposal of probability 1: kept with the target's
+            draft_logits = torch.full_like(logits[:, :-1], float("-inf")).scatter_(
+                -1, drafts[..., None], 0.0)
+        elif copied is not None:
+            draft_logits = None
         if draft_logits is None:
             n, nxt = accept(drafts, logits, sampling, inputs.seeds, inputs.index, cap)
         else:
@@ -136,16 +177,23 @@ class SelfSpeculative(Strategy):
                                          model, config)
         if capture is not None:
             sel.observe(capture, [k + 1 for k in accepted], [r.rid for r in rows])
-        sel.record(drafts.shape[1], verified, accepted)
+        if copied is None:
+            sel.record(drafts.shape[1], verified, accepted)
+        else:  # no subnet drafted: the selector sees the round's yield only
+            sel.record(0, verified, accepted)
+            self.copied.record(copied, verified, accepted)
         t3 = timer.mark()
         timer.sync()  # after the read-back the queue is empty: this costs nothing
         attn = sum(1 for i in plan.skip if i % 2 == 0)
         select_s, draft_s, verify_s = (timer.seconds(t0, t1), timer.seconds(t1, t2),
                                        timer.seconds(t2, t3))
         context = round(statistics.fmean(lengths))
-        sel.timed(RoundTiming(size, context, plan.skip, drafts.shape[1], draft_s, verify_s))
-        rate, round_s = sel.predicted_rate(plan, context), draft_s + verify_s
-        label = plan.label  # one plan for every row of the round
+        width = drafts.shape[1]
+        sel.timed(RoundTiming(size, context, plan.skip, 0 if copied else width, draft_s,
+                              verify_s, copied=width if copied else 0))
+        rate = (copied.tokens_per_s / size if copied else sel.predicted_rate(plan, context))
+        round_s = draft_s + verify_s
+        label = f"copy@{width}" if copied else plan.label  # one plan for every row
         for b, row in enumerate(rows):
             s = row.stats
             s.select_s += select_s
@@ -153,12 +201,24 @@ class SelfSpeculative(Strategy):
             s.verify_s += verify_s
             s.drafted += verified[b]
             s.accepted += accepted[b]
+            if copied is not None:
+                s.copied_drafted += verified[b]
+                s.copied_accepted += accepted[b]
             s.selections += sel.selections - selections
             s.fallbacks += sel.fallbacks - fallbacks
             s.attention_skipped += verified[b] * attn  # the scheduler divides by drafted
             s.mlp_skipped += verified[b] * (len(plan.skip) - attn)
             tally = s.plans.setdefault(label, PlanTally())
             tally.add(len(row.out) - before[b], round_s, rate)
+
+    @staticmethod
+    def _copied(copied: CopiedRound, rows, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copies as drafts [B, q-1] (a row with fewer padded with its last token, never
+        judged) and how many of each row's to judge [B], in one upload."""
+        width = copied.q - 1
+        packed = upload([[len(d)] + d + [row.out[-1]] * (width - len(d))
+                         for d, row in zip(copied.drafts, rows)], dev)
+        return packed[:, 1:], packed[:, 0]
 
     def _draft(self, forward: ModelRunner, cache, skip: frozenset[int], inputs: RoundInputs,
                lengths: list[int], gamma: int, sampling: SamplingConfig):

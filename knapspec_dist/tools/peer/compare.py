@@ -90,8 +90,10 @@ def read_job(path: str, model: str, *, id_column: str, text_column: str, instruc
     return PeerJob(model, dtype, threads, max_model_len, max_num_seqs, new_tokens, ids, prompts)
 
 
-def run_vllm(job: PeerJob, python: str, timeout_s: float = 3600) -> dict:
-    """vLLM's timings and tokens, from vllm_side.py run by ``python`` (vLLM's venv)."""
+def run_vllm(job: PeerJob, python: str, timeout_s: float = 3600,
+             ngram: tuple[int, int] | None = None) -> dict:
+    """vLLM's timings and tokens, from vllm_side.py run by ``python`` (vLLM's venv);
+    ``ngram``: (K, N), vLLM's n-gram speculation drafting K tokens from n-grams of up to N."""
     if not Path(python).exists():
         raise UserError(f"no vLLM venv at {python}: build it with `make vllm-venv`, or pass "
                         "--vllm-python")
@@ -100,10 +102,11 @@ def run_vllm(job: PeerJob, python: str, timeout_s: float = 3600) -> dict:
         request.write_text(json.dumps({
             "model": job.model, "dtype": job.dtype, "threads": job.threads,
             "max_model_len": job.max_model_len, "max_num_seqs": job.max_num_seqs,
-            "new_tokens": job.new_tokens, "prompts": job.prompts}))
+            "new_tokens": job.new_tokens, "prompts": job.prompts, "ngram": ngram}))
         env = vllm_env(job.threads)
-        log.info("vLLM: %d rows through %s (its start-up compiles the model)", len(job.prompts),
-                 python)
+        log.info("vLLM%s: %d rows through %s (its start-up compiles the model)",
+                 f" with n-gram drafts K={ngram[0]}, N={ngram[1]}" if ngram else "",
+                 len(job.prompts), python)
         proc = subprocess.run([python, str(VLLM_SIDE), str(request), str(result)], cwd=tmp,
                               env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not result.exists():
@@ -190,13 +193,26 @@ def phases(startup_s: float, prefill_s: float, full_s: float, tokens: list[list[
             "tokens_per_s": ratio(generated, full_s)}
 
 
-def compare(job: PeerJob, ours: dict, vllm: dict) -> dict:
+def vllm_phases(job: PeerJob, vllm: dict) -> dict:
+    return phases(vllm["startup_s"], vllm["prefill_s"], vllm["full_s"], vllm["tokens"],
+                  job.prompt_tokens, vllm["decode_window_s"], vllm["decode_window_tokens"])
+
+
+def compare(job: PeerJob, ours: dict, vllm: dict, ngram: dict[str, dict] | None = None
+            ) -> dict:
     """Per engine and strategy: phases, speed against vLLM (its time over ours: above 1 we are
     faster; for decode, our rate over its, the windows' tokens may differ) and rows
-    token-identical to vLLM's."""
-    peer = phases(vllm["startup_s"], vllm["prefill_s"], vllm["full_s"], vllm["tokens"],
-                  job.prompt_tokens, vllm["decode_window_s"], vllm["decode_window_tokens"])
+    token-identical to vLLM's. ``ngram``: vLLM's runs with its n-gram drafts ("K:N" ->
+    result); ours is also compared with the fastest of them end to end (``vllm_ngram``)."""
+    peer = vllm_phases(job, vllm)
     out = {"vllm": peer, "ours": {}}
+    best = None
+    if ngram:
+        runs = {label: {**vllm_phases(job, r), "identical_to_vllm": sum(
+            a == b for a, b in zip(r["tokens"], vllm["tokens"]))} for label, r in ngram.items()}
+        label = min(runs, key=lambda k: runs[k]["end_to_end_s"])
+        best = runs[label]
+        out["vllm_ngram"] = {"runs": runs, "best": label}
     for label, run in ours["runs"].items():
         mine = phases(ours["startup_s"], ours["prefill_s"], run["s"], run["tokens"],
                       job.prompt_tokens, run["decode_window_s"], run["decode_window_tokens"])
@@ -207,6 +223,10 @@ def compare(job: PeerJob, ours: dict, vllm: dict) -> dict:
         mine["identical_to_vllm"] = sum(a == b for a, b in zip(run["tokens"], vllm["tokens"]))
         mine["identical_to_ar"] = sum(a == b for a, b in zip(
             run["tokens"], ours["runs"].get("ar", run)["tokens"]))
+        if best is not None:
+            mine["speed_vs_vllm_ngram"] = {
+                "end_to_end_s": ratio(best["end_to_end_s"], mine["end_to_end_s"]),
+                "decode_s": ratio(mine["decode_tokens_per_s"], best["decode_tokens_per_s"])}
         mine["work"] = run.get("work")  # what the scheduler did: rounds, drafts, selections
         out["ours"][label] = mine
     return out
@@ -235,6 +255,21 @@ def table(job: PeerJob, result: dict) -> list[str]:
     n = len(job.prompts)
     lines.append("| rows token-identical to vLLM | - | " + " | ".join(
         f"{m['identical_to_vllm']}/{n} | -" for m in result["ours"].values()) + " |")
+    ngram = result.get("vllm_ngram")
+    if ngram:
+        lines += ["", "vLLM with its n-gram drafts (K tokens from n-grams of up to N), against "
+                  "each of ours:", "",
+                  "| vLLM K:N | end to end | decode | rows identical to vLLM | "
+                  + " | ".join(f"{x} speed: end to end, decode" for x in labels) + " |",
+                  "|---|---:|---:|---:|" + "---:|" * len(labels)]
+        for label, r in ngram["runs"].items():
+            best = " (fastest)" if label == ngram["best"] else ""
+            lines.append(f"| {label}{best} | {r['end_to_end_s']:.1f} s | "
+                         f"{r['decode_s']:.1f} s ({r['decode_tokens_per_s']:.0f} tok/s) | "
+                         f"{r['identical_to_vllm']}/{n} | " + " | ".join(
+                             f"{_x(m['speed_vs_vllm_ngram']['end_to_end_s'])}, "
+                             f"{_x(m['speed_vs_vllm_ngram']['decode_s'])}" if best else "-"
+                             for m in result["ours"].values()) + " |")
     return lines
 
 

@@ -4,8 +4,9 @@ only, never this package.
 
     <vllm venv>/bin/python vllm_side.py request.json result.json
 
-``request.json``: model folder, dtype, threads, window, rows at once, new tokens, and the
-prompts as token ids (the engine's own prompt builder made them, so both engines read the same
+``request.json``: model folder, dtype, threads, window, rows at once, new tokens, vLLM's n-gram
+speculation (``ngram``: [K drafted tokens, N the longest n-gram], or none), and the prompts as
+token ids (the engine's own prompt builder made them, so both engines read the same
 tokens). Its environment (the caller's, compare.py ``vllm_env``) binds vLLM's threads, since
 vLLM reads it at import. Timed, in one process: the start-up (``LLM(...)``: load, compile, KV
 allocation), then a run with one new token per row (prefill alone), then the full run, driven
@@ -32,9 +33,13 @@ def main(request_path: str, result_path: str) -> None:
         req = json.load(f)
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[req["dtype"]]
     start = time.perf_counter()
+    ngram = req.get("ngram")  # [K, N]: vLLM's own copied drafts (n-gram prompt lookup)
+    spec = None if not ngram else {"method": "ngram", "num_speculative_tokens": int(ngram[0]),
+                                   "prompt_lookup_max": int(ngram[1]), "prompt_lookup_min": 1}
     llm = LLM(model=req["model"], tokenizer=req["model"], dtype=dtype,
               max_model_len=int(req["max_model_len"]), max_num_seqs=int(req["max_num_seqs"]),
-              seed=0, generation_config="vllm", enable_prefix_caching=False)
+              seed=0, generation_config="vllm", enable_prefix_caching=False,
+              speculative_config=spec)
     startup = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
 
