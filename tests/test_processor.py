@@ -96,6 +96,11 @@ def test_the_prefill_budget_is_part_of_the_rows_generation_config():
         ProcessorConfig(strategy="ar", max_num_batched_tokens=0)
 
 
+def test_an_unknown_sampling_key_is_named():
+    with pytest.raises(UserError, match="unknown key.*'temprature'.*temperature"):
+        ProcessorConfig(strategy="ar", sampling={"temprature": 0.5})
+
+
 def test_the_ranks_share_the_clusters_cores_unless_told(local_ray):
     """Decided once for every replica (the fixture's Ray has 2 CPUs): threads on the ranks'
     share of every core less the tokenize stage's, a reservation that leaves the Dataset's

@@ -41,6 +41,7 @@ baseline passes with the measured speedup, retries across replicas, the summary.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -78,6 +79,11 @@ from knapspec_dist.runtime.tree_tasks import NodeTask, TreeDispatch, TreeTask, t
 from knapspec_dist.speculation.options import StrategyOptions
 
 log = logging.getLogger(__name__)
+
+#: ``ProcessorConfig.sampling``'s keys: GenerationConfig.of's fields but the prefill budget
+#: (``max_num_batched_tokens``, an option of its own).
+SAMPLING_KEYS = tuple(k for k in inspect.signature(GenerationConfig.of).parameters
+                      if k != "max_num_batched_tokens")
 
 __all__ = ["ProcessorConfig", "build_processor", "stages"]
 
@@ -136,6 +142,10 @@ class ProcessorConfig:
                             "memory_utilization", "max_model_len", "max_num_batched_tokens",
                             "batch_size", "max_attempts", "tokenizer_concurrency",
                             "tokenizer_cpus"))
+        unknown = sorted(set(self.sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise UserError(f"sampling: unknown key(s) {', '.join(map(repr, unknown))}; "
+                            f"expected some of {', '.join(SAMPLING_KEYS)}")
         check("max_new_tokens", self.sampling.get("max_new_tokens"))
         for name, value in (("chunk_tokens", self.tree.chunk_tokens),
                             ("chunk_overlap", self.tree.overlap),

@@ -31,7 +31,7 @@ from knapspec_dist.speculation import tpt
 MAX_N = 3  # the longest n-gram matched
 MIN_N = 2  # the shortest (a single token recurs too often to predict what follows)
 MAX_COPY = 8  # copied tokens a row drafts at most in one round
-PRIOR = (1.0, 2.0)  # Beta prior of a copied token's acceptance: mean 1/3
+PRIOR = (1.0, 1.0)  # Beta prior of a copied token's acceptance: uniform, as a subnet's
 
 
 class TokenIndex:
