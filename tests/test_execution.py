@@ -41,16 +41,20 @@ def test_static_shape_forward_equals_eager(engine_model):
     model = engine_model(NAME)
     seqs = prompts(model.cfg.vocab_size)
     caches = [KVCache(model.cfg, 3, 160, dtype=model.dtype, device="cpu") for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)  # the same tokens whatever ran before
     with torch.inference_mode():
         for cache in caches:
             for b, s in enumerate(seqs):
                 model(torch.tensor([s]), [0], cache, slice(b, b + 1))
                 cache.commit(b, len(s))
         for t in (1, 3):
-            tokens = torch.randint(model.cfg.vocab_size, (3, t))
+            tokens = torch.randint(model.cfg.vocab_size, (3, t), generator=gen)
             eager = model(tokens, caches[0].lengths, caches[0])
             static = model(tokens, torch.tensor(caches[1].lengths), caches[1])
-            torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
+            # the same sums in another order (masked capacity vs sliced keys): fp32 rounding,
+            # scaled by the logits' size (unseeded tokens once differed by 1.5e-5 at rtol 1e-5)
+            torch.testing.assert_close(static, eager, rtol=1e-5,
+                                       atol=1e-5 * max(1.0, float(eager.abs().max())))
 
 
 @pytest.mark.parametrize("strategy", ["ar", "static", "static-pieces"])

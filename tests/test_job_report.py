@@ -19,7 +19,7 @@ T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def row(i: int, n: int, tps: float, drafted: int = 0, strategy: str = "knapspec",
-        start: float = 0.0) -> dict:
+        start: float = 0.0, copied: int = 0, copied_accepted: int = 0) -> dict:
     tokens = 8
     wall = tokens / tps
     return {"id": f"r{i}", "generated_text": "x", "generated_tokens": [1] * tokens,
@@ -27,6 +27,7 @@ def row(i: int, n: int, tps: float, drafted: int = 0, strategy: str = "knapspec"
             "strategy": strategy, "time_taken_llm": wall, "prefill_s": 0.01,
             "tokens_per_s": tps, "rounds": tokens, "drafted": drafted,
             "accepted": drafted // 2, "acceptance_rate": 0.5 if drafted else None,
+            "copied_drafted": copied, "copied_accepted": copied_accepted,
             "attention_skipped": None, "mlp_skipped": None, "selections": 0,
             "truncated": False, "replica": 0, "attempts": 1, "finished_at": T0,
             "generation_start": T0 + dt.timedelta(seconds=start),
@@ -92,7 +93,8 @@ def test_speedup_png_of_many_rows_draws_every_kth_and_builds_no_row_objects(monk
     rows = pa.table({"num_input_tokens": pa.array(range(1, n + 1), pa.int64()),
                      "tokens_per_s": pa.array([float(i % 7) for i in range(n)]),
                      "acceptance_rate": pa.array([0.5] * n),
-                     "drafted": pa.array([i % 2 for i in range(n)], pa.int64()),
+                     "drafted": pa.array([2 * (i % 2) for i in range(n)], pa.int64()),
+                     "accepted": pa.array([i % 2 for i in range(n)], pa.int64()),
                      "error": pa.array([None if i % 10 else "boom" for i in range(n)],
                                        pa.string())})
     monkeypatch.setattr(plot, "MAX_POINTS", 1000, raising=False)
@@ -106,4 +108,23 @@ def test_speedup_png_of_many_rows_draws_every_kth_and_builds_no_row_objects(monk
     step = -(-len(ok) // 1000)
     assert data["rows"] == ok[::step]
     drafting = [(i + 1, 0.5) for i in range(n) if i % 10 and i % 2]
-    assert data["acceptance"] == drafting[::-(-len(drafting) // 1000)]
+    assert data["acceptance"] == {"copied": [],  # a table without the copied columns
+                                  "subnet": drafting[::-(-len(drafting) // 1000)]}
+
+
+def test_the_acceptance_panel_shows_each_source_of_drafts_apart():
+    """Per row, copied drafts' acceptance over its copied drafts, a subnet's over the rest;
+    a row that drafted from one source only is a point of that source alone."""
+    main = [row(0, 100, 20.0, drafted=10, copied=10, copied_accepted=5),  # copies only
+            row(1, 200, 20.0, drafted=10, copied=4, copied_accepted=4),  # both: 4/4, 1/6
+            row(2, 300, 20.0, drafted=0)]  # plain throughout: no point
+    main[1]["accepted"] = 5
+    summary = summarize(table(main), table([]), "id", [r["id"] for r in main],
+                        {"strategy": "knapspec", "model": "smollm2"}, {"max_num_seqs": 1})
+    data = plot_data(summary, table(main), table([]), "id")
+    assert data["acceptance"] == {"copied": [(100, 0.5), (200, 1.0)],
+                                  "subnet": [(200, 1 / 6)]}
+    assert summary["acceptance"]["by_source"]["copied"]["drafted"] == 14
+    written = []
+    write_plot(summary, table(main), table([]), "id", written.append)
+    assert written[0][:8] == b"\x89PNG\r\n\x1a\n"

@@ -180,7 +180,7 @@ def test_guard_drops_a_plan_that_loses_and_lowers_the_realized_ratio(engine_mode
     monkeypatch.setattr(selector, "select", select)
     batch = type("B", (), {"lengths": [n], "progress": 0.0, "size": 1,
                            "cache": type("C", (), {"lengths": [n]})(),
-                           "rows": [type("R", (), {"rid": 0})()]})()
+                           "rows": [type("R", (), {"rid": 0, "limit": 1000, "out": []})()]})()
     selector.states = {0: [[None]] * selector.config.m}  # m rounds observed: a DP can run
     assert selector.plan(model, batch) == Plan(skip, 3)
     for i in range(PlanRun.GUARD_ROUNDS):

@@ -5,6 +5,7 @@ give exactly the tokens each row gets alone."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -377,7 +378,9 @@ def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engi
     weights = selector.weights(1000, layers)
     batch = type("B", (), {"rows": [Row(0, [], 100), Row(1, [], 100)]})()
     rule, prices = selector.spare_rule, selector.prices(layers)
-    assert rule.worth_a_dp(prices, batch, weights, 1000, 5)  # no DP yet: no cost known
+    # no DP yet: priced (verifies flat here, so about one step: every item once, the head)
+    assert rule.dp_seconds(prices, weights, 1000, 5) < 1.01 * profile.verify_time(1, 1000)
+    assert rule.worth_a_dp(prices, batch, weights, 1000, 5)
     step = profile.verify_time(1, 1000)
     cap = sum(weights) // 2
     gain = step * rule.best_rate(prices, weights, 1000, 5)(cap)
@@ -388,6 +391,49 @@ def test_a_dp_is_spared_where_the_batch_has_too_few_tokens_left_to_repay_it(engi
         batch.rows[1].out = [0] * (100 - left)  # the longest row has `left` tokens to go
         batch.rows[0].out = [0] * 99
         assert rule.worth_a_dp(prices, batch, weights, 1000, 5) is worth
+
+
+def test_a_first_dp_is_priced_by_its_work_and_spared_where_copies_win_the_rounds(
+        engine_model):
+    """Before any DP has run, its price is each item's forward over its states' reference
+    positions (every state the DP could keep, counted by the knapsack itself) and the head
+    over the last item's, each a sublayer's step time plus, per further token, a verify's
+    measured slope; the time it could save counts only the rounds copied drafts leave to a
+    subnet."""
+    model = engine_model(NAME)
+    layers = model.cfg.num_layers
+    growth = 0.05  # a verify's further token costs 5 % of a step
+    profile = synthetic_profile(model, LINEAR_ATTENTION, verify_growth=growth, verify_scale=3.0)
+    selector = KnapSpecSelector(profile, KnapSpecConfig())
+    rule, prices = selector.spare_rule, selector.prices(layers)
+    weights, n, positions = selector.weights(1000, layers), 1000, 5
+    useful = rule.least_paying_weight(prices, weights, n, positions)
+    work = knapsack.executed_states(weights, max_skip_fraction=0.5, useful_from=useful,
+                                    always_execute=knapsack.first_and_last_layers(2 * layers))
+    assert [item for item, _ in work] == list(range(2 * layers))  # every item runs forward
+    assert work[0][1] == 1 and max(k for _, k in work) > 1  # one state first, more later
+    per_token = growth  # the verifies' slope over a step, as a share of it
+
+    def priced(one: float, tokens: int) -> float:
+        return one * (1 + (tokens - 1) * per_token)
+
+    expected = sum(priced(profile.attention_time(n) if i % 2 == 0 else profile.mlp_time(),
+                          k * positions) for i, k in work)
+    expected += priced(profile.head, work[-1][1] * positions)
+    assert rule.dp_seconds(prices, weights, n, positions) == pytest.approx(expected, rel=1e-6)
+
+    # the first DP runs where a subnet could repay its price, and is spared where copied
+    # drafts win the rounds it would have drafted in
+    step = profile.verify_time(1, n)
+    gain = step * rule.best_rate(prices, weights, n, positions)(sum(weights) // 2)
+    saved_per_token = step * (1 - 1 / gain)
+    left = math.ceil(2 * expected / saved_per_token)  # twice what it costs, at best
+    batch = type("B", (), {"rows": [Row(0, [], left + 1)]})()
+    assert rule.worth_a_dp(prices, batch, weights, n, positions)
+    for won in [True] * 3 + [False]:  # copies won 3 rounds of 4: a quarter left to a subnet
+        selector.copied(won)
+    assert selector.prices(layers).subnet_share == 0.25
+    assert not rule.worth_a_dp(selector.prices(layers), batch, weights, n, positions)
 
 
 def test_fruitless_dps_in_a_row_stop_new_prices_calling_a_dp_and_back_off_the_recheck(

@@ -4,7 +4,9 @@ Top: every ok row of the main pass, its tokens per second (``tokens_per_s``: the
 generated tokens over its own wall time) against its prompt length, with the baseline
 pair(s) marked: the same row in the strategy's baseline pass and in ``ar``'s, joined by a
 line, and the measured speedup (labelled as noise when both passes decoded plainly) in the
-title.  Bottom: draft acceptance by prompt length.  :func:`plot_data` is what is drawn.
+title.  Bottom: draft acceptance by prompt length, per source: drafts copied from the row's own
+tokens and drafts of a subnet, each row's rate over the tokens it drafted from that source.
+:func:`plot_data` is what is drawn.
 
 The only module of the package that imports matplotlib (with its file-only Agg backend).
 """
@@ -24,7 +26,10 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
 #: The main pass's columns the plot reads (a point per ok row).
-PLOT_COLUMNS = ["num_input_tokens", "tokens_per_s", "acceptance_rate", "drafted", "error"]
+PLOT_COLUMNS = ["num_input_tokens", "tokens_per_s", "acceptance_rate", "drafted", "accepted",
+                "copied_drafted", "copied_accepted", "error"]
+#: Where drafts come from (speculation/lookup.py copies, a subnet's forwards), as drawn.
+SOURCES = {"copied": "copied from the row", "subnet": "from a subnet"}
 #: Points drawn per series at most: past that a scatter is a blot, so every k-th row is drawn
 #: (the table is filtered with Arrow: a million rows never become a million Python objects).
 MAX_POINTS = 20_000
@@ -42,14 +47,36 @@ def _points(table: pa.Table, y: str, where: pa.ChunkedArray) -> list[tuple]:
     return list(zip(kept[n].to_pylist(), kept[y].to_pylist()))
 
 
+def _counts(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """A count column, 0 where the row or the table lacks it (a part of an older version)."""
+    if name in table.column_names and not pa.types.is_null(table.column(name).type):
+        return pc.fill_null(table.column(name), 0)
+    return pa.chunked_array([pa.array([0] * len(table), pa.int64())])
+
+
+def _by_source(table: pa.Table) -> dict[str, list[tuple]]:
+    """source -> [(prompt tokens, acceptance of that source's drafts)] of the ok rows that
+    drafted from it: copied accepted / copied drafted, and the rest (a subnet's)."""
+    drafted, accepted = _counts(table, "drafted"), _counts(table, "accepted")
+    copied, kept = _counts(table, "copied_drafted"), _counts(table, "copied_accepted")
+    subnet = pc.subtract(drafted, copied)
+    rates = table.select(["num_input_tokens", "error"]).append_column(
+        "copied", pc.divide(pc.cast(kept, pa.float64()), pc.cast(copied, pa.float64()))
+    ).append_column("subnet", pc.divide(pc.cast(pc.subtract(accepted, kept), pa.float64()),
+                                        pc.cast(subnet, pa.float64())))
+    return {"copied": _points(rates, "copied", pc.greater(copied, 0)),
+            "subnet": _points(rates, "subnet", pc.greater(subnet, 0))}
+
+
 def plot_data(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str,
               again: pa.Table | None = None) -> dict:
     """The series of ``speedup.png``: ``rows`` [(prompt tokens, tokens/s)] per ok main-pass
     row (at most MAX_POINTS); ``pairs`` [(prompt tokens, strategy tokens/s, ar tokens/s)] per
-    baseline row ok in both baseline passes; ``acceptance`` [(prompt tokens, rate)] per
-    drafting row; the per-bucket ``acceptance_buckets``; and the ``title``."""
+    baseline row ok in both baseline passes; ``acceptance`` {source: [(prompt tokens, rate)]}
+    per row that drafted from that source (``SOURCES``); the per-bucket
+    ``acceptance_buckets``; and the ``title``."""
     points = _points(rows, "tokens_per_s", pc.not_equal(rows["tokens_per_s"], 0))
-    acceptance = _points(rows, "acceptance_rate", pc.greater(rows["drafted"], 0))
+    acceptance = _by_source(rows)
     base = {r[id_column]: r for r in baseline.to_pylist() if r["error"] is None}
     rerun = [] if again is None else [r for r in again.to_pylist() if r["error"] is None]
     pairs = [(r["num_input_tokens"], r["tokens_per_s"], base[r[id_column]]["tokens_per_s"])
@@ -99,15 +126,21 @@ def write_plot(summary: dict, rows: pa.Table, baseline: pa.Table, id_column: str
     else:
         ax1.text(0.5, 0.5, "no rows generated", transform=ax1.transAxes, ha="center",
                  color="grey")
-    if data["acceptance"]:
-        ax2.scatter(*zip(*data["acceptance"]), s=16, alpha=0.6, label="rows")
+    drew = False
+    for color, (source, points) in zip(("C4", "C0"), data["acceptance"].items()):
+        if points:
+            ax2.scatter(*zip(*points), s=16, alpha=0.6, color=color,
+                        label=f"rows, drafts {SOURCES[source]}")
+            drew = True
     if data["acceptance_buckets"]:
-        ax2.plot(*zip(*data["acceptance_buckets"]), "s-", color="C1", label="per length bucket")
+        ax2.plot(*zip(*data["acceptance_buckets"]), "s-", color="C1",
+                 label="per length bucket, all drafts")
+    if drew or data["acceptance_buckets"]:
         ax2.legend(loc="best", fontsize=8)
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("draft acceptance rate")
     ax2.set_xlabel("prompt tokens")
-    if not data["acceptance"]:
+    if not drew:
         ax2.text(0.5, 0.5, data["note"] or "no drafted tokens", transform=ax2.transAxes,
                  ha="center", color="grey", fontsize=9, wrap=True)
     lengths = [n for n, _ in data["rows"]] + [n for n, _, _ in data["pairs"]]

@@ -45,8 +45,8 @@ def run_dp(model: Transformer, batch: Batch, references: list[Reference], weight
            config: DPConfig, useful_from: int = 1) -> DP:
     """The knapsack DP over ``references`` (knapsack.py, hidden_states.py), and each
     candidate's top-1 agreements with the full model there."""
-    num_layers = model.cfg.num_layers
-    keep = {0, 1, 2 * num_layers - 2, 2 * num_layers - 1} if config.keep_first_last else set()
+    keep = (knapsack.first_and_last_layers(len(weights)) if config.keep_first_last
+            else frozenset())
     evaluator = HiddenStateEvaluator(model, batch.cache, references)
     candidates = knapsack.solve(weights, evaluator, tau=config.tau,
                                 max_skip_fraction=config.max_skip_fraction,

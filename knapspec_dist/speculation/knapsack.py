@@ -141,6 +141,40 @@ def solve(
     return candidates
 
 
+def first_and_last_layers(items: int) -> frozenset[int]:
+    """The sublayers of the first and the last layer (of ``items`` = 2L), which a DP with
+    ``keep_first_last`` always executes."""
+    return frozenset({0, 1, items - 2, items - 1})
+
+
+class _Counting:
+    """A stage evaluator that scores every state alike and counts the states each item
+    executes on: the DP's work with no state pruned by ``tau``."""
+
+    def __init__(self):
+        self.executed: list[tuple[int, int]] = []
+
+    def evaluate(self, item: int, sources: list[int], execute: bool) -> list[float]:
+        if execute:
+            self.executed.append((item, len(sources)))
+        return [1.0] * len(sources)
+
+    def keep(self, item: int, chosen: dict[int, tuple[int, bool]]) -> None:
+        pass
+
+
+def executed_states(weights: Sequence[int], *, max_skip_fraction: float = 0.5,
+                    always_execute: Collection[int] = (), coupled: bool = False,
+                    useful_from: int = 1) -> list[tuple[int, int]]:
+    """(item, states) for each item a DP with these settings runs forward: the states it
+    runs the item on, at most (none pruned by its value). What prices a DP before one has
+    run (schedule.py ``SpareRule.dp_seconds``)."""
+    counter = _Counting()
+    solve(weights, counter, tau=-math.inf, max_skip_fraction=max_skip_fraction,
+          always_execute=always_execute, coupled=coupled, useful_from=useful_from)
+    return counter.executed
+
+
 def skip_cap(weights: Sequence[int], max_skip_fraction: float) -> int:
     """The most weight a candidate may skip."""
     return math.floor(max_skip_fraction * sum(weights))

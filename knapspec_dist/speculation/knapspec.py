@@ -295,7 +295,11 @@ class KnapSpecSelector(KnapsackSelector):
         self.book = AcceptanceBook()
         self.spare_rule = SpareRule(self.schedule, min_gain=config.min_gain,
                                     max_gamma=config.max_gamma,
-                                    max_skip_fraction=config.max_skip_fraction)
+                                    max_skip_fraction=config.max_skip_fraction,
+                                    keep_first_last=config.keep_first_last,
+                                    coupled=config.coupled)
+        # whether copied drafts won each recent round, kept across runs as their book is
+        self.copies_won: deque[bool] = deque(maxlen=config.interval)
 
     def decide(self, model: Transformer, batch: Batch) -> Decision:
         """Unchecked prices, cadence, spare, DP (estimate, choose: ``select``), guard."""
@@ -344,7 +348,12 @@ class KnapSpecSelector(KnapsackSelector):
         return self.guard.fallbacks
 
     def prices(self, num_layers: int) -> Prices:
-        return Prices(self.profile, num_layers, self.guard.realized_ratio)
+        won = self.copies_won
+        return Prices(self.profile, num_layers, self.guard.realized_ratio,
+                      1.0 - sum(won) / len(won) if won else 1.0)
+
+    def copied(self, won: bool) -> None:
+        self.copies_won.append(won)
 
     def weights(self, n: int, num_layers: int) -> list[int]:
         """The knapsack weight of every sublayer at context n: its measured latency, in

@@ -11,10 +11,12 @@ next selection.
 
 Sparing (``SpareRule``): a due selection is spared, and decoding stays plain, where the DP
 cannot pay for itself: no weight could pay at these prices, the batch has too few tokens left
-to repay the last DP's cost, or the last fruitless DP's subnets, priced again at today's batch
-size and context, still lose. Everything it prices comes from the profile (counts, not the
-wall clock), except the cost of the last DP and the time of the next (``ScheduleClock``), which
-under TP every rank takes from rank 0 (speculation/spmd.py).
+to repay a DP's cost (the last one's, or before any has run its price: ``dp_seconds``) in the
+rounds a subnet would draft in (not those that copied drafts win), or the last fruitless DP's
+subnets, priced again at today's batch size and context, still lose. Everything it prices
+comes from the profile (counts, not the wall clock), except the cost of the last DP and the
+time of the next (``ScheduleClock``), which under TP every rank takes from rank 0
+(speculation/spmd.py).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Prices:
     profile: LatencyProfile
     num_layers: int
     acceptance_ratio: float = 1.0
+    subnet_share: float = 1.0  # the share of recent rounds no copied draft won (a subnet's)
 
     def step(self, n: int) -> float:
         """One plain decode step at context n."""
@@ -153,10 +156,12 @@ class SpareRule:
     MAX_BACKOFF = 8  # the most the re-check's interval grows by after fruitless DPs in a row
 
     def __init__(self, schedule: SelectionSchedule, *, min_gain: float, max_gamma: int,
-                 max_skip_fraction: float):
+                 max_skip_fraction: float, keep_first_last: bool = False,
+                 coupled: bool = False):
         self.schedule = schedule
         self.min_gain, self.max_gamma = min_gain, max_gamma
         self.max_skip_fraction = max_skip_fraction
+        self.keep_first_last, self.coupled = keep_first_last, coupled  # the DP's settings
         self.frontier: Frontier | None = None  # kept across runs (frontier_rules_out)
 
     def nothing_pays(self, prices: Prices, batch: Batch, weights: list[int], n: int,
@@ -205,18 +210,48 @@ class SpareRule:
     def worth_a_dp(self, prices: Prices, batch: Batch, weights: list[int], n: int,
                    positions: int) -> bool:
         """Whether the most a DP could save, drafting from the cheapest subnet at the best
-        rate (``best_rate``) until the batch's longest remaining row is done, exceeds what
-        the last DP cost. Before any DP: yes (nothing to predict its cost from). It spares the
-        DPs of a batch's last tokens, e.g. a job's tail, where rows finish and the batch
-        shrinks."""
-        last = self.schedule.last_select_s
-        if last is None or not batch.rows:
+        rate (``best_rate``) in the rounds a subnet would draft in (``subnet_share``) until the
+        batch's longest remaining row is done, exceeds what a DP costs: the last one's
+        seconds, or before any its price (``dp_seconds``). It spares the DPs of a batch's last
+        tokens (a job's tail, where rows finish and the batch shrinks), a first DP on a CPU
+        where a verify of many tokens is dear, and DPs where copied drafts win the rounds."""
+        if not batch.rows:
             return True
+        cost = self.schedule.last_select_s
+        if cost is None:
+            cost = self.dp_seconds(prices, weights, n, positions)
         cap = knapsack.skip_cap(weights, self.max_skip_fraction)
         step = prices.step(n)
         best = self.best_rate(prices, weights, n, positions)(cap)
         remaining = max(r.limit - len(r.out) for r in batch.rows)
-        return remaining * step * max(0.0, 1.0 - 1.0 / (step * best)) > last
+        saved = remaining * step * max(0.0, 1.0 - 1.0 / (step * best))
+        return prices.subnet_share * saved > cost
+
+    def dp_seconds(self, prices: Prices, weights: list[int], n: int, positions: int) -> float:
+        """A DP's price before one has run: each item's forward over its states' ``positions``
+        reference positions (knapsack.py ``executed_states``, none pruned by value), then the
+        head over the final states' positions (their agreements, dp.py), each priced as the
+        profile's sublayer at context n plus, per further token, the share of a step that a
+        verify's extra token costs (its measured verifies' slope). At most what it will cost:
+        states pruned by their value are priced too."""
+        p = prices.profile
+        useful = self.least_paying_weight(prices, weights, n, positions)
+        work = knapsack.executed_states(weights, max_skip_fraction=self.max_skip_fraction,
+                                        always_execute=knapsack.first_and_last_layers(
+                                            len(weights)) if self.keep_first_last else (),
+                                        coupled=self.coupled, useful_from=useful)
+        step, widest = p.verify_time(1, n), max(p.verify)
+        per_token = ((p.verify_time(widest, n) - step) / ((widest - 1) * step)
+                     if widest > 1 else 1.0)  # a further token, as a share of the first's
+
+        def priced(one: float, tokens: int) -> float:
+            return one * (1.0 + max(tokens - 1, 0) * max(per_token, 0.0))
+
+        attention, mlp = p.attention_time(n), p.mlp_time()
+        total = sum(priced(attention if item % 2 == 0 else mlp, states * positions)
+                    for item, states in work)
+        final = work[-1][1] if work else 0
+        return total + priced(p.head, final * positions)
 
     def frontier_at(self, n: int) -> Frontier | None:
         """The last fruitless DP's frontier, where context n has not grown past

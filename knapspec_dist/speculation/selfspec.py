@@ -64,6 +64,10 @@ class Selector(ABC):
         """One round under the current plan: ``drafts`` draft forwards; row b had
         ``verified[b]`` drafts judged and kept ``accepted[b]``."""
 
+    def copied(self, won: bool) -> None:
+        """Whether copied drafts won this round (over plain decoding and the plan's subnet):
+        the rounds they win are not a subnet's to save time in."""
+
     def timed(self, timing: RoundTiming) -> None:
         """The seconds the last round took (speculation/calibration.py refits prices from them)."""
 
@@ -140,6 +144,8 @@ class SelfSpeculative(Strategy):
         selections, fallbacks = sel.selections, sel.fallbacks
         plan = sel.plan(model, batch)
         copied = self.copies(batch, plan)
+        if self.copied is not None:
+            sel.copied(copied is not None)
         if copied is not None:
             plan = Plan(frozenset(), 0)  # no draft forward: the verify judges the copies
         t1 = timer.mark()
