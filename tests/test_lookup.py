@@ -174,3 +174,22 @@ def test_the_index_finds_copies_of_the_prompt_and_the_tokens_stay_ars(smollm2,
     first = results[0].stats
     assert first.copied_accepted > 12 and first.rounds < 12  # the copied passage
     assert sum(copied.book.kept.values()) == sum(r.stats.copied_accepted for r in results)
+
+
+def test_a_copy_not_drafted_is_judged_by_the_tokens_the_row_commits():
+    """Where the price forbids copies (at the prior's lower bound, say, in a batch), each
+    row's copy is judged later against what plain decoding committed, as a verify would have
+    judged it: the book learns at no cost, and then copies pay."""
+    row = type("Row", (), {"rid": 0, "prompt": [1, 2, 3, 4, 9, 1, 2], "out": []})()
+    copies = CopiedDrafts(min_gain=1.05, noise_z=1.0)
+    never = 1e9  # a rival no copy beats
+    assert copies.plan([row], [8], lambda q: 1.0, never) is None
+    assert copies.shadows[0].tokens[:3] == [3, 4, 9] and copies.book.drafted == 0
+    row.out = [3, 4]  # committed so far agrees: not yet decided
+    copies.plan([row], [8], lambda q: 1.0, never)
+    assert copies.book.drafted == 0
+    row.out = [3, 4, 9, 7]  # (1, 2) matched: (3, 4, 9, 1, 2) proposed, 3 kept, the 4th judged
+    copies.plan([row], [8], lambda q: 1.0, never)
+    assert (copies.book.judged, copies.book.kept) == ({2: 4}, {2: 3})
+    copies.retire(0)
+    assert not copies.shadows

@@ -12,7 +12,11 @@ copied token is a proposal of probability 1, kept with the target's probability)
   it lives beside the rows in the replica, nothing of it crosses Ray.
 - **The acceptance** (``CopyBook``): per match length, a Beta posterior of the chance that
   each copied token is accepted after the ones before it, from this run's verifies (as the
-  subnets' acceptance is learned, acceptance.py).
+  subnets' acceptance is learned, acceptance.py), and from the copies a round did not draft:
+  each is judged against the tokens the row then commits (``Shadow``), which are what a
+  verify would have kept (greedy and coupled sampling; under rejection sampling a committed
+  token equals a copy with the probability a verify keeps it). So a batch whose price at the
+  prior's lower bound forbids copies still learns what they would yield, at no cost.
 - **The price** (``best_round``): a round verifies ``q`` tokens a row; a row drafts
   ``min(its copy, q - 1)`` and is expected to yield ``tpt.expected_tokens``; the round's
   tokens over the verify's priced seconds at this batch and context, against plain decoding
@@ -127,6 +131,26 @@ def best_round(proposals: Sequence[tuple[list[int], int]], book: CopyBook,
     return CopiedRound([d[:q - 1] for d, _ in proposals], [n for _, n in proposals], q, best)
 
 
+@dataclass(frozen=True)
+class Shadow:
+    """A copy a round did not draft: ``tokens`` proposed from match length ``n`` for the
+    row's positions from ``start`` on, judged once the row has committed enough of them."""
+
+    start: int
+    tokens: list[int]
+    n: int
+
+    def judged(self, committed: Sequence[int]) -> tuple[int, int] | None:
+        """(copied tokens a verify would have judged, kept) against the tokens the row
+        committed from ``start`` on; None while they do not yet decide it."""
+        kept = 0
+        for copy, token in zip(self.tokens, committed):
+            if copy != token:
+                return len(self.tokens), kept
+            kept += 1
+        return (len(self.tokens), kept) if kept == len(self.tokens) else None
+
+
 class CopiedDrafts:
     """The copied drafts of a run: each decoding row's index, and what this run learned of
     their acceptance."""
@@ -134,13 +158,16 @@ class CopiedDrafts:
     def __init__(self, min_gain: float = 1.05, noise_z: float = 1.0):
         self.min_gain, self.noise_z = min_gain, noise_z
         self.indexes: dict[int, TokenIndex] = {}
+        self.shadows: dict[int, Shadow] = {}  # per row, its copy not drafted, being judged
         self.book = CopyBook()
 
     def start(self) -> None:
-        self.indexes = {}  # the book is kept: what copies accept is the text's, not the run's
+        self.indexes, self.shadows = {}, {}  # the book is kept: copies' acceptance is the
+        # text's, not the run's
 
     def retire(self, rid: int) -> None:
         self.indexes.pop(rid, None)
+        self.shadows.pop(rid, None)
 
     def proposals(self, rows, room: Sequence[int]) -> list[tuple[list[int], int]]:
         """Each row's copy (at most ``room[b]`` tokens), its index brought up to date."""
@@ -151,14 +178,32 @@ class CopiedDrafts:
                 index = self.indexes[row.rid] = TokenIndex(row.prompt + row.out)
             else:
                 index.extend(row.out[len(index.tokens) - len(row.prompt):])
+            self.judge_shadow(row.rid, index)
             out.append(index.propose(min(MAX_COPY, space)) if space > 0 else ([], 0))
         return out
 
+    def judge_shadow(self, rid: int, index: TokenIndex) -> None:
+        """Record the row's undrafted copy in the book once its committed tokens decide it."""
+        shadow = self.shadows.get(rid)
+        if shadow is not None:
+            judged = shadow.judged(index.tokens[shadow.start:])
+            if judged is not None:
+                self.book.record(shadow.n, *judged)
+                del self.shadows[rid]
+
     def plan(self, rows, room: Sequence[int], verify_time: Callable[[int], float],
              rival_rate: float) -> CopiedRound | None:
-        """This round's copied drafts, where they price better than ``rival_rate``."""
-        return best_round(self.proposals(rows, room), self.book, verify_time, rival_rate,
-                          self.min_gain, self.noise_z)
+        """This round's copied drafts, where they price better than ``rival_rate``; where
+        not, each row's copy is judged later against what it commits (``Shadow``)."""
+        proposals = self.proposals(rows, room)
+        chosen = best_round(proposals, self.book, verify_time, rival_rate, self.min_gain,
+                            self.noise_z)
+        if chosen is None:
+            for row, (tokens, n) in zip(rows, proposals):
+                if tokens and row.rid not in self.shadows:
+                    start = len(row.prompt) + len(row.out)  # the copy's first position
+                    self.shadows[row.rid] = Shadow(start, tokens, n)
+        return chosen
 
     def record(self, copied: CopiedRound, verified: list[int], accepted: list[int]) -> None:
         for n, v, a in zip(copied.matches, verified, accepted):
