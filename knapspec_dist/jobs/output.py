@@ -3,7 +3,8 @@
 Layout of ``--output DIR`` (a local path or a pyarrow filesystem URI)::
 
     DIR/job.json          what decides the rows' output, the input included (checked when a
-                          job resumes; written with the first rows)
+                          job resumes; written with the first part file: rows, or a
+                          book's first tree nodes)
     DIR/rows/part-*.parquet       one row per input row, in the order rows finished
     DIR/baseline/part-*.parquet   the baseline rows, run again with ``ar``
     DIR/baseline_strategy/part-*.parquet   the same rows run again with the job's strategy,
@@ -229,7 +230,7 @@ class OutputDir:
         return False
 
     def commit_job(self) -> None:
-        """Write ``job.json`` before the job's first rows (once)."""
+        """Write ``job.json`` before the job's first part file, of rows or tree nodes (once)."""
         if self._job is not None:
             data = self._job
             for sub in SUBDIRS:
