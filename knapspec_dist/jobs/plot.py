@@ -25,6 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
+from knapspec_dist.jobs.summary import column_or_nulls  # noqa: E402
+
 #: The main pass's columns the plot reads (a point per ok row).
 PLOT_COLUMNS = ["num_input_tokens", "tokens_per_s", "acceptance_rate", "drafted", "accepted",
                 "copied_drafted", "copied_accepted", "error"]
@@ -49,9 +51,7 @@ def _points(table: pa.Table, y: str, where: pa.ChunkedArray) -> list[tuple]:
 
 def _counts(table: pa.Table, name: str) -> pa.ChunkedArray:
     """A count column, 0 where the row or the table lacks it (a part of an older version)."""
-    if name in table.column_names and not pa.types.is_null(table.column(name).type):
-        return pc.fill_null(table.column(name), 0)
-    return pa.chunked_array([pa.array([0] * len(table), pa.int64())])
+    return pc.fill_null(column_or_nulls(table, name), 0)
 
 
 def _by_source(table: pa.Table) -> dict[str, list[tuple]]:

@@ -110,7 +110,7 @@ COLUMNS = ["num_input_tokens", "num_generated_tokens", "time_taken_llm", "prefil
            "document_path", "tree_generations"]
 
 
-def _col(table: pa.Table, name: str) -> pa.ChunkedArray:
+def column_or_nulls(table: pa.Table, name: str) -> pa.ChunkedArray:
     """A column, or nulls where the table lacks it (a part of an older version, a test's
     partial rows)."""
     if name in table.column_names and not pa.types.is_null(table.column(name).type):
@@ -159,29 +159,30 @@ class Totals:
         """Add the rows of ``ok`` (rows without an error)."""
         if not len(ok):
             return self
-        gen = pc.fill_null(_col(ok, "num_generated_tokens"), 0)
-        drafted = pc.fill_null(_col(ok, "drafted"), 0)
-        mean_batch = _col(ok, "mean_batch")
-        n_in = _col(ok, "num_input_tokens")
+        gen = pc.fill_null(column_or_nulls(ok, "num_generated_tokens"), 0)
+        drafted = pc.fill_null(column_or_nulls(ok, "drafted"), 0)
+        mean_batch = column_or_nulls(ok, "mean_batch")
+        n_in = column_or_nulls(ok, "num_input_tokens")
         self.rows += len(ok)
-        self.generations += int(_sum(pc.fill_null(_col(ok, "tree_generations"), 1)))
+        self.generations += int(_sum(pc.fill_null(column_or_nulls(ok, "tree_generations"), 1)))
         self.tokens += _sum(gen)
         self.input_tokens += _sum(n_in)
         self.input_rows += len(n_in) - n_in.null_count
-        self.wall += _sum(_col(ok, "time_taken_llm"), 0.0)
-        self.prefill += _sum(_col(ok, "prefill_s"), 0.0)
+        self.wall += _sum(column_or_nulls(ok, "time_taken_llm"), 0.0)
+        self.prefill += _sum(column_or_nulls(ok, "prefill_s"), 0.0)
         self.batch_weight += _sum(pc.if_else(pc.is_valid(mean_batch), gen, 0))
         self.batch_sum += _sum(pc.multiply(mean_batch, gen), 0.0)
         self.drafted += _sum(drafted)
-        self.accepted += _sum(_col(ok, "accepted"))
-        self.copied_drafted += _sum(pc.fill_null(_col(ok, "copied_drafted"), 0))
-        self.copied_accepted += _sum(pc.fill_null(_col(ok, "copied_accepted"), 0))
-        self.attention += _sum(pc.multiply(pc.fill_null(_col(ok, "attention_skipped"), 0),
-                                           drafted), 0.0)
-        self.mlp += _sum(pc.multiply(pc.fill_null(_col(ok, "mlp_skipped"), 0), drafted), 0.0)
-        self.selections += _sum(_col(ok, "selections"))
-        self.replicas.update(pc.unique(_col(ok, "replica")).to_pylist())
-        start, end = _col(ok, "generation_start"), _col(ok, "generation_end")
+        self.accepted += _sum(column_or_nulls(ok, "accepted"))
+        self.copied_drafted += _sum(pc.fill_null(column_or_nulls(ok, "copied_drafted"), 0))
+        self.copied_accepted += _sum(pc.fill_null(column_or_nulls(ok, "copied_accepted"), 0))
+        attention = pc.fill_null(column_or_nulls(ok, "attention_skipped"), 0)
+        self.attention += _sum(pc.multiply(attention, drafted), 0.0)
+        mlp = pc.fill_null(column_or_nulls(ok, "mlp_skipped"), 0)
+        self.mlp += _sum(pc.multiply(mlp, drafted), 0.0)
+        self.selections += _sum(column_or_nulls(ok, "selections"))
+        self.replicas.update(pc.unique(column_or_nulls(ok, "replica")).to_pylist())
+        start, end = column_or_nulls(ok, "generation_start"), column_or_nulls(ok, "generation_end")
         both = pc.and_(pc.is_valid(start), pc.is_valid(end))
         if pc.any(both).as_py():
             self.spans.append((_seconds(start.filter(both)), _seconds(end.filter(both))))
@@ -328,7 +329,7 @@ def summarize(rows: pa.Table | Iterable[pa.Table], baseline: pa.Table, id_column
         for entry in pc.value_counts(failed_part.column("error")).to_pylist():
             kind = error_kind(entry["values"])
             errors[kind] = errors.get(kind, 0) + entry["counts"]
-        for entry in pc.value_counts(_col(part, "document_path")).to_pylist():
+        for entry in pc.value_counts(column_or_nulls(part, "document_path")).to_pylist():
             if entry["values"] is not None:
                 paths[entry["values"]] = paths.get(entry["values"], 0) + entry["counts"]
         ok_part = part.filter(is_ok)
