@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -34,6 +35,7 @@ from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.profiles import LatencyProfile
 from knapspec_dist.runtime import StartupError, replica
 from knapspec_dist.runtime import cluster as ray_cluster
+from knapspec_dist.runtime.coordinator import Coordinator
 from knapspec_dist.runtime.messages import KVPages, MeasureOptions
 from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.speculation.factory import build_strategy
@@ -316,3 +318,25 @@ def test_ranks_share_the_clusters_cores_unless_told():
     assert share([2], 2, tp=4, replicas=1) == 1
     assert share([3], 1, tp=1, replicas=1) == 1  # two of three held by another engine
     assert share([], 0, tp=1, replicas=1) == 1
+
+
+@pytest.mark.parametrize("stopping", [False, True], ids=["a-crash", "the-engine-stops-it"])
+def test_ranks_the_engine_kills_are_no_error_of_the_replica(caplog, stopping):
+    """Dead ranks are an ERROR of the replica, unless the engine said it is stopping it (a
+    restart, the job's end): then they are the engine's doing and the coordinator is quiet."""
+    coordinator = Coordinator(0, "model", 10, 2, "fp32")
+    coordinator.grace_s = 0.01
+    if stopping:
+        coordinator.stop()
+
+    async def killed():
+        raise ray.exceptions.RayActorError()
+
+    async def gather():
+        with pytest.raises(ray.exceptions.RayActorError):
+            await coordinator._gather([killed(), killed()])
+
+    with caplog.at_level(logging.DEBUG, logger="knapspec_dist.runtime.coordinator"):
+        asyncio.run(gather())
+    inconsistent = [r for r in caplog.records if "failed inconsistently" in r.getMessage()]
+    assert [r.levelno for r in inconsistent] == [logging.DEBUG if stopping else logging.ERROR]

@@ -124,6 +124,7 @@ class Coordinator:
         self.kv: KVBudget | None = None  # the KV cache every rank holds, once prepared
         self.use = KVUse()  # how the rows used it so far
         self.grace_s = 10.0  # how long other ranks may take to fail like the first one
+        self.stopping = False  # the engine said it kills this replica (stop)
 
     # ------------------------------------------------------------------ startup
 
@@ -191,6 +192,11 @@ class Coordinator:
         """The measurement under way, or None: what the engine's start-up wait does not
         count against its timeout."""
         return self.measuring
+
+    def stop(self) -> None:
+        """The engine is about to kill this replica's actors (a restart, the job's end): the
+        ranks' failures that follow are its doing, not an error to report."""
+        self.stopping = True
 
     # ------------------------------------------------------------------ requests
 
@@ -301,8 +307,9 @@ class Coordinator:
             len({_kind(e) for e in errors}) == 1 and \
             not isinstance(errors[0], ray.exceptions.RayActorError)
         if not consistent:
-            log.error("replica %d: ranks failed inconsistently (%s); killing its shards",
-                      self.replica, errors[0])
+            log.log(logging.DEBUG if self.stopping else logging.ERROR,
+                    "replica %d: ranks failed inconsistently (%s); killing its shards",
+                    self.replica, errors[0])
             for shard in self.shards:
                 try:
                     ray.kill(shard, no_restart=True)

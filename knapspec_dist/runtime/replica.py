@@ -276,11 +276,22 @@ def wait(spec: ReplicaSpec, refs: dict, what: str, placement: bool = False,
     return out
 
 
+#: How long the engine waits for a coordinator to hear that its replica is being stopped.
+STOP_NOTICE_S = 2.0
+
+
 def stop_replica(rep: Replica | None) -> None:
-    """Kill the replica's actors and remove its placement group; wait until they are gone."""
+    """Kill the replica's actors and remove its placement group; wait until they are gone.
+    A prepared replica's coordinator hears it first, and dies first, so the deaths of ranks
+    killed here are not reported as a replica's failure."""
     if rep is None:
         return
-    actors = [a for a in [*rep.shards, rep.coordinator] if a is not None]
+    if rep.coordinator is not None and rep.info is not None:
+        try:
+            ray.get(rep.coordinator.stop.remote(), timeout=STOP_NOTICE_S)
+        except Exception as e:  # dead or unresponsive: it is killed all the same
+            log.debug("stop notice: %s", e)
+    actors = [a for a in [rep.coordinator, *rep.shards] if a is not None]
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)
