@@ -16,6 +16,7 @@ from knapspec_dist.runtime.prompts import (
     COMBINE_INSTRUCTION,
     DEFAULT_INSTRUCTION,
     TreeShape,
+    check_tree_shape,
 )
 from knapspec_dist.speculation.options import StrategyOptions, parse_strategy
 
@@ -116,9 +117,7 @@ class JobConfig:
         if not self.input or not self.output:
             raise UserError("--input and --output are required")
         check_fields(self, NUMERIC)  # finite and in range, by the one table
-        if self.chunk_tokens is not None and self.chunk_overlap >= self.chunk_tokens:
-            raise UserError(f"--chunk-overlap {self.chunk_overlap} must be less than "
-                            f"--chunk-tokens {self.chunk_tokens}")
+        check_tree_shape(self.shape())  # the model's window: PromptBuilder, before Ray
         object.__setattr__(self, "strategy", replace(self.strategy, **{
             name: check(name, getattr(self.strategy, name)) for name in STRATEGY_NUMERIC}))
         self.generation_config()  # what the engine's configs check besides
@@ -133,8 +132,10 @@ class JobConfig:
 
     def tree_shape(self) -> TreeShape | None:
         """How a text row past the window becomes a tree; None: it is truncated or fails."""
-        if self.long_documents != "tree":
-            return None
+        return self.shape() if self.long_documents == "tree" else None
+
+    def shape(self) -> TreeShape:
+        """The tree options as a shape, whether trees are made or not (their checks)."""
         return TreeShape(self.chunk_tokens, self.chunk_overlap, self.tree_depth,
                          self.chunk_instruction, self.combine_instruction, self.tree_fan_in)
 

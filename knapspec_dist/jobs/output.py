@@ -23,8 +23,12 @@ that cannot be read (a filesystem without atomic renames, a disk error) is moved
 hidden ``.corrupt-`` name and its rows are computed again.
 
 One job at a time per directory: the job holds ``DIR/.lease.json`` (jobs/lease.py) while it
-runs.  Exactly once on read too: should an id appear in more than one row (a part file copied
-by hand, a rerun that retried a failed row), :meth:`OutputDir.read_rows` keeps one row per id
+runs.  Another job's output is refused, unless none of its rows succeeded and the job runs
+with ``--retry-failed``: then the job takes it over (:meth:`OutputDir.check`,
+:meth:`OutputDir.set_aside`), so options that failed every row never lock their output.
+
+Exactly once on read too: should an id appear in more than one row (a part file copied by
+hand, a rerun that retried a failed row), :meth:`OutputDir.read_rows` keeps one row per id
 (see :func:`keep_one_per_id`) and warns with the count it dropped.
 
 Error kinds (``error_kind``): ``input`` (the row's text or prompt), ``row`` (its generation
@@ -128,6 +132,9 @@ class OutputDir:
         self.created = False  # the directory was created by this job (create)
         self._warned: set[str] = set()  # subdirectories whose duplicates were reported
         self.migrated = False  # job.json of an earlier version, to rewrite (check)
+        # what differs from another job whose output, every row failed, this one takes over
+        # (check with take_over); its parts are set aside under the lease (set_aside)
+        self.take_over: str | None = None
 
     def join(self, *parts: str) -> str:
         return "/".join([self.path.rstrip("/"), *parts])
@@ -144,7 +151,8 @@ class OutputDir:
         self.create()
         return resuming
 
-    def check(self, fingerprint: dict, legacy_input: Callable[[], str] | None = None) -> bool:
+    def check(self, fingerprint: dict, legacy_input: Callable[[], str] | None = None,
+              take_over: bool = False) -> bool:
         """Check, reading only, that the directory is new, empty or this job's: True when
         resuming (rows of this job are there).
 
@@ -152,7 +160,11 @@ class OutputDir:
         a job that failed before writing a row leaves no identity behind, so the corrected
         command may start over in the same directory with other options.  A directory whose
         ``job.json`` names another job is refused only when it holds rows; then nothing in
-        it is touched."""
+        it is touched.  With ``take_over`` (``--retry-failed``) such a directory whose rows
+        all failed is this job's to take over instead: :attr:`take_over` says how the jobs
+        differ, and :meth:`set_aside` (under the lease) moves the other job's parts out of
+        the way."""
+        self.take_over = None
         info = self._call(lambda: self.fs.get_file_info(self.path))
         if info.type == pafs.FileType.File:
             raise UserError(f"--output {self.uri!r} is a file, not a directory")
@@ -184,22 +196,81 @@ class OutputDir:
                                     "%s now records the new hash", self.uri, JOB_FILE)
                     self.migrated = True
                     return True
-                raise UserError(
-                    f"--output {self.uri!r} holds rows of a different input: the same path "
-                    f"and row count, but its ids or texts changed (input_sha256 "
-                    f"{before['input_sha256']!r}, of every text as written by an earlier "
-                    "version, differs from this input's); resume with the input it was "
-                    "written from or choose a new --output")
+                return self._other_job(
+                    "a different input: the same path and row count, but its ids or texts "
+                    f"changed (input_sha256 {before['input_sha256']!r}, of every text as "
+                    "written by an earlier version, differs from this input's)",
+                    "resume with the input it was written from or choose a new --output",
+                    take_over)
             if differ:
                 details = "; ".join(f"{k}: {before.get(k)!r} -> {fingerprint.get(k)!r}"
                                     for k in differ)
-                raise UserError(f"--output {self.uri!r} holds rows of a different job ({details})"
-                                "; resume with the same options or choose a new --output")
+                return self._other_job(f"a different job ({details})", "resume with the same "
+                                       "options or choose a new --output", take_over)
             self._job = None  # job.json is this job's already
             return True
         if existing is not None:
             log.info("%s holds no rows yet: starting over with this job's options", self.uri)
         return False
+
+    def _other_job(self, other: str, advice: str, take_over: bool) -> bool:
+        """Another job's output (``other`` says how it differs): refused with one line that
+        ends with ``advice``, nothing in it touched, when a row of it succeeded (nothing that
+        succeeded is ever lost or mixed with this job's rows) or without ``take_over``; else
+        this job takes it over (:attr:`take_over`): False, nothing is resumed. Its tree nodes
+        do not decide: a node is reused only under the configuration that made it."""
+        what = f"--output {self.uri!r} holds rows of {other}"
+        if self._succeeded():
+            raise UserError(f"{what}; {advice} (--retry-failed takes over an output only "
+                            "when every row it holds failed, and rows of this one succeeded)")
+        if not take_over:
+            raise UserError(f"{what}; every row it holds failed: --retry-failed takes it over "
+                            f"with this job's options, else {advice}")
+        self.take_over = other
+        return False
+
+    def _succeeded(self) -> bool:
+        """Whether a visible part of the rows or of a baseline pass holds a row without an
+        error (reading only their ``error`` column); a part that cannot be read counts as
+        one that may (its rows are not known to have failed)."""
+        for sub in (ROWS, BASELINE, BASELINE_STRATEGY):
+            for path in self._visible_parts(sub):
+                try:
+                    with self.fs.open_input_file(path) as f:
+                        errors = pq.ParquetFile(f).read(columns=["error"]).column("error")
+                except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError):
+                    return True
+                if errors.null_count:
+                    return True
+        return False
+
+    def _visible_parts(self, sub: str) -> list[str]:
+        """The part files of ``DIR/sub`` a reader sees (no hidden or temporary name)."""
+        infos = self._call(lambda: self.fs.get_file_info(
+            pafs.FileSelector(self.join(sub), allow_not_found=True)))
+        return sorted(i.path for i in infos if i.type == pafs.FileType.File
+                      and i.path.endswith(".parquet")
+                      and not os.path.basename(i.path).startswith((".", "_")))
+
+    def set_aside(self) -> int:
+        """Take over another job's output whose rows all failed (:meth:`check` with
+        ``take_over``), under the lease: every part of it (failed rows, baseline rows, tree
+        nodes) renamed to a hidden ``.superseded-`` name in its folder, kept for a reader
+        but never read, so every input row runs again with this job's options and
+        ``job.json`` names this job from its first part on. Parts first, job.json last: a
+        run stopped in between leaves an output that holds no rows yet. Returns the parts
+        set aside."""
+        moved = 0
+        for sub in SUBDIRS:
+            for path in self._visible_parts(sub):
+                aside = f"{self.join(sub)}/.superseded-{os.path.basename(path)}"
+                self._call(lambda path=path, aside=aside: self.fs.move(path, aside))
+                moved += 1
+        log.warning("--output %s held only failed rows of another job (%s): --retry-failed "
+                    "takes it over; its %d part file(s) are set aside as .superseded-*, every "
+                    "row runs with this job's options, and %s records them with the first "
+                    "part written", self.display(), self.take_over, moved, JOB_FILE)
+        return moved
 
     def create(self) -> None:
         """Create the directory (not its subdirectories: they come with the first rows, so a

@@ -169,7 +169,8 @@ class JobRun:
         self.out = OutputDir(c.output)
         self.fingerprint = {**c.fingerprint(), **self.scan.fingerprint(c.input)}
         self.legacy = functools.cache(lambda: legacy_digest(self.scan))  # old outputs
-        self.resuming = self.out.check(self.fingerprint, self.legacy)
+        # --retry-failed: another job's output whose rows all failed is taken over
+        self.resuming = self.out.check(self.fingerprint, self.legacy, c.retry_failed)
         self.schema = output_schema(c.id_column, self.scan.id_type)
         self.ray_data = len(self.scan) > LOCAL_ROWS
 
@@ -178,10 +179,14 @@ class JobRun:
         id), less the failed rows to retry (a retryable kind, or all with --retry-failed).
         The rows left are an anti-join of the input's ids with those (Arrow, no row object)."""
         c = self.config
-        self.resuming = self.out.check(self.fingerprint, self.legacy)  # nobody wrote since
+        self.resuming = self.out.check(self.fingerprint, self.legacy,  # nobody wrote since
+                                       c.retry_failed)
+        if self.out.take_over is not None:  # another job's failed rows: out of the way
+            self.out.set_aside()
         if self.out.migrated:
             self.out.commit_job()  # job.json with the new definition of input_sha256
-        self.previous = self._previous_summary()
+        # a summary of the job taken over describes none of this job's passes
+        self.previous = {} if self.out.take_over is not None else self._previous_summary()
         self.done = read_done(self.out, self.schema, self.scan.ids, c.retry_failed)
         self.pending = self.done.pending
         if self.done.retry:
@@ -199,8 +204,10 @@ class JobRun:
 
     def check_prompts(self) -> None:
         """The tokenizer and context window (small files), checked against the options
-        before anything else: the rows are tokenized later, as they stream (see
-        jobs/passes.py ``prompt_batches``)."""
+        before anything else: a text job's chat template, and a tree's shape (chunk, overlap,
+        two summaries a group) against the window, so that no option fails every long row
+        (runtime/prompts.py ``tree_chunk_tokens``). The rows are tokenized later, as they
+        stream (see jobs/passes.py ``prompt_batches``)."""
         c = self.config
         tokenizer, window = self.text_tools(c)
         self.max_len = window if c.max_model_len is None else c.max_model_len
@@ -211,7 +218,7 @@ class JobRun:
             raise UserError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt "
                             f"in the context window of {self.max_len} tokens")
         PromptBuilder(tokenizer, c.mode, c.instruction, self.max_len, c.max_new_tokens,
-                      c.truncate, c.input_column, c.tree_shape())  # text: a chat template
+                      c.truncate, c.input_column, c.tree_shape())
         if self.real_engine:  # the profile must cover any context this job may run
             self.engine_factory = lambda config, strategy, replicas: default_engine_factory(
                 config, strategy, replicas, longest=self.max_len)

@@ -61,12 +61,12 @@ from knapspec_dist.runtime.prompts import (
     PromptBuilder,
     TokenizeStage,
     TreeShape,
+    check_tree_shape,
     load_text_tools,
     make_builder,
 )
 from knapspec_dist.runtime.ray_engine import RayEngine
 from knapspec_dist.runtime.replica import node_cpus, share_cores
-from knapspec_dist.runtime.setup import check_setup
 from knapspec_dist.runtime.stages import (
     RESULT_FIELDS,
     TREE_FIELDS,
@@ -152,6 +152,7 @@ class ProcessorConfig:
                             ("tree_depth", self.tree.max_depth),
                             ("tree_fan_in", self.tree.max_fan_in)):
             check(name, value)
+        check_tree_shape(self.tree)  # the model's window: when the processor is built
         self.generation_config()  # bad sampling options fail here, not in a worker
 
     def generation_config(self) -> GenerationConfig:
@@ -303,8 +304,11 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
                     postprocess: Callable[[dict], dict] | None = None
                     ) -> Callable[[ray.data.Dataset], ray.data.Dataset]:
     """A function from a Dataset to the Dataset of its generations (lazy: nothing runs
-    before the result is consumed). The model, tp and strategy are checked here, at once."""
-    check_setup(config.model, config.tp, config.strategy)
+    before the result is consumed). The model, tp and strategy are checked here, at once,
+    and the prompt options against the model's tokenizer and window (a tree's shape no long
+    document could take: runtime/prompts.py ``tree_chunk_tokens``), as the batch job does
+    before its Ray starts."""
+    config.builder()()  # check_setup, then the PromptBuilder's checks
 
     def processor(ds: ray.data.Dataset) -> ray.data.Dataset:
         if not ray.is_initialized():  # as the Dataset's execution would

@@ -17,9 +17,11 @@ A row fits when ``prompt tokens + max_new_tokens <= max_model_len`` (the model's
 window unless ``--max-model-len`` lowers it).  Otherwise, in text mode with a
 :class:`TreeShape` (a job's default, ``--long-documents tree``), the document is cut into
 chunks (runtime/chunking.py) whose prompts the row carries instead of one prompt, for a tree
-of summaries (runtime/tree.py); with ``truncate`` the end of the document (prompt mode: of the
-prompt; messages mode: of the last message) is cut so that the row fits, and the row is
-marked ``truncated``; else the row fails.
+of summaries (runtime/tree.py); a tree's shape that no long row could take
+(:func:`tree_chunk_tokens`) is refused when the builder is made, before any row; with
+``truncate`` the end of the document (prompt mode: of the prompt; messages mode: of the last
+message) is cut so that the row fits, and the row is marked ``truncated``; else the row
+fails.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from knapspec_dist.errors import UserError
 from knapspec_dist.model.tokenizer import encode, has_chat_template, load_tokenizer
 from knapspec_dist.runtime.chunking import chunk_document, text_digest
 from knapspec_dist.runtime.setup import check_setup
+from knapspec_dist.runtime.tree import SEPARATOR
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,74 @@ class TreeShape:
         return shape
 
 
+#: Prompt tokens a chunk keeps free beyond its template and text: re-tokenizing a cut text
+#: can merge or split a few tokens.
+CHUNK_SLACK = 8
+
+
+def check_tree_shape(tree: TreeShape) -> None:
+    """What the model does not decide: an overlap shorter than the chunk it repeats into
+    (the given one, else at most ``DEFAULT_CHUNK_TOKENS``), refused as options are parsed."""
+    if tree.chunk_tokens is not None and tree.overlap >= tree.chunk_tokens:
+        raise UserError(f"--chunk-overlap {tree.overlap} must be less than --chunk-tokens "
+                        f"{tree.chunk_tokens}")
+    if tree.chunk_tokens is None and tree.overlap >= DEFAULT_CHUNK_TOKENS:
+        raise UserError(f"--chunk-overlap {tree.overlap} must be less than the chunk it is "
+                        f"part of: --chunk-tokens, {DEFAULT_CHUNK_TOKENS} by default (less "
+                        "where the window is small)")
+
+
+def tree_chunk_tokens(tree: TreeShape, max_model_len: int, max_new_tokens: int,
+                      chunk_template: int, combine_template: int) -> int:
+    """A tree's chunk in document tokens: ``tree.chunk_tokens``, else ``DEFAULT_CHUNK_TOKENS``
+    or half of what a chunk's prompt leaves, the smaller. Or one UserError line naming the
+    options and values that leave a row past the window no tree, whatever its text: a chunk
+    (with its overlap) past what its prompt leaves, an overlap not shorter than the chunk, a
+    combining prompt without room for two summaries of ``max_new_tokens``. Pure (the
+    templates' token counts are the caller's), so the job and the processor refuse such
+    options before anything runs instead of failing every long row.
+
+    ``chunk_template`` / ``combine_template``: the tokens of a chunk's / a group's prompt
+    with no text in it."""
+    check_tree_shape(tree)
+    limit = max_model_len - max_new_tokens
+    window = f"--max-model-len {max_model_len} - --max-new-tokens {max_new_tokens}"
+    if combine_template + 2 * (max_new_tokens + SEPARATOR) > limit:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens}: a tree combines summaries of up to that many "
+            f"tokens, and two of them with the combining prompt's {combine_template} template "
+            f"tokens do not fit the {limit} prompt tokens left ({window}); lower "
+            "--max-new-tokens, raise --max-model-len, or choose --long-documents truncate or "
+            "fail")
+    text = limit - chunk_template - CHUNK_SLACK  # a chunk's text and its overlap
+    room = text - tree.overlap
+    if tree.chunk_tokens is None:
+        chunk = min(DEFAULT_CHUNK_TOKENS, room // 2)
+        if tree.overlap and tree.overlap >= chunk:
+            raise UserError(
+                f"--chunk-overlap {tree.overlap} must be less than the chunk it is part of, "
+                f"and the default --chunk-tokens is {max(chunk, 0)} here: the smaller of "
+                f"{DEFAULT_CHUNK_TOKENS} and half of the {max(room, 0)} text tokens a chunk's "
+                f"prompt leaves beside the overlap ({window} - {chunk_template} template and "
+                f"{CHUNK_SLACK} slack tokens - the overlap); lower --chunk-overlap, or raise "
+                "--max-model-len or lower --max-new-tokens")
+        if chunk < 1:
+            raise UserError(
+                f"a chunk's prompt holds no text: {window} leaves {limit} prompt tokens, and "
+                f"its template takes {chunk_template} + {CHUNK_SLACK} slack; raise "
+                "--max-model-len, lower --max-new-tokens, or choose --long-documents "
+                "truncate or fail")
+        return chunk
+    if tree.chunk_tokens > room:
+        raise UserError(
+            f"--chunk-tokens {tree.chunk_tokens} + --chunk-overlap {tree.overlap} do not fit "
+            f"the {max(text, 0)} text tokens a chunk's prompt holds ({window} - "
+            f"{chunk_template} template and {CHUNK_SLACK} slack tokens); "
+            + (f"--chunk-tokens {room} at most" if room >= 1 else
+               "raise --max-model-len or lower --max-new-tokens"))
+    return tree.chunk_tokens
+
+
 @dataclass
 class Prompt:
     """One row ready to generate, or its error."""
@@ -120,27 +191,10 @@ class PromptBuilder:
                             "model whose tokenizer has a chat template; use "
                             f"{'--prompt-column' if mode == 'text' else 'a prompt column'} "
                             "with ready-made prompts instead")
-        self.tree_error: str | None = None  # why no tree fits: the error of rows that need one
-        if self.tree is not None:
-            try:
-                self.chunk_tokens = self._chunk_tokens(self.tree)
-            except UserError as e:
-                self.tree_error = str(e)
-
-    def _chunk_tokens(self, tree: TreeShape) -> int:
-        """A chunk's document tokens: as given, else ``DEFAULT_CHUNK_TOKENS`` or half of what
-        its prompt leaves, the smaller."""
-        overhead = len(self.chunk_prompt("", 10 ** 6, 10 ** 6)) + 8  # + re-tokenizing's slack
-        room = self.limit - overhead - tree.overlap
-        chunk = tree.chunk_tokens if tree.chunk_tokens is not None else min(
-            DEFAULT_CHUNK_TOKENS, room // 2)
-        if chunk < 1 or chunk > room:
-            raise UserError(
-                f"--chunk-tokens {chunk} + --chunk-overlap {tree.overlap} do not fit the "
-                f"{self.limit - overhead} tokens a chunk's prompt leaves (--max-model-len "
-                f"{self.max_model_len} - --max-new-tokens {self.max_new_tokens} - the chunk "
-                "prompt's template)")
-        return chunk
+        if self.tree is not None:  # a shape no long row could take: refused here, at once
+            self.chunk_tokens = tree_chunk_tokens(
+                self.tree, max_model_len, max_new_tokens,
+                len(self.chunk_prompt("", 10 ** 6, 10 ** 6)), len(self.combine_prompt([], 1, 0)))
 
     def chunk_prompt(self, text: str, part: int, parts: int) -> list[int]:
         """The prompt ids of a document's chunk ``part`` (from 1) of ``parts``."""
@@ -196,9 +250,6 @@ class PromptBuilder:
         if len(ids) <= self.limit:
             return Prompt(index, row_id, ids, len(ids))
         if self.tree is not None:
-            if self.tree_error is not None:
-                return Prompt(index, row_id, None, len(ids), error=(
-                    f"prompt has {len(ids)} tokens > {self.limit}, and {self.tree_error}"))
             return self._chunks(index, row_id, text, len(ids))
         if not self.truncate:
             return Prompt(index, row_id, None, len(ids), error=(
