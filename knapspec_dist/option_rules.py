@@ -148,6 +148,7 @@ TABLE = f"""
 --tree-depth              int    >= 2
 --tree-fan-in             int    >= 2
 --draws                   int    >= 1
+--short-rows              int    >= 0
 --gamma                   int    1..{MAX_GAMMA}
 --tau-conf                float  [0, 1]
 --interval                int    >= 1

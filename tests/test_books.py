@@ -10,9 +10,12 @@ from knapspec_dist.tools.books import (
     book_of,
     chunk_recall,
     draw_id,
+    eta_accuracy,
     kept,
     main_characters,
     report,
+    schedule,
+    short_texts,
     table,
 )
 
@@ -91,3 +94,27 @@ def test_chunk_recall_is_the_mean_share_of_each_chunks_own_names_its_summary_kee
     assert chunk_recall(chunks, summaries) == (1 / 2 + 1) / 2
     assert chunk_recall(chunks, {0: None}) == 0.0  # a summary that failed keeps nothing
     assert chunk_recall([], {}) is None
+
+
+def test_the_etas_shown_are_read_against_the_time_the_pass_then_had_left():
+    """Lines every 10 s of a 100 s pass; the ETA says 1.2x the time left, but 3x at 60 s."""
+    lines = [(1000.0, "books: ar")]
+    for t in range(0, 101, 10):
+        eta = "?" if t == 0 else f"{round(3 * (100 - t) if t == 60 else 1.2 * (100 - t))}s"
+        lines.append((1000.0 + t, f"rows: 0/21 rows (0 failed), 5 tokens, 1.0 tok/s, "
+                                  f"elapsed {t}s, ETA {eta}; KV cache 1 tokens"))
+    got = eta_accuracy(lines)
+    assert got["lines"] == 9 and got["pass_s"] == 100.0  # 10 s .. 90 s: a tenth to 95 %
+    assert got["max"] == 3.0 and abs(got["median"] - 1.2) < 0.01
+    assert abs(got["within_1_5"] - 8 / 9) < 1e-9
+    assert eta_accuracy(lines[:3]) is None
+
+
+def test_short_rows_are_paragraphs_of_the_asked_length_and_their_ends_are_reported():
+    text = "\n\n".join(["too short"] + [" ".join(["word"] * 80)] * 3)
+    assert list(short_texts(text, 2)) == ["short-0", "short-1"]
+    timestamp = type("T", (), {"timestamp": lambda self: 1030.0})
+    done = Run("ar", Path("."), 50.0, {"short-0": {"finished_at": timestamp()},
+                                       "book": {"finished_at": None}}, [], started=1000.0)
+    assert schedule(done) == {"short_rows": 1, "short_rows_done_s": 30.0, "books_done_s": None,
+                              "eta": None}

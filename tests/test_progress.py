@@ -238,3 +238,48 @@ def test_the_line_counts_a_trees_generations_beside_its_rows(caplog):
         progress.update(outcome(None))
     assert progress.generations == 4 and progress.finished_tokens == 17
     assert "2/2 rows (0 failed, 4 generations), 17 tokens" in caplog.text
+
+
+def test_a_books_eta_counts_its_generations_and_prompt_tokens_not_its_rows():
+    """A book of 150 chunks (2,000 prompt tokens each, 32-token summaries, one combining node
+    above them) beside 20 short rows, replayed: the dispatcher's turns put a short row
+    between chunks until they are all in; the line counts 171 generations for 21 rows, and
+    from a tenth of the job on the ETA is within a factor of 1.5 of the time left."""
+    chunks, shorts = 150, 20
+    kinds = ["chunk", "short"] * shorts + ["chunk"] * (chunks - shorts) + ["root"]
+    prompts = [{"chunk": 2000, "short": 500, "root": 150 * 34}[k] for k in kinds]
+    timeline = simulate([32] * len(kinds), 8, prompts=prompts, prefill_s_per_token=0.004,
+                        chunk=2048, step_s=0.5, row_s=0.02)
+    end, now, live = timeline[-1][0], [0.0], [Work()]
+    progress = Progress(total=1 + shorts, every=0.0, label="rows", bar_enabled=False,
+                        max_new_tokens=32, live=lambda: live[0], slots=8,
+                        clock=lambda: now[0], generations_total=len(kinds),
+                        prompt_tokens=sum(prompts))
+    seen, ratios = 0, []
+    for t, work, finished in timeline:
+        now[0], live[0] = t, work
+        for index, tokens in finished[seen:]:
+            outcome = SimpleNamespace(error=None, result=SimpleNamespace(
+                stats=SimpleNamespace(new_tokens=tokens)))
+            if kinds[index] == "short":
+                progress.update(outcome)
+            else:
+                progress.add_tokens(outcome)
+                if kinds[index] == "root":  # the book's row: its nodes' tokens came already
+                    progress.update(SimpleNamespace(error=None, result=None))
+        seen = len(finished)
+        progress.tick()
+        if 0.1 * end <= t <= 0.98 * end:  # from a tenth of the job to its last half minute
+            eta = progress.eta()
+            ratios.append(max(eta / (end - t), (end - t) / eta))
+    assert progress.done == 21 and progress.generations == len(kinds)
+    assert len(ratios) > 100 and max(ratios) <= 1.5, max(ratios)
+
+
+def test_rows_failed_on_their_input_count_as_done_and_failed_as_the_report_does(caplog):
+    progress = Progress(total=4, every=0.0, label="rows", bar_enabled=False,
+                        clock=lambda: 1.0, generations_total=2)
+    progress.skipped = 2
+    with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs"):
+        progress.tick(force=True)
+    assert "rows: 2/4 rows (2 failed)" in caplog.text

@@ -4,18 +4,31 @@ model, no Ray)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import replace
 
 import pytest
 
-from knapspec_dist.engine.generation import GenerationResult, GenerationStats
+from knapspec_dist.engine.generation import GenerationConfig, GenerationResult, GenerationStats
 from knapspec_dist.errors import UserError
+from knapspec_dist.jobs import JobConfig, run_job
 from knapspec_dist.runtime.chunking import chunk_document, text_digest
+from knapspec_dist.runtime.dispatch import Dispatcher, Task
 from knapspec_dist.runtime.prompts import DEFAULT_CHUNK_TOKENS, PromptBuilder, TreeShape
 from knapspec_dist.runtime.tree import DocumentTree, StoredNode
+from knapspec_dist.speculation.options import StrategyOptions
 
-from fakes import FakeEngines, docs_of, fake_tools, job, read_rows, run, write_input
+from fakes import (
+    FakeBackend,
+    FakeEngines,
+    docs_of,
+    fake_tools,
+    job,
+    read_rows,
+    run,
+    write_input,
+)
 
 
 def tokenizer():
@@ -74,8 +87,8 @@ def test_a_long_document_row_carries_its_chunks_prompts_instead_of_one_prompt():
     assert b.build(1, "b", docs_of([10])[0]).ids is not None  # one that fits: one prompt
     prompt = PromptBuilder(tok, "prompt", "", 20, 4, False, "prompt", TreeShape())
     assert prompt.build(0, "c", doc).error.startswith("prompt has 61 tokens")  # no tree
-    tight = PromptBuilder(tok, "text", "Sum:", 20, 4, False, "document", shape)
-    assert "--chunk-tokens" in tight.build(0, "d", doc).error  # the template alone is too long
+    with pytest.raises(UserError, match="--max-model-len 20 - --max-new-tokens 4"):
+        PromptBuilder(tok, "text", "Sum:", 20, 4, False, "document", shape)  # no tree fits
 
 
 def test_the_default_chunk_is_capped_whatever_the_window():
@@ -144,6 +157,30 @@ def test_a_bounded_fan_in_makes_smaller_groups_and_a_deeper_tree():
     for node in chunks[:2]:
         started.finish(node, result("s"))
     assert [n.children for n in started.ready()] == [(0, 2)]
+
+
+@pytest.mark.parametrize("fan_in", [None, 3])
+def test_the_work_bound_is_the_work_left_when_every_summary_is_as_long_as_allowed(fan_in):
+    """Summaries of 3 tokens each (the bound's length): at every point of a run, in any order,
+    the bound is exactly the generations and prompt tokens the tree still runs; a summary
+    cut short only makes the bound larger than what is left."""
+    for seed in range(3):
+        final, ran = grow(23, limit=4 + 5 * 4, order=random.Random(seed), max_fan_in=fan_in)
+        prompts = {(n.level, n.index): len(n.prompt_ids) for n in final.nodes}
+        tree = DocumentTree("doc", [([1], f"d{i}") for i in range(23)], combine, 4 + 5 * 4, 8,
+                            max_fan_in=fan_in)
+        pending, order, step = tree.ready(), random.Random(seed), 0
+        while pending and not tree.done:
+            left = ran[step:]
+            assert tree.work_bound(3) == (len(left), sum(prompts[p] for p in left))
+            node = pending.pop(order.randrange(len(pending)))
+            tree.finish(node, result(f"s{node.level}.{node.index}"))
+            pending += tree.ready()
+            step += 1
+        assert tree.work_bound(3) == (0, 0)
+    short, ran = grow(23, limit=4 + 5 * 4)  # 3-token summaries, bound taken at 5 tokens
+    fresh = DocumentTree("doc", [([1], f"d{i}") for i in range(23)], combine, 4 + 5 * 4, 8)
+    assert fresh.work_bound(5)[0] >= len(ran) and fresh.work_bound(3)[0] == len(ran)
 
 
 def test_a_bounded_fan_in_is_in_the_jobs_identity_and_none_leaves_it_as_it_was(tmp_path):
@@ -296,3 +333,88 @@ def test_stop_after_counts_a_tree_as_one_row_and_a_rerun_finishes_the_rest(tmp_p
     assert sorted(r["id"] for r in read_rows(second.output)) == ["long", "longer", "short"]
     places = [(n["id"], n["level"], n["index"]) for n in read_rows(second.output, "nodes")]
     assert len(places) == len(set(places))
+
+
+class Recording(FakeBackend):
+    """Keeps the key of every submission: a row's id, a node's (row id, level, index)."""
+
+    keys: list = []
+
+    def submit(self, replica, prompt_ids, config, key=None):
+        Recording.keys.append(key)
+        return super().submit(replica, prompt_ids, config, key)
+
+
+def test_short_rows_start_beside_a_book_one_node_per_row_ahead_at_most(tmp_path):
+    """The book comes first (longest first) and brings dozens of chunk summaries; each short
+    row still starts after at most one node per row ahead of it, plus the tasks in flight,
+    and every short row ends before the book's last node."""
+    shorts = [f"s{i}" for i in range(6)]
+    write_input(tmp_path / "in.parquet", ["book", *shorts], docs_of([900] + [8] * 6))
+    Recording.keys = []
+    result = run_job(job(tmp_path, baseline_fraction=0, max_num_seqs=2),
+                     engine_factory=FakeEngines(), backend_factory=Recording,
+                     text_tools=fake_tools(64))
+    keys = Recording.keys
+    nodes = [i for i, k in enumerate(keys) if isinstance(k, tuple)]
+    assert len(nodes) > 30  # a book: its chunks and the levels above them
+    inflight = 2 + 2  # the job's max_num_seqs and the two rows queued on the replica
+    for k, row in enumerate(shorts):
+        start = keys.index(row)
+        assert sum(i < start for i in nodes) <= 1 + k + inflight, (row, keys[:start + 1])
+    rows = read_rows(result.output)
+    assert all(r["error"] is None for r in rows) and len(rows) == 7
+    assert max(keys.index(row) for row in shorts) < len(keys) // 3  # early, not after the book
+
+
+def test_a_free_slot_goes_to_a_new_row_and_a_started_rows_task_in_turn():
+    """The dispatcher alone: one slot, a row whose first answer brings five tasks of its own
+    (as a tree's chunks), then three rows; a retried task still goes first."""
+
+    class Part(Task):
+        @property
+        def row(self):
+            return "book"
+
+    class OneSlot(FakeBackend):
+        def __init__(self):
+            super().__init__(FakeEngines()(JobConfig(input="x", output="y"),
+                                           StrategyOptions(name="ar"), 1))
+            self.order = []
+
+        def submit(self, replica, prompt_ids, config, key=None):
+            self.order.append(key)
+            return super().submit(replica, prompt_ids, config, key)
+
+    backend = OneSlot()
+    dispatcher = Dispatcher(backend, GenerationConfig.of(max_new_tokens=2), max_inflight=1)
+
+    def on_result(outcome):
+        if outcome.task.key == "book":
+            for i in range(5):
+                dispatcher.push(Part(("book", i), [7, i], continues=True), first=False)
+
+    rows = [Task("book", [1, 2]), *(Task(f"r{i}", [3, i]) for i in range(3))]
+    dispatcher.run(iter(rows), on_result, lookahead=0)
+    assert backend.order == ["book", ("book", 0), "r0", ("book", 1), "r1", ("book", 2), "r2",
+                             ("book", 3), ("book", 4)]
+
+
+def test_the_progress_line_counts_a_trees_generations_and_rows_as_the_report_does(tmp_path,
+                                                                                   caplog):
+    with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs"):
+        result, engines = run(long_job(tmp_path, baseline_fraction=0))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rows: ")]
+    generations = len(engines.submits)
+    assert f"3/3 rows (0 failed, {generations}/~{generations} generations)" in lines[-1]
+    early = next(line for line in lines if "generations" in line)
+    expected = int(early.split("/~")[1].split()[0])
+    assert expected >= generations  # the trees' bound, until they end
+    (tmp_path / "fail").mkdir()
+    with caplog.at_level(logging.INFO, logger="knapspec_dist.jobs"):
+        caplog.clear()
+        result, _ = run(long_job(tmp_path / "fail", long_documents="fail", baseline_fraction=0))
+    last = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rows: ")][-1]
+    assert result.summary["rows"]["failed"] == 2
+    assert "rows: 3/3 rows (2 failed)" in last
+

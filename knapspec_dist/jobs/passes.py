@@ -26,7 +26,7 @@ from knapspec_dist.jobs.inputs import InputScan, iter_texts
 from knapspec_dist.jobs.lease import Lease
 from knapspec_dist.jobs.options import JobConfig
 from knapspec_dist.jobs.output import OutputDir, PartWriter, result_row
-from knapspec_dist.jobs.progress import Progress
+from knapspec_dist.jobs.progress import Progress, Workload
 from knapspec_dist.jobs.result import JobResult
 from knapspec_dist.jobs.resume import Done
 from knapspec_dist.jobs.termination import check_terminate
@@ -95,7 +95,8 @@ class GenerationPasses:
         self.skip = done.rows.cast(scan.id_type)
         self.meta: dict = {}  # row id -> (num_input_tokens, truncated) of the rows in flight
         self.held: list[dict] = []  # error rows met before the engine started
-        self.seen = (0, 0)  # rows with a prompt streamed so far, and their prompt tokens
+        self.seen = Workload()  # of the pass's rows with a prompt streamed so far (progress)
+        self.bounds: dict = {}  # a started tree's key -> its work_bound when it started
         self.hold_errors = True
         self.builder = None  # the driver's PromptBuilder, made once a pass has trees
 
@@ -158,8 +159,10 @@ class GenerationPasses:
                     continue
                 if chunks is not None and chunks[i] is not None:  # a tree (jobs/trees.py)
                     task = TreeTask(task.key, (), chunks=list(zip(chunks[i], digests[i])))
+                    self.seen.add(rows=1)  # its work is counted as it starts (on_tree_start)
+                else:
+                    self.seen.add(1, 1, lengths[i])
                 self.meta[ids[i]] = (lengths[i], truncated[i])
-                self.seen = (self.seen[0] + 1, self.seen[1] + lengths[i])
                 yield task
 
     def write_error(self, row_id, error: str, length) -> None:
@@ -184,6 +187,7 @@ class GenerationPasses:
         c = self.config
         if not self.pending:
             return
+        self.seen = Workload()
         stream = self.prompt_batches(skip=self.skip)
         try:
             with contextlib.ExitStack() as stack:
@@ -209,7 +213,7 @@ class GenerationPasses:
                     rows = Pass("rows", c.strategy.name, self.writers.rows, self._count_generated,
                                 c.stop_after, self.on_row, reports_kv=True)
                     self.generate(engine, rows, itertools.chain([first], todo),
-                                  self.pending - self._written())
+                                  self.pending, failed_before=self._written())
         finally:
             stream.close()
         self.result.stopped_early = self._written() < self.pending
@@ -261,6 +265,7 @@ class GenerationPasses:
                 log.info("baseline: %d row(s) with %s on %d replica(s), to measure the speedup",
                          len(left), strategy.name, replicas)
                 stream = self.prompt_batches(keep=left.cast(self.scan.id_type))
+                self.seen = Workload()
                 try:
                     again = Pass(f"baseline ({strategy.name})", strategy.name, pass_writer,
                                  self._count_baseline)
@@ -284,7 +289,19 @@ class GenerationPasses:
         config = c.digest()
         known = read_known(self.out, schema, run.writer.sub, config)
         return tree_dispatch(self.builder, dispatcher, run.writer.sub, config,
-                             self.writers.nodes, known)
+                             self.writers.nodes, known, self.on_tree_start)
+
+    def on_tree_start(self, tree: DocumentTree) -> None:
+        """A tree's work, for the progress line: the bound until it ends (:meth:`on_tree_end`)."""
+        bound = self.bounds[tree.key] = tree.work_bound(self.config.max_new_tokens)
+        self.seen.add(generations=bound[0], prompt_tokens=bound[1])
+
+    def on_tree_end(self, tree: DocumentTree) -> None:
+        """A tree ended: its bound replaced by the generations and prompt tokens it took."""
+        generations, prompt = self.bounds.pop(tree.key, (0, 0))
+        new = [n for n in tree.nodes if n.result is not None and not n.reused]
+        self.seen.add(generations=len(new) - generations,
+                      prompt_tokens=sum(n.result.stats.prompt_tokens for n in new) - prompt)
 
     def _count_generated(self) -> None:
         self.result.generated += 1
@@ -292,10 +309,12 @@ class GenerationPasses:
     def _count_baseline(self) -> None:
         self.result.baseline_generated += 1
 
-    def generate(self, engine, run: Pass, todo: Iterator[Task], total: int) -> None:
-        """Generate ``todo`` (``total`` rows; until ``run.stop_after`` rows were written by
-        this run) and hand every row to the pass's writer; counts go to the result as they
-        happen (so they are right even when the run is interrupted)."""
+    def generate(self, engine, run: Pass, todo: Iterator[Task], total: int,
+                 failed_before: int = 0) -> None:
+        """Generate ``todo`` (``total`` rows, ``failed_before`` of them written already as
+        input errors; until ``run.stop_after`` rows were written by this run) and hand every
+        row to the pass's writer; counts go to the result as they happen (so they are right
+        even when the run is interrupted)."""
         c, result = self.config, self.result
         writer, label, stop_after = run.writer, run.label, run.stop_after
         seqs = _max_num_seqs(engine, c)
@@ -310,7 +329,6 @@ class GenerationPasses:
                             slots=seqs * engine.num_replicas, replicas=engine.num_replicas,
                             memory=kv_report)
         errors_before = writer.errors
-        seen_before = self.seen
         trees = self.trees(run, dispatcher)
         if run.strategy == c.strategy.name:  # what the job's summary describes, in each part
             facts = {"max_num_seqs": seqs,
@@ -326,6 +344,8 @@ class GenerationPasses:
                     on_tree(tree, outcome.task)
                 return
             length, truncated = self.meta.pop(outcome.task.key)
+            if outcome.error is not None:  # a generation that failed: not one to wait for
+                self.seen.add(generations=-1)
             row = {**result_row(c.id_column, outcome.task.key, run.strategy,
                                 num_input_tokens=length, truncated=truncated),
                    **outcome_columns(outcome)}
@@ -333,6 +353,7 @@ class GenerationPasses:
 
         def on_tree(tree: DocumentTree, task: Task) -> None:
             """A tree ended: its row, the final summary with the tree's sums (or its error)."""
+            self.on_tree_end(tree)
             length, _ = self.meta.pop(tree.key)
             result, columns = tree_row(tree)
             outcome = Outcome(task, result=result, error=tree.error,
@@ -360,17 +381,16 @@ class GenerationPasses:
             self.lease.check()
             writer.maybe_flush()
             self.writers.nodes.maybe_flush()
-            # rows that failed on input are written, not generated: not the pass's to wait for
-            progress.total = total - (writer.errors - errors_before - progress.failed)
-            rows, tokens = (now - before for now, before in zip(self.seen, seen_before))
-            if rows:  # the pass's prompt tokens, estimated from the rows streamed so far
-                progress.prompt_tokens = round(tokens / rows * progress.total)
+            # rows that failed on input are written, not generated: done, and failed
+            progress.skipped = failed_before + writer.errors - errors_before - progress.failed
+            if self.seen.rows:  # the pass's work, estimated from the rows streamed so far
+                progress.generations_total, progress.prompt_tokens = self.seen.expected(
+                    progress.total - progress.skipped)
             progress.tick()
 
         def should_stop(count: int) -> bool:  # rows written and in flight (a tree's once)
-            started = {f.task.tree.key if isinstance(f.task, NodeTask) else f.task.key
-                       for f in dispatcher.inflight.values()}
-            started |= {t.tree.key for t in dispatcher.front if isinstance(t, NodeTask)}
+            started = {f.task.row for f in dispatcher.inflight.values()}
+            started |= {t.row for t in dispatcher.front if isinstance(t, NodeTask)}
             return self._written() + len(started) >= stop_after
 
         try:

@@ -24,8 +24,17 @@ measured for it (a replica prefills and decodes in turn, and the replicas run si
 The line ends with the replicas' KV cache (``memory``, runtime/messages.py's ``KVReport``):
 its size, peak use, the rows in flight (mean and peak) and the seconds rows waited for memory.
 
+Rows summarized through trees (long documents) take many generations each: then the pass
+counts generations, not rows (``generations_total``: a row one, a tree its chunks and, above
+them, the packing's bound, runtime/tree.py ``DocumentTree.work_bound``, replaced by what the
+tree took once it ends; the rows not yet streamed at the mean of those streamed, as their
+prompt tokens are). The waves above are then waves of generations, each as long as the
+generations finished so far.
+
 Until both rates are measured the ETA is unknown ("?"). Without ``live`` (or before it
-answers) the token rate is the wall-clock one and prefill is not counted.
+answers) the token rate is the wall-clock one and prefill is not counted. Rows that failed
+on their input (written, never generated: ``skipped``) count as done and failed, as the
+job's report counts them.
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ class Progress:
     replicas: int = 1
     prompt_tokens: int | None = None  # prompt tokens of the pass's rows (None: not counted)
     memory: Callable[[], KVReport | None] | None = None  # the replicas' KV cache and its use
+    generations_total: int | None = None  # the pass's expected generations (None: one a row)
+    skipped: int = 0  # rows that failed on their input: written as failed, never generated
     clock: Callable[[], float] = time.monotonic
     done: int = 0
     failed: int = 0
@@ -126,10 +137,11 @@ class Progress:
     def _decoding_s(self, rate: float, row_rate: float) -> float:
         """Seconds of decoding left, at ``rate`` tokens per second over all rows (when there
         are no ``slots`` to count waves in) or ``row_rate`` for one decoding row."""
-        ok = self.done - self.failed
-        per_row = self.finished_tokens / ok if ok else self.max_new_tokens
+        per_row = (self.finished_tokens / self.generations if self.generations
+                   else self.max_new_tokens)  # tokens of one generation (a row, a node)
         generated = max(0, self.tokens - self.finished_tokens)  # by the unfinished rows
-        rows_left = self.total - self.done
+        rows_left = (self.total - self.done - self.skipped if self.generations_total is None
+                     else max(0, self.generations_total - self.generations))
         slots = self.in_flight()
         if not slots:
             return max(0.0, rows_left * per_row - generated) / rate
@@ -170,10 +182,14 @@ class Progress:
             prefill = (f"prefilled {w.prefilled}/{self.prompt_tokens} prompt tokens "
                        f"({shown(rate, '.0f', '?')} tok/s), ")
         # rows summarized through trees take several generations each: say how many ran
-        generations = (f", {self.generations} generations"
+        expected = self.generations_total
+        generations = (f", {self.generations}/~{expected} generations"
+                       if expected is not None and expected > self.total - self.skipped
+                       else f", {self.generations} generations"
                        if self.generations != self.done - self.failed else "")
         log.info("%s: %d/%d rows (%d failed%s), %s%d tokens, %s tok/s, elapsed %s, ETA %s%s",
-                 self.label, self.done, self.total, self.failed, generations, prefill,
+                 self.label, self.done + self.skipped, self.total, self.failed + self.skipped,
+                 generations, prefill,
                  self.tokens,
                  shown(self.tokens_per_s, ".1f", "?"), _hms(now - self.start),
                  _hms(eta) if eta is not None else "?", kv_line(self.kv))
@@ -182,6 +198,28 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         self.tick(force=True)
+
+
+@dataclass
+class Workload:
+    """The work of the rows a pass streamed so far: the rows, the generations they are
+    expected to take (see the module docstring) and their prompt tokens."""
+
+    rows: int = 0
+    generations: int = 0
+    prompt_tokens: int = 0
+
+    def add(self, rows: int = 0, generations: int = 0, prompt_tokens: int = 0) -> None:
+        self.rows += rows
+        self.generations += generations
+        self.prompt_tokens += prompt_tokens
+
+    def expected(self, rows: int) -> tuple[int, int]:
+        """Generations and prompt tokens of ``rows`` rows: these, and the rows not streamed
+        yet at these rows' mean."""
+        more = max(0, rows - self.rows) / self.rows if self.rows else 0.0
+        return (round(self.generations * (1 + more)),
+                round(self.prompt_tokens * (1 + more)))
 
 
 def kv_line(kv: KVReport | None) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -88,9 +89,11 @@ def read_known(out: OutputDir, schema: pa.Schema, pass_name: str, config: str) -
 
 
 def tree_dispatch(builder: PromptBuilder, dispatcher: Dispatcher, pass_name: str,
-                  config: str, writer: PartWriter, known: dict) -> TreeDispatch:
+                  config: str, writer: PartWriter, known: dict,
+                  on_start: Callable[[DocumentTree], None] | None = None) -> TreeDispatch:
     """The trees of one pass: the nodes ``known`` from earlier runs reused, every node
-    generated now added to the node table (``writer``) under ``pass_name`` and ``config``."""
+    generated now added to the node table (``writer``) under ``pass_name`` and ``config``;
+    ``on_start``: TreeDispatch's."""
     id_column = writer.schema.names[1]
 
     def on_node(tree: DocumentTree, node: Node, result: GenerationResult) -> None:
@@ -106,4 +109,4 @@ def tree_dispatch(builder: PromptBuilder, dispatcher: Dispatcher, pass_name: str
                     "replica": result.replica, "stats": _stats_json(s), "error": None,
                     "finished_at": dt.datetime.now(dt.timezone.utc)})
 
-    return TreeDispatch(builder, dispatcher, lambda key: known.pop(key, {}), on_node)
+    return TreeDispatch(builder, dispatcher, lambda key: known.pop(key, {}), on_node, on_start)

@@ -10,7 +10,10 @@ pool is a few dozen lines, keeps exactly-once bookkeeping in one place, and cost
 call per row.
 
 The loop: rows wait in a queue, read lazily from the job's stream (each streamed batch
-longest prompt first: long rows started first finish before the tail).  Each replica gets up to
+longest prompt first: long rows started first finish before the tail). The tasks of rows
+already started (a summary tree's nodes, retries) wait in a front queue of their own, and
+the two share the replicas fairly (see :class:`Dispatcher`): a book's hundreds of chunk
+summaries never hold back the short rows behind it.  Each replica gets up to
 ``max_inflight`` rows at a time (2 by default: the next row is already queued on the replica
 when one finishes).  When a row's call fails because its replica died (a shard or
 coordinator actor crashed), the replica is restarted once (later failures of its other rows
@@ -76,6 +79,11 @@ class Task:
     last_failure: str = ""
     continues: bool = False  # of a row already started (a tree's node): run even when stopping
 
+    @property
+    def row(self) -> Any:
+        """The row this task generates for (a tree's node: its document's)."""
+        return self.key
+
 
 @dataclass
 class Outcome:
@@ -101,6 +109,13 @@ class ReplicaLost(RuntimeError):
 
 class Dispatcher:
     """Runs tasks over ``backend``'s replicas; see the module docstring.
+
+    Fairness: when rows not yet started (the queue) and tasks of started rows (the front: a
+    summary tree's nodes) both wait, free slots go to each in turn. A row thus starts no
+    later than it would with no tree in the job, except that each start before it may be
+    followed by one tree node's: at most one node per row ahead of it (plus the tasks in
+    flight). A retried task (its replica failed) goes first, and the front keeps its own
+    order (runtime/tree_tasks.py: the node nearest its tree's root first).
 
     Blame: when a replica dies, every row it held saw the failure, but only one may have
     caused it.  A row that saw a failure becomes a suspect and is retried *alone* on an
@@ -131,6 +146,7 @@ class Dispatcher:
         self.queue: deque[Task] = deque()
         self.front: deque[Task] = deque()  # tasks of rows already started (push)
         self.inflight: dict[Any, _Flight] = {}
+        self.rows_turn = False  # the next start, if both wait, is a new row's (_waiting)
 
     def run(self, tasks: Iterable[Task], on_result: Callable[[Outcome], None],
             on_tick: Callable[[], None] | None = None,
@@ -148,6 +164,7 @@ class Dispatcher:
         self.queue = deque()
         self.front = deque()
         self.inflight = {}
+        self.rows_turn = False
         self._finished = 0
         self._on_result = on_result
         try:
@@ -196,8 +213,8 @@ class Dispatcher:
     def push(self, task: Task, first: bool = True) -> None:
         """A task of a row already started (a summary tree's node), made while the run goes:
         submitted before the queue's (``first``: before the others pushed too), and also once
-        ``should_stop`` holds (the rows in flight are finished). Pushed tasks count in the
-        lookahead: while many wait, no new row is read."""
+        ``should_stop`` holds (the rows in flight are finished). Their rows count in the
+        lookahead, a tree's nodes as one row (:meth:`_may_read`)."""
         if first:
             self.front.appendleft(task)
         else:
@@ -214,16 +231,34 @@ class Dispatcher:
         submitted as soon as it is pulled while a replica has room: the first row of a
         streamed input starts without waiting for the rows queued behind it, and no row is
         pulled once ``full()`` (``--stop-after`` reached)."""
-        room = self.max_inflight * sum(self.alive)
-        while ((len(self.queue) + len(self.front) < room + self.lookahead) if ahead
-               else (len(self.queue) + len(self.front) + len(self.inflight) < room)) and (
-                full is None or not full()):
+        while self._may_read(ahead) and (full is None or not full()):
             task = next(self.source, None)
             if task is None:
                 return
             self.queue.append(task)
-            if len(self.inflight) < room:
+            if len(self.inflight) < self.max_inflight * sum(self.alive):
                 self._fill(full)
+
+    def _may_read(self, ahead: bool) -> bool:
+        """Whether another row may be read: fewer rows wait than the room (``ahead``: plus
+        the lookahead; else less what is in flight), a started tree counting as one row (its
+        hundreds of chunks are one document's); and while a started row's tasks wait with no
+        new row beside them, one row more, so that the two always take turns (up to as many
+        started trees as rows may wait: a book-only input never expands every book)."""
+        room = self.max_inflight * sum(self.alive)
+        limit = room + self.lookahead if ahead else room - len(self.inflight)
+        started = len({t.row for t in self.front})
+        if self.front and not self.queue:
+            return started <= room + self.lookahead
+        return len(self.queue) + started < limit
+
+    def _waiting(self, full: Callable[[], bool] | None) -> deque | None:
+        """The queue the next start takes from (None: nothing may start): the front and the
+        queue in turn while both wait (the class docstring's fairness), a retry first."""
+        rows = bool(self.queue) and (full is None or not full())
+        if self.front and (not rows or self.front[0].failures or not self.rows_turn):
+            return self.front
+        return self.queue if rows else None
 
     def _emit(self, outcome: Outcome) -> None:
         self._finished += 1
@@ -238,8 +273,7 @@ class Dispatcher:
 
     def _fill(self, full: Callable[[], bool] | None = None) -> None:
         """Submit queued rows while a replica has room (and ``full()`` says more may start)."""
-        while self.front or (self.queue and (full is None or not full())):
-            waiting = self.front if self.front else self.queue
+        while (waiting := self._waiting(full)) is not None:
             task = waiting[0]
             suspect = task.failures > 0
             candidates = [r for r in range(len(self.load)) if self.alive[r] and (
@@ -249,6 +283,7 @@ class Dispatcher:
                 return  # a suspect waits for an idle replica; the rest wait behind it
             replica = min(candidates, key=lambda r: (self.load[r], r))
             waiting.popleft()
+            self.rows_turn = waiting is self.front
             task.attempts += 1
             epoch = self.epoch[replica]
             try:

@@ -123,6 +123,34 @@ class DocumentTree:
     def fail(self, node: Node, error: str) -> None:
         self.error = f"{_name(node)}: {error}"
 
+    def work_bound(self, summary_tokens: int) -> tuple[int, int]:
+        """The generations and prompt tokens this tree may still need, for a progress line:
+        its chunks not yet done, and above them the packing's bound, every summary taken as
+        ``summary_tokens`` long (the most a node generates): a group then holds at least as
+        many summaries as fit the window at that length (two at least, ``max_fan_in`` at
+        most), and each level above ``n`` summaries has at most ceil(n / that) groups."""
+        if self.done:
+            return 0, 0
+        todo = [n for n in self.nodes if n.result is None]
+        generations, prompt = len(todo), sum(len(n.prompt_ids) for n in todo)
+        overhead = len(self.combine([], 1, 0))
+        each = summary_tokens + SEPARATOR
+        fan_in = max(2, (self.limit - overhead) // each)
+        if self.max_fan_in:
+            fan_in = min(fan_in, self.max_fan_in)
+        n = len(self.levels[0])  # summaries of the level below
+        for level in range(1, self.max_depth):
+            if n <= 1:
+                break
+            groups = -(-n // fan_in)
+            made = len(self.levels[level]) if level < len(self.levels) else 0
+            left = max(0, groups - made)
+            generations += left
+            closed = self._closed[level - 1] if level - 1 < len(self._closed) else 0
+            prompt += left * overhead + max(0, n - closed) * each
+            n = max(groups, made)
+        return generations, prompt
+
     # ------------------------------------------------------------------ growth
 
     def _add_level(self) -> None:

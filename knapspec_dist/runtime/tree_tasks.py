@@ -34,18 +34,24 @@ class NodeTask(Task):
     node: Node | None = None
     continues: bool = True  # its tree's row started: finished even once the run is stopping
 
+    @property
+    def row(self):
+        return self.tree.key
+
 
 class TreeDispatch:
     """The trees of one dispatcher run.
 
     ``known(key)``: the nodes an earlier run finished for that row ((level, index) ->
-    StoredNode); ``on_node(tree, node, result)``: a node was generated (the job keeps it)."""
+    StoredNode); ``on_node(tree, node, result)``: a node was generated (the job keeps it);
+    ``on_start(tree)``: a tree with work left started (the job's progress counts its work)."""
 
     def __init__(self, builder: PromptBuilder, dispatcher: Dispatcher,
                  known: Callable[[object], dict[tuple[int, int], StoredNode]] = lambda key: {},
-                 on_node: Callable[[DocumentTree, Node, GenerationResult], None] | None = None):
+                 on_node: Callable[[DocumentTree, Node, GenerationResult], None] | None = None,
+                 on_start: Callable[[DocumentTree], None] | None = None):
         self.builder, self.dispatcher = builder, dispatcher
-        self.known, self.on_node = known, on_node
+        self.known, self.on_node, self.on_start = known, on_node, on_start
 
     def expand(self, tasks: Iterator[Task], on_done: Callable[[DocumentTree, Task], None]
                ) -> Iterator[Task]:
@@ -62,6 +68,8 @@ class TreeDispatch:
             if tree.done:
                 on_done(tree, task)
                 continue
+            if self.on_start is not None:
+                self.on_start(tree)
             first, *rest = self._tasks(tree)
             for node in rest:  # a started row's: finished even once the run is stopping
                 self.dispatcher.push(node, first=False)

@@ -104,14 +104,87 @@ class Run:
     rows: dict
     nodes: list
     chunks: dict = field(default_factory=dict)  # book text -> its chunks' texts (trees)
+    started: float = 0.0  # epoch seconds
+    lines: list = field(default_factory=list)  # its progress lines: (epoch seconds, text)
 
 
-def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) -> dict[str, Run]:
+SHORT = "short"  # the short rows' ids: short-0, short-1, ...
+
+
+def short_texts(text: str, n: int, words: tuple[int, int] = (60, 200)) -> dict[str, str]:
+    """``n`` short rows beside the books: the first paragraphs of ``text`` of ``words``
+    words (as a user's articles beside one book)."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text)]
+    chosen = [p for p in paragraphs if words[0] <= len(p.split()) <= words[1]][:n]
+    if len(chosen) < n:
+        raise ValueError(f"only {len(chosen)} paragraphs of {words[0]}-{words[1]} words")
+    return {f"{SHORT}-{i}": p for i, p in enumerate(chosen)}
+
+
+class ProgressLines(logging.Handler):
+    """Keeps the job's progress lines with the time each was logged: the ETA they showed
+    against the time the pass really had left (:func:`eta_accuracy`)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.created, record.getMessage()))
+
+
+def _seconds(text: str) -> float:
+    """A progress line's ``1h02m03s`` / ``2m03s`` / ``3s`` as seconds."""
+    h, m, s = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(\d+)s", text).groups()
+    return int(h or 0) * 3600 + int(m or 0) * 60 + int(s)
+
+
+def eta_accuracy(lines: list[tuple[float, str]], label: str = "rows",
+                 window: tuple[float, float] = (0.1, 0.95)) -> dict | None:
+    """The ETA of each ``label`` progress line from the first tenth of the pass to its last
+    twentieth, against the time the pass then had left (its last line: the pass's end), as
+    ratios of the larger over the smaller; None without such lines."""
+    mine = [(t, m) for t, m in lines if m.startswith(f"{label}: ")]
+    if len(mine) < 3:
+        return None
+    start = mine[0][0] - _seconds(re.search(r"elapsed (\S+),", mine[0][1]).group(1))
+    end = mine[-1][0]
+    ratios = []
+    for t, m in mine:
+        eta = re.search(r"ETA (\S+?)[;,]?(?: |$)", m).group(1)
+        left = end - t
+        if eta == "?" or not window[0] <= (t - start) / (end - start) <= window[1] or left <= 0:
+            continue
+        guess = _seconds(eta)
+        ratios.append(max(guess, 1) / left if guess >= left else left / max(guess, 1))
+    if not ratios:
+        return None
+    ordered = sorted(ratios)
+    return {"lines": len(ratios), "max": ordered[-1], "median": ordered[len(ordered) // 2],
+            "within_1_5": sum(r <= 1.5 for r in ratios) / len(ratios),
+            "pass_s": end - start}
+
+
+def schedule(run: Run) -> dict:
+    """When the short rows and the books ended, in seconds after the job started, and how
+    the progress line's ETA held (:func:`eta_accuracy`)."""
+    ends = {k: r["finished_at"].timestamp() - run.started for k, r in run.rows.items()
+            if r.get("finished_at") is not None}
+    shorts = [v for k, v in ends.items() if k.startswith(SHORT)]
+    books = [v for k, v in ends.items() if not k.startswith(SHORT)]
+    return {"short_rows": len(shorts), "short_rows_done_s": max(shorts, default=None),
+            "books_done_s": max(books, default=None), "eta": eta_accuracy(run.lines)}
+
+
+def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict,
+              shorts: dict[str, str] | None = None) -> dict[str, Run]:
     """The job of ``books`` (name -> text) once per strategy (label -> StrategyOptions or
-    name) with trees, and once truncated with ``ar``; ``base``: JobConfig's other options."""
+    name) with trees, and once truncated with ``ar``; ``base``: JobConfig's other options;
+    ``shorts``: short rows (id -> text) in the same input, after the books."""
     out.mkdir(parents=True, exist_ok=True)
     source = out / "books.parquet"
-    pq.write_table(pa.table({"id": list(books), "document": list(books.values())}), source)
+    rows = {**books, **(shorts or {})}
+    pq.write_table(pa.table({"id": list(rows), "document": list(rows.values())}), source)
     plans = {label: {"strategy": s, "long_documents": "tree"} for label, s in strategies.items()}
     plans["truncate"] = {"strategy": "ar", "long_documents": "truncate"}
     runs, chunks = {}, None
@@ -120,8 +193,13 @@ def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) ->
         config = JobConfig(input=str(source), output=str(folder), baseline_fraction=0,
                            **base, **options)
         log.info("books: %s", label)
-        start = time.monotonic()
-        run_job(config)
+        lines, progress = ProgressLines(), logging.getLogger("knapspec_dist.jobs.progress")
+        progress.addHandler(lines)
+        started, start = time.time(), time.monotonic()
+        try:
+            run_job(config)
+        finally:
+            progress.removeHandler(lines)
         wall = time.monotonic() - start
         rows = {r["id"]: r for r in pq.read_table(folder / ROWS).to_pylist()}
         nodes = (pq.read_table(folder / NODES).to_pylist()
@@ -129,7 +207,8 @@ def run_books(books: dict[str, str], out: Path, base: dict, strategies: dict) ->
         tree = options["long_documents"] == "tree"
         if tree and chunks is None:  # every strategy's tree cuts the same chunks
             chunks = {text: chunk_texts(config, text) for text in set(books.values())}
-        runs[label] = Run(label, folder, wall, rows, nodes, chunks if tree else {})
+        runs[label] = Run(label, folder, wall, rows, nodes, chunks if tree else {}, started,
+                          lines.lines)
     return runs
 
 
@@ -181,9 +260,11 @@ def report(books: dict[str, str], runs: dict[str, Run]) -> dict:
                                  "characters_kept": kept(row["generated_text"], names)}
         out["books"][book] = entry
     out["draws"] = over_draws(out["books"])
-    out["runs"] = {label: {"wall_s": r.wall_s} for label, r in runs.items()}
+    out["runs"] = {label: {"wall_s": r.wall_s, "schedule": schedule(r)}
+                   for label, r in runs.items()}
     if "ar" in runs:
-        out["runs"] |= {label: {"wall_s": r.wall_s, "speedup": ratio(runs["ar"].wall_s, r.wall_s)}
+        out["runs"] |= {label: {**out["runs"][label],
+                                "speedup": ratio(runs["ar"].wall_s, r.wall_s)}
                         for label, r in runs.items() if label != "truncate"}
     return out
 
@@ -245,6 +326,23 @@ def table(result: dict) -> list[str]:
             recall = "-" if s["chunk_recall"] is None else f"{s['chunk_recall']:.2f}"
             lines.append(f"| {book} | {label} | {each} | {s['mean']:.2f} | {recall} |")
     return lines
+
+
+def schedule_table(result: dict) -> list[str]:
+    """The short rows beside the books and the progress line's ETA, per run, as Markdown."""
+    lines = ["| run | short rows | short rows done (s) | books done (s) | ETA lines checked | "
+             "ETA within 1.5x | ETA off, median / most |", "|---|---:|---:|---:|---:|---:|---|"]
+    for label, r in result["runs"].items():
+        s, eta = r["schedule"], r["schedule"]["eta"]
+        checked = ("-", "-", "-") if eta is None else (
+            eta["lines"], f"{eta['within_1_5']:.0%}", f"{eta['median']:.2f}x / {eta['max']:.2f}x")
+        lines.append(f"| {label} | {s['short_rows']} | {_num(s['short_rows_done_s'])} | "
+                     f"{_num(s['books_done_s'])} | {checked[0]} | {checked[1]} | {checked[2]} |")
+    return lines
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def _fmt(x: float | None) -> str:
