@@ -399,6 +399,21 @@ def test_a_free_slot_goes_to_a_new_row_and_a_started_rows_task_in_turn():
     assert backend.order == ["book", ("book", 0), "r0", ("book", 1), "r1", ("book", 2), "r2",
                              ("book", 3), ("book", 4)]
 
+    # three slots, the book's tasks pushed as it is read (as TreeDispatch.expand does): the
+    # free slots still go to a row and a task in turn, rows read as their turn comes
+    backend = OneSlot()
+    dispatcher = Dispatcher(backend, GenerationConfig.of(max_new_tokens=2), max_inflight=3)
+
+    def source():
+        yield Task("book", [1, 2])
+        for i in range(5):
+            dispatcher.push(Part(("book", i), [7, i], continues=True), first=False)
+        yield from (Task(f"r{i}", [3, i]) for i in range(3))
+
+    dispatcher.run(source(), lambda outcome: None, lookahead=0)
+    assert backend.order == ["book", ("book", 0), "r0", ("book", 1), "r1", ("book", 2), "r2",
+                             ("book", 3), ("book", 4)]
+
 
 def test_the_progress_line_counts_a_trees_generations_and_rows_as_the_report_does(tmp_path,
                                                                                    caplog):

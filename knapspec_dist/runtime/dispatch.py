@@ -146,7 +146,7 @@ class Dispatcher:
         self.queue: deque[Task] = deque()
         self.front: deque[Task] = deque()  # tasks of rows already started (push)
         self.inflight: dict[Any, _Flight] = {}
-        self.rows_turn = False  # the next start, if both wait, is a new row's (_waiting)
+        self.rows_turn = True  # the next start, if both wait, is a new row's (_waiting)
 
     def run(self, tasks: Iterable[Task], on_result: Callable[[Outcome], None],
             on_tick: Callable[[], None] | None = None,
@@ -164,7 +164,7 @@ class Dispatcher:
         self.queue = deque()
         self.front = deque()
         self.inflight = {}
-        self.rows_turn = False
+        self.rows_turn = True
         self._finished = 0
         self._on_result = on_result
         try:
@@ -254,8 +254,15 @@ class Dispatcher:
 
     def _waiting(self, full: Callable[[], bool] | None) -> deque | None:
         """The queue the next start takes from (None: nothing may start): the front and the
-        queue in turn while both wait (the class docstring's fairness), a retry first."""
-        rows = bool(self.queue) and (full is None or not full())
+        queue in turn while both wait (the class docstring's fairness), a retry first. On a
+        row's turn with none queued, a row is read from the input first: else a wide replica
+        would fill every free slot with a book's chunks before the rows behind it were read."""
+        may_start = full is None or not full()
+        if self.rows_turn and self.front and not self.queue and may_start and self._may_read(True):
+            task = next(self.source, None)  # a row's turn: read one, not a slot to the front
+            if task is not None:
+                self.queue.append(task)
+        rows = bool(self.queue) and may_start
         if self.front and (not rows or self.front[0].failures or not self.rows_turn):
             return self.front
         return self.queue if rows else None
