@@ -26,7 +26,7 @@ ROWS = 24
 
 @pytest.fixture
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
     c.wait_for_nodes()
     yield c, nodes
@@ -43,8 +43,9 @@ def test_a_node_lost_mid_job_costs_its_replica_not_a_row(cluster, checkpoints, t
     def engine_factory(config, strategy, replicas):
         engine = RayEngine(str(checkpoints["llama-gqa"]), replicas=replicas, strategy=strategy,
                         address=c.address, max_num_seqs=2)
-        # A restart waits for room that will not come (the lost node's CPU): not for long.
-        engine.spec = dataclasses.replace(engine.spec, startup_timeout_s=10)
+        # A restart waits for room that will not come (the lost node's CPU): not for long
+        # (each of the dispatcher's tries waits this long).
+        engine.spec = dataclasses.replace(engine.spec, startup_timeout_s=2)
         engines.append(engine)
         return engine
 

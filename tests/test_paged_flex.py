@@ -33,6 +33,10 @@ from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
 PAGE = 16
+#: Mixed lengths, three past the 32-token prefill budget (chunked), the longest row half the
+#: paged pool (rows wait for pages); short, as flex on the CPU runs its math over the whole pool
+#: for every query.
+LENGTHS = (9, 40, 23, 70, 4, 33)
 pytestmark = pytest.mark.skipif(not SKIP_Q_BLOCKS, reason="paged flex needs torch 2.11+")
 
 
@@ -156,7 +160,7 @@ def test_paged_flex_rows_get_the_tokens_of_fixed_flex_slots(engine_model, flex_c
     for pages, padded to batch buckets: the flex backend over pages gives every row the
     tokens it gets over fixed slots, and every page comes back."""
     model = engine_model(NAME)
-    ps = mixed_prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size, LENGTHS)
     cap = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
     _, want = flex_run(model, name, config, ps, None, 2)
     sched, got = flex_run(model, name, config, ps, Paging(tokens=2 * cap, page=PAGE), 4)
@@ -174,7 +178,7 @@ def test_emulated_capture_over_pages_gives_eager_fixed_tokens(engine_model, flex
     them (nothing runs during a capture) and replayed while rows are admitted and retired
     between rounds: eager fixed slots' tokens, and no capture per admission."""
     model = engine_model(NAME)
-    ps = mixed_prompts(model.cfg.vocab_size)
+    ps = mixed_prompts(model.cfg.vocab_size, LENGTHS)
     cap = max(row_capacity(len(p), GREEDY.max_new_tokens) for p in ps)
     _, want = flex_run(model, name, GREEDY, ps, None, 2)
     runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)

@@ -1,5 +1,6 @@
 """The Ray Data processor (runtime/processor.py) on Datasets a user builds, chained with the
-user's own ``map`` before and after; one local Ray, the embedded SmolLM2 with ``ar``."""
+user's own ``map`` before and after; one local Ray, the embedded SmolLM2 with ``knapspec`` (its
+rows checked against plain ``ar`` decoding) and with ``ar`` (trees)."""
 
 from __future__ import annotations
 
@@ -7,65 +8,83 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
+import torch
 
 from knapspec_dist.engine.generation import GenerationConfig
 from knapspec_dist.errors import UserError
+from knapspec_dist.llm import generate_texts
+from knapspec_dist.model.tokenizer import encode
 from knapspec_dist.runtime.processor import (
     ProcessorConfig,
     build_processor,
     stages,
     with_cores,
 )
-from knapspec_dist.runtime.ray_engine import RayEngine
+from knapspec_dist.speculation.options import StrategyOptions
 
 DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich.",
         "A single man in possession of a good fortune."]
+PARQUET = 10  # the Parquet rows' ids: 10 + the document's index
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        # One actor reads the Parquet footers: Ray Data's default asks for 32, each a worker
+        # process this 2-CPU Ray starts a few at a time, to read one small file's footer.
+        env.setenv("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
-def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, tmp_path):
-    config = ProcessorConfig(model="smollm2", strategy="ar", max_num_seqs=4,
-                             sampling={"max_new_tokens": 5}, should_continue_on_error=True)
+def test_processor_chains_with_the_users_maps_on_items_and_parquet(local_ray, smollm2, tmp_path):
+    """Items (a user's ``map`` before) and a Parquet file through one processor execution, a
+    user's ``map`` after. Knapspec is lossless: each row's tokens are those of plain ``ar``
+    decoding, computed here in this process as a replica decodes (the same model, chat
+    template, paged batch and threads)."""
+    config = ProcessorConfig(model="smollm2", strategy="knapspec", max_num_seqs=4,
+                             sampling={"max_new_tokens": 8}, should_continue_on_error=True)
     processor = build_processor(
         config,
         preprocess=lambda row: {**row, "messages": [{"role": "user", "content": row["text"]}]},
         postprocess=lambda row: {"id": row["id"], "summary": row["generated_text"],
                                  "tokens": row["generated_tokens"], "n": row["num_input_tokens"],
-                                 "error": row["error"], "rounds": row["rounds"]})
+                                 "error": row["error"], "rounds": row["rounds"],
+                                 "drafted": row["drafted"], "accepted": row["accepted"]})
     too_long = " ".join(["word"] * 9000)  # past the model's window: that row's error
     items = [{"id": i, "text": t} for i, t in enumerate(DOCS + [too_long])]
     before = ray.data.from_items(items).map(lambda r: {**r, "text": r["text"].upper()})
-    got = {r["id"]: r for r in processor(before).take_all()}
-    assert sorted(got) == [0, 1, 2, 3]
+    pq.write_table(pa.table({"id": [PARQUET + i for i in range(3)],
+                             "text": [d.upper() for d in DOCS]}), tmp_path / "docs.parquet")
+    both = before.union(ray.data.read_parquet(str(tmp_path / "docs.parquet")))
+    after = processor(both).map(
+        lambda r: {**r, "source": "parquet" if r["id"] >= PARQUET else "items"})
+    got = {r["id"]: r for r in after.take_all()}
+    assert sorted(got) == [0, 1, 2, 3, PARQUET, PARQUET + 1, PARQUET + 2]
+    assert [got[i]["source"] for i in sorted(got)] == ["items"] * 4 + ["parquet"] * 3
     assert got[3]["error"] and got[3]["summary"] is None
-    with RayEngine("smollm2", strategy="ar") as engine:  # each row as the engine decodes it
-        for i, doc in enumerate(DOCS):
-            want = engine.generate([doc.upper()], GenerationConfig.of(max_new_tokens=5),
-                                   chat=True)[0]
-            assert got[i]["error"] is None and got[i]["tokens"] == want.token_ids
-            assert got[i]["summary"] == want.text and got[i]["n"] == len(engine.encode(
-                doc.upper(), chat=True))
-    pq.write_table(pa.table({"id": [0, 1, 2], "text": [d.upper() for d in DOCS]}),
-                   tmp_path / "docs.parquet")
-    parquet = build_processor(config, preprocess=lambda row: {
-        **row, "messages": [{"role": "user", "content": row["text"]}]})(
-        ray.data.read_parquet(str(tmp_path / "docs.parquet")))
-    tokens_only = parquet.map(lambda r: {"id": r["id"], "tokens": r["generated_tokens"]})
-    again = {r["id"]: r for r in tokens_only.take_all()}
-    assert {i: list(r["tokens"]) for i, r in again.items()} == {
-        i: list(got[i]["tokens"]) for i in range(3)}
+    prompts = [encode(smollm2.tokenizer, doc.upper(), chat=True) for doc in DOCS]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(with_cores(config)[0].cpus_per_rank)  # a rank's threads
+    try:
+        want = generate_texts(smollm2, prompts, StrategyOptions(name="ar"),
+                              config.generation_config(), max_num_seqs=config.max_num_seqs)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(3):
+        assert got[i]["error"] is None and list(got[i]["tokens"]) == want[i].token_ids
+        assert got[i]["summary"] == want[i].text and got[i]["n"] == len(prompts[i])
+        assert 0 <= got[i]["accepted"] <= got[i]["drafted"] and got[i]["rounds"] >= 1
+        again = got[PARQUET + i]  # the same document from Parquet: the same row
+        assert again["error"] is None and list(again["tokens"]) == want[i].token_ids
+        assert again["summary"] == want[i].text and again["n"] == len(prompts[i])
 
 
 def test_documents_past_the_window_are_summarized_through_trees(local_ray):
     """A document column, as the batch job's text mode: the long one through a tree of chunk
     summaries (the processor keeps no node table), the short one whole."""
-    long_doc = " ".join(DOCS * 40)
+    long_doc = " ".join(DOCS * 12)  # about 380 tokens: 4 chunks of a 256-token window
     config = ProcessorConfig(model="smollm2", strategy="ar", max_num_seqs=4, max_model_len=256,
                              document_column="text", sampling={"max_new_tokens": 8})
     got = {r["id"]: r for r in build_processor(config)(ray.data.from_items(

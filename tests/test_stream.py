@@ -43,9 +43,13 @@ class Same:
 @pytest.fixture(scope="module")
 def cluster():
     os.environ["OMP_NUM_THREADS"] = "1"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        # One actor reads the Parquet footers: Ray Data's default asks for 32, each a worker
+        # process this 2-CPU Ray starts a few at a time, to read a few small files' footers.
+        env.setenv("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 def files(folder, n_files: int, rows: int) -> list[str]:
