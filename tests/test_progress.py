@@ -23,14 +23,15 @@ MARKS = (0.1, 0.25, 0.5, 0.75)  # fractions of the job at which the ETA is check
 
 def simulate(lengths: list[int], slots: int, step_s: float = 0.1, prompts: list[int] | None = None,
              prefill_s_per_token: float = 0.0, chunk: int | None = None, row_s: float = 0.0,
-             per_round: int = 1):
+             per_round: int = 1, load=lambda t: 1.0):
     """Continuous batching as engine/scheduler.py does it, of rows with the given token counts
     over ``slots`` rows at once. Each step admits rows and prefills their prompts (at
     ``prefill_s_per_token``), one at a time: at most ``chunk`` prompt tokens while rows are
     decoding (a long prompt is cut across steps; None: whole prompts), without limit while
     none is; a row whose prompt is in joins with its first token. Then one round over the
     decoding rows, ``step_s + row_s`` per row long, ``per_round`` tokens per row (more than
-    one: speculation). Returns the view at every step: (time, Work so far, finished rows so
+    one: speculation). ``load(t)``: how many times slower the machine is at ``t`` (other
+    work beside the job). Returns the view at every step: (time, Work so far, finished rows so
     far as (row index, tokens))."""
     prompts = prompts or [0] * len(lengths)
     waiting, prefilling, done_prompt = list(range(len(lengths))), None, 0
@@ -47,7 +48,7 @@ def simulate(lengths: list[int], slots: int, step_s: float = 0.1, prompts: list[
             n = min(left, budget) if active else left
             budget -= n
             done_prompt += n
-            spent = max(n * prefill_s_per_token, 1e-6)
+            spent = max(n * prefill_s_per_token, 1e-6) * load(t)
             t += spent
             work = work + Work(prefilled=n, prefill_s=spent)
             if done_prompt == prompts[prefilling]:
@@ -56,7 +57,7 @@ def simulate(lengths: list[int], slots: int, step_s: float = 0.1, prompts: list[
                 prefilling = None
         if active:
             size = len(active)
-            spent = step_s + row_s * size
+            spent = (step_s + row_s * size) * load(t)
             t += spent
             made = 0
             for row in list(active):
@@ -240,20 +241,21 @@ def test_the_line_counts_a_trees_generations_beside_its_rows(caplog):
     assert "2/2 rows (0 failed, 4 generations), 17 tokens" in caplog.text
 
 
-def test_a_books_eta_counts_its_generations_and_prompt_tokens_not_its_rows():
+BOOK = ["chunk", "short"] * 20 + ["chunk"] * 130 + ["root"]  # 150 chunks, 20 short rows
+
+
+def book_eta(load=lambda t: 1.0):
     """A book of 150 chunks (2,000 prompt tokens each, 32-token summaries, one combining node
     above them) beside 20 short rows, replayed: the dispatcher's turns put a short row
-    between chunks until they are all in; the line counts 171 generations for 21 rows, and
-    from a tenth of the job on the ETA is within a factor of 1.5 of the time left."""
-    chunks, shorts = 150, 20
-    kinds = ["chunk", "short"] * shorts + ["chunk"] * (chunks - shorts) + ["root"]
-    prompts = [{"chunk": 2000, "short": 500, "root": 150 * 34}[k] for k in kinds]
-    timeline = simulate([32] * len(kinds), 8, prompts=prompts, prefill_s_per_token=0.004,
-                        chunk=2048, step_s=0.5, row_s=0.02)
+    between chunks until they are all in. Returns the progress at the end, the pass's length
+    and, at every step, (time, the ETA over the time really left or its inverse: >= 1)."""
+    prompts = [{"chunk": 2000, "short": 500, "root": 150 * 34}[k] for k in BOOK]
+    timeline = simulate([32] * len(BOOK), 8, prompts=prompts, prefill_s_per_token=0.004,
+                        chunk=2048, step_s=0.5, row_s=0.02, load=load)
     end, now, live = timeline[-1][0], [0.0], [Work()]
-    progress = Progress(total=1 + shorts, every=0.0, label="rows", bar_enabled=False,
+    progress = Progress(total=21, every=0.0, label="rows", bar_enabled=False,
                         max_new_tokens=32, live=lambda: live[0], slots=8,
-                        clock=lambda: now[0], generations_total=len(kinds),
+                        clock=lambda: now[0], generations_total=len(BOOK),
                         prompt_tokens=sum(prompts))
     seen, ratios = 0, []
     for t, work, finished in timeline:
@@ -261,19 +263,39 @@ def test_a_books_eta_counts_its_generations_and_prompt_tokens_not_its_rows():
         for index, tokens in finished[seen:]:
             outcome = SimpleNamespace(error=None, result=SimpleNamespace(
                 stats=SimpleNamespace(new_tokens=tokens)))
-            if kinds[index] == "short":
+            if BOOK[index] == "short":
                 progress.update(outcome)
             else:
                 progress.add_tokens(outcome)
-                if kinds[index] == "root":  # the book's row: its nodes' tokens came already
+                if BOOK[index] == "root":  # the book's row: its nodes' tokens came already
                     progress.update(SimpleNamespace(error=None, result=None))
         seen = len(finished)
         progress.tick()
-        if 0.1 * end <= t <= 0.98 * end:  # from a tenth of the job to its last half minute
+        if t < end:
             eta = progress.eta()
-            ratios.append(max(eta / (end - t), (end - t) / eta))
-    assert progress.done == 21 and progress.generations == len(kinds)
-    assert len(ratios) > 100 and max(ratios) <= 1.5, max(ratios)
+            ratios.append((t, max(eta / (end - t), (end - t) / eta) if eta else float("inf")))
+    return progress, end, ratios
+
+
+def test_a_books_eta_counts_its_generations_and_prompt_tokens_not_its_rows():
+    """The line counts 171 generations for 21 rows, and from a tenth of the job to its last
+    half minute the ETA is within a factor of 1.5 of the time left."""
+    progress, end, ratios = book_eta()
+    assert progress.done == 21 and progress.generations == len(BOOK)
+    checked = [r for t, r in ratios if 0.1 * end <= t <= 0.98 * end]
+    assert len(checked) > 100 and max(checked) <= 1.5, max(checked)
+
+
+def test_the_eta_follows_a_machine_that_speeds_up():
+    """The machine twice as slow for the first ten minutes (other work beside the job), then
+    quiet: from one window after the change to the last half minute the ETA is within 1.5x
+    of the time left. (Before it no estimate can know the machine will speed up.) A rate
+    over the whole pass still reads the slow minutes: up to 1.7x off there."""
+    change = 600.0
+    progress, end, ratios = book_eta(load=lambda t: 2.0 if t < change else 1.0)
+    assert end > change + 2 * progress.window
+    after = [r for t, r in ratios if change + progress.window <= t <= 0.98 * end]
+    assert len(after) > 20 and max(after) <= 1.5, max(after)
 
 
 def test_rows_failed_on_their_input_count_as_done_and_failed_as_the_report_does(caplog):

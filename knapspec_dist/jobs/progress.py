@@ -31,10 +31,13 @@ tree took once it ends; the rows not yet streamed at the mean of those streamed,
 prompt tokens are). The waves above are then waves of generations, each as long as the
 generations finished so far.
 
-Until both rates are measured the ETA is unknown ("?"). Without ``live`` (or before it
-answers) the token rate is the wall-clock one and prefill is not counted. Rows that failed
-on their input (written, never generated: ``skipped``) count as done and failed, as the
-job's report counts them.
+Both rates are the replicas' over the last ``window`` seconds (two minutes; the whole pass
+until it is that long, or where the window holds no prefill or no round): a machine whose load
+changes, or a pass whose rows change, is read at its pace now, not at the pass's mean, which
+lags by the whole pass. Until both rates are measured the ETA is unknown ("?"). Without
+``live`` (or before it answers) the token rate is the wall-clock one and prefill is not
+counted. Rows that failed on their input (written, never generated: ``skipped``) count as
+done and failed, as the job's report counts them.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tqdm import tqdm
 
@@ -72,6 +76,7 @@ class Progress:
     generations_total: int | None = None  # the pass's expected generations (None: one a row)
     skipped: int = 0  # rows that failed on their input: written as failed, never generated
     clock: Callable[[], float] = time.monotonic
+    window: float = 120.0  # seconds of work the rates are measured over
     done: int = 0
     failed: int = 0
     finished_tokens: int = 0  # generated tokens of the rows finished in this pass
@@ -85,6 +90,7 @@ class Progress:
         self.last = self.start if self.last is None else self.last
         self.bar = None
         self.kv: KVReport | None = None  # the last ``memory`` report
+        self.history: deque[tuple[float, Work]] = deque([(self.start, Work())])  # live reports
         enabled = sys.stderr.isatty() if self.bar_enabled is None else self.bar_enabled
         if enabled and self.total:
             self.bar = tqdm(total=self.total, desc=self.label, unit="row", file=sys.stderr,
@@ -122,17 +128,41 @@ class Progress:
         """Seconds left (None until the rates are known): see the module docstring."""
         w = self.work
         if w.decode_s > 0 and w.prefill_s > 0 and w.decoded > 0:
+            recent = self.recent()
+            p = recent if recent.prefill_s > 0 and recent.prefilled > 0 else w
+            d = recent if recent.decode_s > 0 and recent.decoded > 0 else w
             # one row's tokens per second: its tokens per round over the seconds of a round
-            row_rate = (w.decoded / w.row_rounds) / (w.decode_s / w.rounds)
+            row_rate = (d.decoded / d.row_rounds) / (d.decode_s / d.rounds)
             left = max(0, (self.prompt_tokens or 0) - w.prefilled)
-            prefill = left * (w.prefill_s / self.replicas) / w.prefilled if left else 0.0
-            rate = w.decoded / (w.decode_s / self.replicas)  # over all rows, replicas together
+            prefill = left * (p.prefill_s / self.replicas) / p.prefilled if left else 0.0
+            rate = d.decoded / (d.decode_s / self.replicas)  # over all rows, replicas together
             return prefill + self._decoding_s(rate, row_rate)
         rate = self.tokens_per_s
         if self.live is not None or not rate or self.tokens < min(self.slots or 1, self.total):
             return None
         # the wall-clock rate, with every slot assumed busy
         return self._decoding_s(rate, rate / min(self.slots or 1, self.total))
+
+    def recent(self) -> Work:
+        """The work of the last ``window`` seconds: the latest report less the newest one at
+        least that old (the pass's start while it is younger). A replica restarted in the
+        window counts again from zero: then the whole pass's work."""
+        now, latest = self.history[-1]
+        base = self.history[0][1]
+        for t, work in self.history:
+            if t > now - self.window:
+                break
+            base = work
+        delta = latest - base
+        if any(getattr(delta, f.name) < 0 for f in fields(delta)):
+            return latest
+        return delta
+
+    def _remember(self, now: float, work: Work) -> None:
+        """Keep the live reports the window needs: the newest one older than it, and after."""
+        self.history.append((now, work))
+        while len(self.history) > 2 and self.history[1][0] <= now - self.window:
+            self.history.popleft()
 
     def _decoding_s(self, rate: float, row_rate: float) -> float:
         """Seconds of decoding left, at ``rate`` tokens per second over all rows (when there
@@ -173,6 +203,7 @@ class Progress:
             work = self.live()
             if work is not None:
                 self.work = work
+                self._remember(now, work)
         if self.memory is not None:
             self.kv = self.memory() or self.kv
         eta, w = self.eta(), self.work
