@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from knapspec_dist.cache import cache_dir
 from knapspec_dist.model import embedded
 from knapspec_dist.model.embedded import (
     SmolLM2NotInstalledError,
-    cache_dir,
     ensure_smollm2,
     resolve_model_path,
 )
@@ -81,7 +82,7 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cache_dir() == tmp_path / "kc"
     monkeypatch.delenv("KNAPSPEC_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    if embedded.sys.platform not in ("win32", "darwin"):
+    if sys.platform not in ("win32", "darwin"):
         assert cache_dir() == tmp_path / "xdg" / "knapspec_dist"
 
 

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "knapspec_dist"
 #: Bottom to top. A module may import its own layer and the layers below it.
 LAYERS = [
     ("knapspec_dist", "knapspec_dist.errors", "knapspec_dist.clock", "knapspec_dist.ratio",
-     "knapspec_dist.option_rules"),
+     "knapspec_dist.option_rules", "knapspec_dist.cache"),
     ("knapspec_dist.model",),
     ("knapspec_dist.parallel",),
     ("knapspec_dist.engine",),

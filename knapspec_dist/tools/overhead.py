@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from knapspec_dist.model.embedded import cache_dir, resolve_model_path
+from knapspec_dist.cache import cache_dir
+from knapspec_dist.model.embedded import resolve_model_path
 from knapspec_dist.model.tokenizer import load_tokenizer
 from knapspec_dist.model.weights import random_llama_weights
 from knapspec_dist.profiles.allreduce import decode_allreduce_sizes

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
+from knapspec_dist.cache import cache_dir
 from knapspec_dist.errors import UserError
-from knapspec_dist.model.embedded import cache_dir
 
 log = logging.getLogger(__name__)
 
