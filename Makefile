@@ -70,14 +70,28 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # ruff (lint and import order, pyproject.toml), then every test but the `e2e` ones (long
-# second tests of what a faster test covers), then the time it took; `make test-e2e` runs the rest, and .ci/run runs both.
+# second tests of what a faster test covers) in two runs, then the time it took: the tests
+# that run in pytest's own process over $(TEST_WORKERS) workers of one thread each (their
+# models are small: Python's overhead bounds them, not the cores), then the `processes` ones
+# (a Ray cluster, spawned ranks, CLI jobs: they want every core) one at a time. `make
+# test-e2e` runs the rest, and .ci/run runs both.
+TEST_WORKERS ?= 2
 test: venv
 	$(PY) -m ruff check .
-	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25 -m 'not e2e'; rc=$$?; \
+	@start=$$(date +%s); \
+	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 \
+	    -m 'not e2e and not processes'; rc=$$?; \
+	  echo "make test: in-process tests $$(( $$(date +%s) - start )) s"; \
+	  OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=15 -m 'not e2e and processes' \
+	    || rc=$$(( rc ? rc : $$? )); \
 	  echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-e2e: venv
-	@start=$$(date +%s); OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m e2e; rc=$$?; \
+	@start=$$(date +%s); \
+	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 \
+	    -m 'e2e and not processes'; rc=$$?; \
+	  OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m 'e2e and processes' \
+	    || rc=$$(( rc ? rc : $$? )); \
 	  echo "make test-e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 demo: venv

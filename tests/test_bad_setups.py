@@ -27,6 +27,8 @@ from knapspec_dist.model.embedded import resolve_model_path
 
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.processes  # CLI commands, some on a Ray of their own
+
 REPO = Path(__file__).resolve().parent.parent
 C = ["--strategy", "ar", "--max-new-tokens", "8", "--baseline-fraction", "0"]
 PROFILE = next((REPO / "profiles").glob("*layers30-hidden576*__eager.json"))

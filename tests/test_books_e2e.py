@@ -11,6 +11,8 @@ from knapspec_dist.runtime.backend import EngineBackend
 
 from fakes import read_rows, write_input
 
+pytestmark = pytest.mark.processes  # a local Ray and its actors
+
 
 @pytest.mark.e2e
 def test_short_rows_beside_a_book_on_the_real_engine(tmp_path):

@@ -30,6 +30,8 @@ from conftest import random_prompt
 from faults import slow_measure
 from models import make_checkpoint
 
+pytestmark = pytest.mark.processes  # a local Ray
+
 ray = pytest.importorskip("ray")
 
 OTHER_CPU = {"kind": "cpu", "name": "AMD EPYC 7B13 64-Core Processor (1 threads)",

@@ -40,6 +40,8 @@ from knapspec_dist.runtime.dispatch import Dispatcher, Task
 import fakes as t
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.processes  # jobs on a Ray of their own
+
 REPO = Path(__file__).resolve().parent.parent
 J = ["--model", "smollm2", "--max-new-tokens", "4", "--baseline-fraction", "0", "--strategy",
      "ar", "--no-progress-bar"]

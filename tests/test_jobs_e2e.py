@@ -35,6 +35,8 @@ import pytest
 
 from knapspec_dist.tools.corpus import bundled_sample_path
 
+pytestmark = pytest.mark.processes  # a Ray head and jobs on it
+
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_SH = REPO / "cluster" / "local.sh"
 JOB_TIMEOUT = 900  # seconds; generous for a loaded 2-core CI machine

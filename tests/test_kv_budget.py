@@ -39,6 +39,8 @@ from knapspec_dist.speculation.options import StrategyOptions
 from batching import mixed_prompts
 from conftest import random_prompt
 
+pytestmark = pytest.mark.processes  # a local Ray and its actors
+
 PER_TOKEN = 1000  # bytes a position, made up: every number below follows from it
 
 

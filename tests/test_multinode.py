@@ -21,6 +21,8 @@ from knapspec_dist.runtime.ray_engine import RayEngine
 
 import fakes as t
 
+pytestmark = pytest.mark.processes  # a Ray cluster of several nodes
+
 ROWS = 24
 
 

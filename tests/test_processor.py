@@ -22,6 +22,8 @@ from knapspec_dist.runtime.processor import (
 )
 from knapspec_dist.speculation.options import StrategyOptions
 
+pytestmark = pytest.mark.processes  # a local Ray and its actors
+
 DOCS = ["The cat sat on the mat.", "Emma Woodhouse, handsome, clever, and rich.",
         "A single man in possession of a good fortune."]
 PARQUET = 10  # the Parquet rows' ids: 10 + the document's index

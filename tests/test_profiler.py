@@ -24,6 +24,8 @@ from knapspec_dist.profiles.profiler import fill_cache, measure
 
 from models import make_checkpoint
 
+pytestmark = pytest.mark.processes  # spawned gloo ranks
+
 CONTEXTS = [16, 64]
 MAX_Q = 3
 

@@ -46,6 +46,8 @@ from fakes import docs_of, fake_tools, job, read_rows, write_input
 from faults import FAIL_TOKEN, FREE, RankOneDiesAtSetup, UnevenMemory, dies_once_busy
 from synthetic import drafting_profile
 
+pytestmark = pytest.mark.processes  # a local Ray and its actors
+
 ray = pytest.importorskip("ray")
 
 NEW = 12

@@ -28,6 +28,8 @@ from knapspec_dist.runtime.stream import stream_batches
 
 from stub_engine import StubBackend, StubEngines
 
+pytestmark = pytest.mark.processes  # a local Ray and its actors
+
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stage class travels
 

@@ -47,6 +47,8 @@ from conftest import random_prompt
 from models import hf_model, make_checkpoint
 from synthetic import drafting_profile
 
+pytestmark = pytest.mark.processes  # spawned tensor-parallel ranks
+
 WORLD = 2
 NEW = 16
 PREFILL = [3, 17, 99, 5, 42, 7, 200, 11]

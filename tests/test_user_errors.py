@@ -24,6 +24,8 @@ from knapspec_dist.runtime.local_ray import session_members
 
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.processes  # CLI jobs, each with a Ray of its own
+
 REPO = Path(__file__).resolve().parent.parent
 AR = ["--model", "smollm2", "--strategy", "ar", "--baseline-fraction", "0", "--no-progress-bar"]
 SHORT = ["The cat sat on the mat. It was a sunny day.", "Rain fell all night on the town.",
@@ -144,33 +146,45 @@ def _stopped_cleanly(proc: subprocess.CompletedProcess, code: int, word: str) ->
     assert "run the same job again to continue" in warnings[0]
 
 
-def test_signals_stop_a_job_with_its_rows_kept_and_no_ray_left(tmp_path):
-    """Ctrl-C (SIGINT to the process group): exit 130; SIGTERM to the process group: exit
-    143; each time one warning line, no traceback or ERROR line, the finished rows kept and
-    no process of the job's Ray left. SIGKILL of the job: the rows it wrote stay, every id
-    once, and within seconds no process of its Ray is left (GCS, raylet, dashboard, agents,
-    workers). Each run goes on from the rows of the one before."""
+def _input(tmp_path: Path) -> tuple[Path, list[str]]:
     inp = tmp_path / "in.parquet"
     ids = [f"r{i}" for i in range(len(SHORT))]
     pq.write_table(pa.table({"id": ids, "document": SHORT}), inp)
+    return inp, ids
+
+
+def test_ctrl_c_and_sigkill_stop_a_job_with_its_rows_kept_and_no_ray_left(tmp_path):
+    """Ctrl-C (SIGINT to the process group): exit 130, one warning line, no traceback or
+    ERROR line, the finished rows kept and no process of the job's Ray left. SIGKILL of the
+    job, going on from those rows: the rows it wrote stay, every id once, and within seconds
+    no process of its Ray is left (GCS, raylet, dashboard, agents, workers)."""
+    inp, ids = _input(tmp_path)
     out = tmp_path / "out"
     first = _start_and_stop(inp, out, signal.SIGINT)
     _stopped_cleanly(first, 130, "interrupted (SIGINT)")
     kept = rows_of(out)
     assert 1 <= len(kept) < len(ids)
-    second = _start_and_stop(inp, out, signal.SIGTERM)
-    _stopped_cleanly(second, 143, "terminated (SIGTERM)")
-    more = rows_of(out)
-    assert set(kept) < set(more) < set(ids)
-    third, session = _start(inp, out)
-    third.kill()  # SIGKILL, to the job alone
-    third.communicate(timeout=120)
-    assert third.returncode == -signal.SIGKILL
+    second, session = _start(inp, out)
+    second.kill()  # SIGKILL, to the job alone
+    second.communicate(timeout=120)
+    assert second.returncode == -signal.SIGKILL
     assert _gone(session, 30) == []
     table = pq.read_table(out / "rows")
     written = table.column("id").to_pylist()
-    assert len(written) == len(set(written)) and set(more) < set(written)  # each id once
+    assert len(written) == len(set(written)) and set(kept) < set(written)  # each id once
     assert all(e is None for e in table.column("error").to_pylist())
+
+
+@pytest.mark.e2e
+def test_sigterm_to_the_group_stops_a_job_as_ctrl_c_does(tmp_path):
+    """SIGTERM to the process group (``timeout``, a scheduler's cancel, a container stop):
+    the same handler as Ctrl-C's, so the same clean stop with exit 143; the job's Ray, in a
+    session of its own, does not hear it (no wait on a GCS the signal ended)."""
+    inp, ids = _input(tmp_path)
+    out = tmp_path / "out"
+    stopped = _start_and_stop(inp, out, signal.SIGTERM)
+    _stopped_cleanly(stopped, 143, "terminated (SIGTERM)")
+    assert 1 <= len(rows_of(out)) < len(ids)
 
 
 @pytest.mark.e2e
