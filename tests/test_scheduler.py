@@ -143,42 +143,6 @@ def test_a_rows_prefill_chunks_depend_on_its_prompt_alone(engine_model, monkeypa
     assert chunks[1] == chunks[3] == want
 
 
-def test_while_rows_decode_a_step_takes_one_chunk_and_more_within_a_quarter(engine_model,
-                                                                           monkeypatch):
-    """On a CPU a step that starts with rows decoding prefills its first chunk whole and more
-    only within a quarter of the budget (``decoding_budget``), so the decoding rows wait for
-    about one chunk a step, not a whole budget of them; a step with none decoding fills the
-    budget; the tokens are the same as at one chunk a step or at any budget."""
-    model = engine_model(NAME)
-    config = GenerationConfig(max_new_tokens=6, stop_at_eos=False, max_num_batched_tokens=64)
-    lengths = (9, 50, 60, 140, 12, 4, 70, 8, 20)
-    ps = [random_prompt(n, model.cfg.vocab_size, seed=400 + n) for n in lengths]
-    cap = max(row_capacity(len(p), config.max_new_tokens) for p in ps)
-    chunks: list[int] = []
-    steps: list[tuple[bool, list[int]]] = []  # (rows decoded at the step's start, its chunks)
-    decoding = [False]
-
-    def recorded(model, cache, row, tokens, start=0, capture=None):
-        chunks.append(len(tokens))
-        return prefill(model, cache, row, tokens, start, capture)
-
-    def stepped(sched: Scheduler) -> None:
-        steps.append((decoding[0], chunks[:]))
-        chunks.clear()
-        decoding[0] = bool(sched.batch.rows)
-
-    monkeypatch.setattr(scheduler_module, "prefill", recorded)
-    sched = Scheduler(Autoregressive(), model, config, 8, cap)
-    assert sched.decoding_budget == 16
-    got = [r.token_ids for r in sched.run(ps, on_step=stepped)]
-    busy = [c for d, c in steps if d and c]
-    assert all(sum(c) <= max(c[0], 16) for c in busy), busy
-    assert any(len(c) > 1 for c in busy) and any(c[0] > 16 for c in busy)
-    assert steps[0] == (False, [9, 50])  # none decoding yet: the whole budget
-    alone = Scheduler(Autoregressive(), model, replace(config, max_num_batched_tokens=8), 8, cap)
-    assert [r.token_ids for r in alone.run(ps)] == got
-
-
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "64"])
 def test_a_bad_prefill_budget_is_a_user_error(bad):
     with pytest.raises(UserError, match="--max-num-batched-tokens must be an integer >= 1"):

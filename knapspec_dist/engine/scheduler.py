@@ -7,8 +7,7 @@ can need, engine/pages.py; first come, first served, so the order is the same ev
 ``max_num_batched_tokens`` prompt tokens per step (the config's, else the device's default:
 ``default_max_num_batched_tokens``; a long prompt is cut into chunks of that many tokens
 across steps, so it never stalls the decoding rows for its whole prefill; short ones are
-admitted several per step; while rows decode, a step takes its first chunk and then more only
-within ``decoding_budget``); then one round of the strategy over every decoding row; then
+admitted several per step); then one round of the strategy over every decoding row; then
 retire the rows that finished. A row's chunks start at multiples of the budget: a chunk that
 does not fit what is left of a step's budget waits, whole, for the next step. So a row's chunks
 depend on its prompt alone, never on its neighbours, a prompt within the budget is one fresh
@@ -73,17 +72,6 @@ def max_num_batched_tokens(config: GenerationConfig, device: torch.device) -> in
     return config.max_num_batched_tokens or default_max_num_batched_tokens(device)
 
 
-def decoding_budget(budget: int, device: torch.device) -> int:
-    """Prompt tokens a step prefills while rows decode, past its first chunk (which always
-    goes whole): a quarter of the budget on a CPU, the budget on CUDA. On a CPU a 2k-token
-    chunk is seconds of forward (7-14 s for SmolLM2 on two cores) against a decoding round's
-    tenth of a second, so a full budget of a book's chunks each step made the rows beside
-    them wait about a minute a token; one chunk a step still admits rows far faster than they finish
-    there. On CUDA a chunk costs about a round, and keeping hundreds of rows in flight needs
-    the whole budget (``default_max_num_batched_tokens``). No token depends on it."""
-    return budget if device.type == "cuda" else budget // 4
-
-
 @dataclass
 class Work:
     """What a scheduler has done so far: tokens emitted by every row (finished or not, for a
@@ -142,7 +130,6 @@ class Scheduler:
         self.strategy, self.model, self.config = strategy, model, config
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens(config, model.device)
-        self.decoding_budget = decoding_budget(self.max_num_batched_tokens, model.device)
         self.runner = runner if runner is not None else ModelRunner(model)
         cache = self.runner.new_cache(max_num_seqs, capacity, kv_heads(model), paging)
         self.batch = Batch(cache, pool=PagePool(cache) if paging is not None else None)
@@ -194,9 +181,7 @@ class Scheduler:
         """Admit, prefill a chunk, run one round; the rows that finished."""
         b, timer = self.batch, self.timer
         finished: list[Row] = []
-        # prompt tokens this step: the first chunk always goes (>= 1: progress)
-        budget = self.decoding_budget if b.rows else self.max_num_batched_tokens
-        first = True
+        budget = self.max_num_batched_tokens  # prompt tokens this step (>= 1: progress)
         while True:
             if b.prefilling is None and self.waiting and b.size < self.max_num_seqs \
                     and self._fits(self.waiting[0]):
@@ -208,7 +193,7 @@ class Scheduler:
                 self._note_admission(row.admitted_s)
                 if self._first is None:
                     self._first = row.admitted_s
-            if b.prefilling is None or (budget <= 0 and not first):
+            if b.prefilling is None or budget <= 0:
                 if self.waiting and not b.rows and b.prefilling is None:
                     # add() refuses a row bigger than the empty pool: pages were lost
                     raise RuntimeError(f"{len(b.pool.free)} of {b.pool.total} pages free with "
@@ -216,10 +201,9 @@ class Scheduler:
                 break
             left = len(b.prefilling.prompt) - b.prefilling.prefilled
             n = min(left, self.max_num_batched_tokens)
-            if n > budget and not first:  # the row's next chunk waits for a step, whole
+            if n > budget:  # the row's next chunk waits for a step of its own, whole
                 break
             budget -= n
-            first = False
             row = self._prefill_chunk(n)
             if row is not None and row.reason is not None:  # done at its first token
                 finished.append(row)
