@@ -52,6 +52,7 @@ def docs(tmp_path_factory) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.processes  # CLI jobs, each with a Ray of its own
 def test_seeded_job_rows_do_not_depend_on_batching_replicas_or_resume(docs, tmp_path):
     """The same seeded job two ways, the same rows: one row at a time over two replicas, and
     four rows batched on one replica, stopped after two rows and resumed."""
@@ -81,6 +82,7 @@ def test_seeded_generate_of_a_prompt_ignores_the_prompts_beside_it(capsys):
 
 
 @pytest.mark.e2e
+@pytest.mark.processes  # CLI jobs, each with a Ray of its own
 def test_a_seeded_tree_does_not_depend_on_batching(tmp_path):
     """A document past a small window, summarized through a tree with seeded sampling: every
     node's tokens, and so the row's, the same one node at a time and four at once."""
