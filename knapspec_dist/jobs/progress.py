@@ -146,7 +146,7 @@ class Progress:
     def recent(self) -> Work:
         """The work of the last ``window`` seconds: the latest report less the newest one at
         least that old (the pass's start while it is younger). A replica restarted in the
-        window counts again from zero: then the whole pass's work."""
+        window counts again from zero: then the latest report as it stands."""
         now, latest = self.history[-1]
         base = self.history[0][1]
         for t, work in self.history:
