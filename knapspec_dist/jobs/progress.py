@@ -144,16 +144,12 @@ class Progress:
         return self._decoding_s(rate, rate / min(self.slots or 1, self.total))
 
     def recent(self) -> Work:
-        """The work of the last ``window`` seconds: the latest report less the newest one at
-        least that old (the pass's start while it is younger). A replica restarted in the
-        window counts again from zero: then the latest report as it stands."""
-        now, latest = self.history[-1]
-        base = self.history[0][1]
-        for t, work in self.history:
-            if t > now - self.window:
-                break
-            base = work
-        delta = latest - base
+        """The work of the last ``window`` seconds: the latest report less the first one kept,
+        the newest at least that old (the pass's start while it is younger: ``_remember``). A
+        replica restarted in the window counts again from zero: then the latest report as it
+        stands."""
+        latest = self.history[-1][1]
+        delta = latest - self.history[0][1]
         if any(getattr(delta, f.name) < 0 for f in fields(delta)):
             return latest
         return delta

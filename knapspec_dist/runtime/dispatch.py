@@ -232,12 +232,17 @@ class Dispatcher:
         streamed input starts without waiting for the rows queued behind it, and no row is
         pulled once ``full()`` (``--stop-after`` reached)."""
         while self._may_read(ahead) and (full is None or not full()):
-            task = next(self.source, None)
-            if task is None:
+            if not self._read():
                 return
-            self.queue.append(task)
             if len(self.inflight) < self.max_inflight * sum(self.alive):
                 self._fill(full)
+
+    def _read(self) -> bool:
+        """One row from the source into the queue; False once the source is exhausted."""
+        task = next(self.source, None)
+        if task is not None:
+            self.queue.append(task)
+        return task is not None
 
     def _may_read(self, ahead: bool) -> bool:
         """Whether another row may be read: fewer rows wait than the room (``ahead``: plus
@@ -259,9 +264,7 @@ class Dispatcher:
         would fill every free slot with a book's chunks before the rows behind it were read."""
         may_start = full is None or not full()
         if self.rows_turn and self.front and not self.queue and may_start and self._may_read(True):
-            task = next(self.source, None)  # a row's turn: read one, not a slot to the front
-            if task is not None:
-                self.queue.append(task)
+            self._read()  # a row's turn: read one, not a slot to the front
         rows = bool(self.queue) and may_start
         if self.front and (not rows or self.front[0].failures or not self.rows_turn):
             return self.front
