@@ -76,23 +76,23 @@ $(STAMP): pyproject.toml
 # (a Ray cluster, spawned ranks, CLI jobs: they want every core) one at a time. `make
 # test-e2e` runs the rest, and .ci/run runs both.
 TEST_WORKERS ?= 2
+# $(1): the target, $(2): the marker expression of its tests, $(3): how many durations to show.
+define two_runs
+	@start=$$(date +%s); \
+	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=$(3) \
+	    -m '$(2) and not processes'; rc=$$?; \
+	  echo "make $(1): in-process tests $$(( $$(date +%s) - start )) s"; \
+	  OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=$(3) -m '$(2) and processes' \
+	    || rc=$$(( rc ? rc : $$? )); \
+	  echo "make $(1): $$(( $$(date +%s) - start )) s"; exit $$rc
+endef
+
 test: venv
 	$(PY) -m ruff check .
-	@start=$$(date +%s); \
-	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 \
-	    -m 'not e2e and not processes'; rc=$$?; \
-	  echo "make test: in-process tests $$(( $$(date +%s) - start )) s"; \
-	  OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=15 -m 'not e2e and processes' \
-	    || rc=$$(( rc ? rc : $$? )); \
-	  echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
+	$(call two_runs,test,not e2e,15)
 
 test-e2e: venv
-	@start=$$(date +%s); \
-	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 \
-	    -m 'e2e and not processes'; rc=$$?; \
-	  OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m 'e2e and processes' \
-	    || rc=$$(( rc ? rc : $$? )); \
-	  echo "make test-e2e: $$(( $$(date +%s) - start )) s"; exit $$rc
+	$(call two_runs,test-e2e,e2e,10)
 
 demo: venv
 	$(VENV)/bin/knapspec demo
