@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.pages import Paging
 from knapspec_dist.engine.sampling import SamplingConfig
 from knapspec_dist.engine.scheduler import generate
 from knapspec_dist.speculation.autoregressive import Autoregressive
@@ -17,10 +18,12 @@ from knapspec_dist.speculation.lookup import (
     CopiedDrafts,
     CopyBook,
     TokenIndex,
+    VerifyPrices,
     best_round,
 )
 from knapspec_dist.speculation.selfspec import Plan, Selector, SelfSpeculative
 
+from copies import CASES, Given, PerToken, copies_of, ragged_copies, ragged_rounds
 from distributions import NEW, PROMPT, assert_matches_exact, exact_distribution
 
 
@@ -54,8 +57,7 @@ def test_the_price_takes_copies_only_where_they_pay():
     assert book.alpha(3) > 0.8 and book.alpha(2) < 0.05
     step = 0.05
 
-    def cheap(q):  # a verify of q tokens: 5 % dearer per token than a step
-        return step * (1 + 0.05 * (q - 1))
+    cheap = VerifyPrices(lambda q: step * (1 + 0.05 * (q - 1)))  # 5 % dearer per token
 
     good, bad, none = ([1, 2, 3, 4], 3), ([5, 6, 7], 2), ([], 0)
     chosen = best_round([good, none], book, cheap, 2 / step, 1.05, 1.0)
@@ -63,12 +65,36 @@ def test_the_price_takes_copies_only_where_they_pay():
     assert best_round([bad, none], book, cheap, 2 / step, 1.05, 1.0) is None
     assert best_round([none, none], book, cheap, 2 / step, 1.05, 1.0) is None
 
-    def dear(q):  # a CPU's batched verify: each extra token costs most of a step
-        return step * (1 + 0.9 * (q - 1))
+    dear = VerifyPrices(lambda q: step * (1 + 0.9 * (q - 1)))  # a CPU's batched verify
 
     assert best_round([good, none], book, dear, 2 / step, 1.05, 1.0) is None
     # a subnet predicted faster than the copies: no copies
     assert best_round([good, none], book, cheap, 10 / step, 1.05, 1.0) is None
+
+
+def test_a_ragged_verify_lets_the_rows_with_good_copies_draft_alone():
+    """Where each verified token costs a third of a step, a padded round makes every row pay
+    for the longest copy; a ragged one lets the row whose copies are kept draft alone,
+    and not the rows whose copies fail, and beats plain decoding where padding did not."""
+    book = CopyBook()
+    for _ in range(50):
+        book.record(3, 10, 9)
+        book.record(2, 10, 0)
+    step = 0.05
+
+    def per_token(q):
+        return step * (1 + 0.3 * (q - 1))
+
+    good, bad = ([1, 2, 3, 4], 3), ([5, 6, 7], 2)
+    batch = [good] + [bad] * 7
+    plain = 8 / step
+    assert best_round(batch, book, VerifyPrices(per_token), plain, 1.05, 1.0) is None
+    chosen = best_round(batch, book, VerifyPrices(per_token, per_token), plain, 1.05, 1.0)
+    assert chosen is not None and chosen.ragged and chosen.q == 5
+    assert chosen.drafts == [[1, 2, 3, 4]] + [[]] * 7 and chosen.tokens == 12
+    # every row's copy equally good: no padding to save, the padded verify (priced the same)
+    even = best_round([good] * 8, book, VerifyPrices(per_token, per_token), plain, 1.05, 1.0)
+    assert even is not None and not even.ragged and even.tokens == 8 * even.q
 
 
 class FlatPrices:
@@ -86,31 +112,6 @@ class Priced(Selector):
 
     def round_prices(self, batch: int):
         return FlatPrices()
-
-
-class Given(CopiedDrafts):
-    """Copies chosen by the test: ``propose(rid, out)`` -> the row's drafts."""
-
-    def __init__(self, propose):
-        super().__init__(min_gain=1.0, noise_z=0.0)
-        self.propose = propose
-
-    def proposals(self, rows, room):
-        return [(self.propose(r.rid, r.out)[:space], 3) for r, space in zip(rows, room)]
-
-
-CASES = ("right", "wrong", "partly")
-
-
-def copies_of(ar_tokens: list[list[int]], vocab: int):
-    """Row i's copy is case CASES[i % 3] of what plain decoding emits next."""
-
-    def propose(rid: int, out: list[int]) -> list[int]:
-        right = ar_tokens[rid][len(out):len(out) + 4]
-        wrong = [(t + 1) % vocab for t in right]
-        return {"right": right, "wrong": wrong, "partly": right[:2] + wrong[2:]}[
-            CASES[rid % 3]]
-    return propose
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9,
@@ -138,6 +139,33 @@ def test_copies_right_wrong_or_partly_right_keep_plain_decodings_tokens(engine_m
         else:  # the first two of each copy of four
             assert 0 < s.copied_accepted < s.copied_drafted
     assert all("copy@4" in r.stats.plans for r in results)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9,
+                                                                       seed=5)],
+                         ids=["greedy", "coupled"])
+def test_ragged_verifies_of_right_wrong_and_partly_right_copies_keep_ars_tokens(
+        engine_model, sampling):
+    """Over a paged cache each row verifies its own copies (engine/ragged.py): rows that copy
+    well draft, rows whose copies fail stop, and every row's tokens are plain decoding's."""
+    model = engine_model("llama-gqa")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 200, (n,), generator=g).tolist()
+               for n in (9, 30, 17, 25, 12, 40)]
+    config = GenerationConfig(max_new_tokens=24, sampling=sampling, stop_at_eos=False)
+    paging = Paging(tokens=6 * 80, page=16)
+    ar = [r.token_ids for r in generate(Autoregressive(), model, prompts, config,
+                                        paging=paging)]
+    strategy = SelfSpeculative(PerToken(), tau_conf=0.0, name="copy",
+                               copied=ragged_copies(ar, model.cfg.vocab_size))
+    results = generate(strategy, model, prompts, config, paging=paging)
+    assert [r.token_ids for r in results] == ar
+    assert ragged_rounds(results) > 0, "no ragged verify ran"
+    right = [r.stats for i, r in enumerate(results) if CASES[i % 3] == "right"]
+    wrong = [r.stats for i, r in enumerate(results) if CASES[i % 3] == "wrong"]
+    assert all(s.copied_accepted == s.copied_drafted > 0 for s in right)
+    assert all(s.copied_accepted == 0 for s in wrong)
+    assert sum(s.copied_drafted for s in wrong) < sum(s.copied_drafted for s in right) / 2
 
 
 def test_rejection_sampling_keeps_a_copy_with_the_models_probability(tiny):
@@ -183,13 +211,14 @@ def test_a_copy_not_drafted_is_judged_by_the_tokens_the_row_commits():
     row = type("Row", (), {"rid": 0, "prompt": [1, 2, 3, 4, 9, 1, 2], "out": []})()
     copies = CopiedDrafts(min_gain=1.05, noise_z=1.0)
     never = 1e9  # a rival no copy beats
-    assert copies.plan([row], [8], lambda q: 1.0, never) is None
+    flat = VerifyPrices(lambda q: 1.0)
+    assert copies.plan([row], [8], flat, never) is None
     assert copies.shadows[0].tokens[:3] == [3, 4, 9] and copies.book.drafted == 0
     row.out = [3, 4]  # committed so far agrees: not yet decided
-    copies.plan([row], [8], lambda q: 1.0, never)
+    copies.plan([row], [8], flat, never)
     assert copies.book.drafted == 0
     row.out = [3, 4, 9, 7]  # (1, 2) matched: (3, 4, 9, 1, 2) proposed, 3 kept, the 4th judged
-    copies.plan([row], [8], lambda q: 1.0, never)
+    copies.plan([row], [8], flat, never)
     assert (copies.book.judged, copies.book.kept) == ({2: 4}, {2: 3})
     copies.retire(0)
     assert not copies.shadows

@@ -27,8 +27,10 @@ from knapspec_dist.model.block_mask import SKIP_Q_BLOCKS, paged_block_mask
 from knapspec_dist.model.paged_cache import SCRATCH, PagedKVCache
 from knapspec_dist.speculation.factory import build_strategy
 from knapspec_dist.speculation.options import StrategyOptions
+from knapspec_dist.speculation.selfspec import SelfSpeculative
 
 from batching import check_pool, mixed_prompts, run_rows
+from copies import PerToken, ragged_copies, ragged_rounds
 from synthetic import LINEAR_ATTENTION, synthetic_profile
 
 NAME = "llama-gqa"
@@ -191,5 +193,33 @@ def test_emulated_capture_over_pages_gives_eager_fixed_tokens(engine_model, flex
     sched, again = flex_run(model, name, GREEDY, ps[::-1], paging, 4, runner=runner)
     assert [r.out for r in again] == [r.out for r in want][::-1]
     assert runner.captures == len(runner._graphs), "a shape captured again for new rows"
+    check_pool(sched)
+    torch._dynamo.reset()
+
+
+def test_ragged_verifies_under_emulated_capture_give_ars_tokens(engine_model, flex_compiles):
+    """The CUDA path of copied drafts over pages: each row verifies its own copies in one
+    forward of single tokens over alias rows of the cache (engine/ragged.py), compiled flex,
+    captured as CUDA captures and replayed as the batch's token count changes: plain
+    decoding's tokens, and a replayed ragged shape is not captured again."""
+    model = engine_model(NAME)
+    ps = mixed_prompts(model.cfg.vocab_size, LENGTHS)
+    cap = max(row_capacity(len(p), GREEDY.max_new_tokens) for p in ps)
+    paging = Paging(tokens=2 * cap, page=PAGE)
+    _, want = flex_run(model, "ar", GREEDY, ps, None, 2)
+    ar = [r.out for r in want]
+    runner = ModelRunner(model, graphs=True, graph_factory=EmulatedGraph)
+    copied = SelfSpeculative(PerToken(), tau_conf=0.0, name="copy",
+                             copied=ragged_copies(ar, model.cfg.vocab_size))
+    model.backend = "flex"
+    try:
+        sched = Scheduler(copied, model, GREEDY, 4, cap, runner=runner, paging=paging)
+        got = run_rows(sched, ps, checked=True)
+    finally:
+        model.backend = None
+    assert [r.out for r in got] == ar
+    assert ragged_rounds(got) > 0
+    assert runner.aliases is not None
+    assert runner.captures == len(runner._graphs) > 0  # each shape once
     check_pool(sched)
     torch._dynamo.reset()

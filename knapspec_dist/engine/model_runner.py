@@ -97,6 +97,7 @@ class ModelRunner:
         # A/B of the two on a GPU is still to be read; no strategy or command chooses it.
         self.draft_graphs = "plan"
         self._piece_sets: dict[tuple, tuple] = {}
+        self.aliases: PagedKVCache | None = None  # the ragged verify's rows (``ragged``)
 
     def new_cache(self, batch: int, capacity: int, kv_heads: int,
                   paging: Paging | None = None) -> KVCache | PagedKVCache:
@@ -120,7 +121,7 @@ class ModelRunner:
             c = KVCache(self.model.cfg, batch, size, dtype=self.model.dtype,
                         device=self.model.device, kv_heads=kv_heads)
         if c is not self.cache:
-            self.cache = c
+            self.cache, self.aliases = c, None
             self._graphs.clear()
             self._piece_sets.clear()
         self.empty_cache()
@@ -150,7 +151,8 @@ class ModelRunner:
             if out is not None:
                 return out
         t = tokens.shape[1]
-        if (not self.graphs or cache is not self.cache or last_only or t > self.max_graph_tokens
+        owned = cache is self.cache or (cache is self.aliases and cache is not None)
+        if (not self.graphs or not owned or last_only or t > self.max_graph_tokens
                 or min(starts) == 0):  # prefills stay eager: one per request, long, varied
             return self.model(tokens, starts, cache, rows, skip, last_only, capture, starts_dev)
         rows = rows if rows is not None else slice(0, tokens.shape[0])
@@ -158,7 +160,7 @@ class ModelRunner:
             starts_dev = upload(list(starts), self.model.device)
         if skip and self.draft_graphs == "pieces" and capture is None:
             return self._pieces(tokens, starts_dev, cache, rows, skip)
-        key = (rows.start, rows.stop, t, skip, self.model.backend)
+        key = (rows.start, rows.stop, t, skip, self.model.backend, cache is self.aliases)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key, tokens, starts_dev, cache, rows, skip)
@@ -172,6 +174,28 @@ class ModelRunner:
         if capture is not None:
             capture.extend(states)
         return logits
+
+    def ragged(self, tokens: torch.Tensor, starts: Sequence[int], cache: PagedKVCache,
+               index: Sequence[int], capture: Capture | None = None,
+               starts_dev: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward of ``tokens`` [N, 1]: token i at position ``starts[i]`` of cache row
+        ``index[i]``; logits [N, 1, V]. A row's tokens go in position order, each a row of
+        its own over the row's pages (``PagedKVCache.alias``): every layer writes all N
+        tokens' K/V before attention reads them, so token i sees its row's earlier tokens of
+        the same forward, as in a forward of the row's tokens together. Rows verifying
+        different numbers of tokens then cost the tokens they verify, none of padding
+        (engine/ragged.py). Replayed from graphs as any forward: the alias rows are the
+        runner's, their table changed in place; their count grows by powers of two."""
+        n = len(index)
+        aliases = self.aliases if cache is self.cache else cache.aliases(n)  # else eager
+        if aliases is None or aliases.batch < n:
+            size = 1 << max(n - 1, 0).bit_length()
+            aliases = self.aliases = cache.aliases(max(size, cache.batch))
+            for key in [k for k in self._graphs if k[-1]]:
+                del self._graphs[key]  # captured over the smaller alias table
+        aliases.alias(cache, index)
+        return self(tokens, starts, aliases, slice(0, n), capture=capture,
+                    starts_dev=starts_dev)
 
     def _capture(self, key, tokens, starts_dev, cache, rows, skip):
         static_tokens, static_starts = tokens.clone(), starts_dev.clone()
@@ -195,7 +219,7 @@ class ModelRunner:
     def _pieces(self, tokens, starts_dev, cache: KVCache, rows: slice, skip: frozenset[int]):
         """A draft step replayed from per-sublayer graphs: the prologue, the executed
         sublayers in order, the epilogue; all share one static hidden-state buffer."""
-        key = (rows.start, rows.stop, tokens.shape[1], self.model.backend)
+        key = (rows.start, rows.stop, tokens.shape[1], self.model.backend, cache is self.aliases)
         entry = self._piece_sets.get(key)
         if entry is None:
             entry = self._capture_pieces(tokens, starts_dev, cache, rows)

@@ -25,6 +25,9 @@ captured over them stay valid as rows come and go.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import torch
 
 from knapspec_dist.model.config import ModelConfig
@@ -109,6 +112,33 @@ class PagedKVCache:
         self.pages[src] = []
         self.table[src].fill_(SCRATCH)
         self.lengths[src] = 0
+
+    def aliases(self, rows: int) -> PagedKVCache:
+        """A cache of ``rows`` rows over this one's pools, every row empty until ``alias``
+        points it at one of this cache's rows: what a ragged verify runs over, each of its
+        rows one token of a real row (engine/ragged.py). Its table is a tensor of its own,
+        changed in place, so graphs captured over it stay valid."""
+        out = copy.copy(self)
+        out.table = torch.full((rows, self.max_blocks), SCRATCH, dtype=self.table.dtype,
+                               device=self.table.device)
+        out.pages, out.lengths = [[] for _ in range(rows)], [0] * rows
+        out.consecutive = [False] * rows
+        return out
+
+    def alias(self, source: PagedKVCache, index: Sequence[int]) -> None:
+        """Row i reads and writes ``source``'s row ``index[i]`` (its pages and length), the
+        rows past them none (the scratch page, length 0). Both share the pools: a write
+        through an alias row is a write into the source row's pages."""
+        n = len(index)
+        if n > self.batch:
+            raise ValueError(f"{n} aliased rows for a cache of {self.batch}")
+        rows = torch.tensor(list(index), dtype=torch.int64).to(source.table.device)
+        self.table[:n] = source.table.index_select(0, rows)
+        self.table[n:].fill_(SCRATCH)
+        pad = self.batch - n
+        self.pages = [source.pages[i] for i in index] + [[]] * pad
+        self.lengths = [source.lengths[i] for i in index] + [0] * pad
+        self.consecutive = [source.consecutive[i] for i in index] + [False] * pad
 
     def commit(self, row: int, length: int) -> None:
         """Set a row's valid length: append after a forward, or roll back a rejected draft."""

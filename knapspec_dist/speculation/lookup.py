@@ -100,35 +100,80 @@ class CopyBook:
 @dataclass(frozen=True)
 class CopiedRound:
     """What a round of copied drafts verifies: per row its drafts (``drafts[b]``, possibly
-    none), the match length each came from, and the round's verify length q."""
+    none), the match length each came from, and the round's verify length q (one more than
+    the longest drafts). ``ragged``: each row verifies its own tokens only
+    (engine/ragged.py); else every row is padded to q."""
 
     drafts: list[list[int]]
     matches: list[int]
     q: int
     tokens_per_s: float  # what the price predicted for the batch
+    ragged: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the verify feeds the model."""
+        size = len(self.drafts)
+        return size + sum(len(d) for d in self.drafts) if self.ragged else size * self.q
+
+
+@dataclass(frozen=True)
+class VerifyPrices:
+    """A verify's priced seconds at the round's batch and context: ``padded(q)`` with every
+    row fed q tokens; ``ragged(x)`` with the rows fed x tokens each on average, each fed its
+    own (None: this cache cannot verify ragged)."""
+
+    padded: Callable[[float], float]
+    ragged: Callable[[float], float] | None = None
 
 
 def best_round(proposals: Sequence[tuple[list[int], int]], book: CopyBook,
-               verify_time: Callable[[int], float], rival_rate: float, min_gain: float,
+               prices: VerifyPrices, rival_rate: float, min_gain: float,
                noise_z: float) -> CopiedRound | None:
-    """The verify length q (2 .. 1 + the longest copy) whose copied drafts yield the most
-    tokens per second for the batch, if that beats ``rival_rate`` (the batch's tokens per
-    second without copies: plain decoding, or the subnet's plan) by ``min_gain`` at the
-    acceptance estimates and at their lower bounds too; None otherwise."""
+    """The copied drafts that yield the most tokens per second for the batch, if that beats
+    ``rival_rate`` (the batch's tokens per second without copies: plain decoding, or the
+    subnet's plan) by ``min_gain`` at the acceptance estimates and at their lower bounds too;
+    None otherwise. Padded, a verify length q (2 .. 1 + the longest copy) cuts every row's
+    copy to q - 1; ragged, each row drafts what its copy is worth (``ragged_drafts``)."""
     longest = max((len(d) for d, _ in proposals), default=0)
     if not longest:
         return None
 
-    def rate(q: int, z: float) -> float:
-        tokens = sum(tpt.expected_tokens(book.alpha(n, z), min(len(d), q - 1)) if d else 1.0
-                     for d, n in proposals)
-        return tokens / verify_time(q)
+    def tokens(lengths: Sequence[int], z: float) -> float:
+        return sum(tpt.expected_tokens(book.alpha(n, z), k) if k else 1.0
+                   for (_, n), k in zip(proposals, lengths))
 
-    q = max(range(2, longest + 2), key=lambda q: (rate(q, 0.0), -q))
-    best = rate(q, 0.0)
-    if best < min_gain * rival_rate or rate(q, noise_z) < min_gain * rival_rate:
+    def padded(q: int) -> list[int]:
+        return [min(len(d), q - 1) for d, _ in proposals]
+
+    size = len(proposals)
+    options = [(k, tokens(k, 0.0), prices.padded(q), False)
+               for q in range(2, longest + 2) for k in [padded(q)]]
+    if prices.ragged is not None:
+        options += [(k, expected, prices.ragged(1 + sum(k) / size), True)
+                    for k, expected in ragged_drafts(proposals, book)]
+    lengths, expected, seconds, ragged = max(options, key=lambda o: (o[1] / o[2], -o[2]))
+    best = expected / seconds
+    if best < min_gain * rival_rate or tokens(lengths, noise_z) / seconds < min_gain * rival_rate:
         return None
-    return CopiedRound([d[:q - 1] for d, _ in proposals], [n for _, n in proposals], q, best)
+    return CopiedRound([d[:k] for (d, _), k in zip(proposals, lengths)],
+                       [n for _, n in proposals], 1 + max(lengths), best, ragged)
+
+
+def ragged_drafts(proposals: Sequence[tuple[list[int], int]], book: CopyBook
+                  ) -> list[tuple[list[int], float]]:
+    """Per-row draft lengths, one more copied token at a time, each with the batch's
+    expected yield: the next token is the one expected to add the most (a row's k-th copied
+    token adds alpha^k), so for each count of copied tokens the yield is the largest that
+    count can give."""
+    gains = sorted(((book.alpha(n) ** k, -k, b) for b, (d, n) in enumerate(proposals)
+                    for k in range(1, len(d) + 1)), reverse=True)
+    lengths, expected, out = [0] * len(proposals), float(len(proposals)), []
+    for gain, _, b in gains:
+        lengths[b] += 1
+        expected += gain
+        out.append((list(lengths), expected))
+    return out
 
 
 @dataclass(frozen=True)
@@ -191,12 +236,12 @@ class CopiedDrafts:
                 self.book.record(shadow.n, *judged)
                 del self.shadows[rid]
 
-    def plan(self, rows, room: Sequence[int], verify_time: Callable[[int], float],
+    def plan(self, rows, room: Sequence[int], prices: VerifyPrices,
              rival_rate: float) -> CopiedRound | None:
         """This round's copied drafts, where they price better than ``rival_rate``; where
         not, each row's copy is judged later against what it commits (``Shadow``)."""
         proposals = self.proposals(rows, room)
-        chosen = best_round(proposals, self.book, verify_time, rival_rate, self.min_gain,
+        chosen = best_round(proposals, self.book, prices, rival_rate, self.min_gain,
                             self.noise_z)
         if chosen is None:
             for row, (tokens, n) in zip(rows, proposals):

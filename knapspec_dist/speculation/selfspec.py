@@ -21,15 +21,17 @@ import torch
 from knapspec_dist.clock import Clock
 from knapspec_dist.engine.generation import GenerationConfig, PlanTally, finish
 from knapspec_dist.engine.model_runner import ModelRunner
+from knapspec_dist.engine.ragged import ragged_verify
 from knapspec_dist.engine.rejection import accept_rejection
 from knapspec_dist.engine.sampling import SamplingConfig, accept, choose, confidence
 from knapspec_dist.engine.sequence import Batch, RoundInputs
 from knapspec_dist.engine.strategy import Strategy
 from knapspec_dist.model.decoder import Capture, Transformer
+from knapspec_dist.model.paged_cache import PagedKVCache
 from knapspec_dist.model.transfer import upload
 from knapspec_dist.profiles.profile import LatencyProfile
 from knapspec_dist.speculation.calibration import RoundTiming
-from knapspec_dist.speculation.lookup import CopiedDrafts, CopiedRound
+from knapspec_dist.speculation.lookup import CopiedDrafts, CopiedRound, VerifyPrices
 from knapspec_dist.speculation.options import format_skip
 
 
@@ -88,6 +90,20 @@ class Selector(ABC):
     fallbacks: int = 0
 
 
+def verify_prices(profile: LatencyProfile, context: int, cache) -> VerifyPrices:
+    """A copied round's verify prices at ``context`` (lookup.py). Ragged where the cache is
+    paged: its tokens cost as many padded ones, but each reads its row's keys on its own,
+    so its context part is a one-token verify's per token."""
+    def padded(q: float) -> float:
+        return profile.verify_time(q, context)
+
+    def ragged(per_row: float) -> float:
+        keys = profile.verify_time(1, context) - profile.verify_time(1, 0)
+        return per_row * keys + profile.verify_time(per_row, 0)
+
+    return VerifyPrices(padded, ragged if isinstance(cache, PagedKVCache) else None)
+
+
 class StaticSelector(Selector):
     """A user-given skip set and draft length, for every round."""
 
@@ -130,7 +146,7 @@ class SelfSpeculative(Strategy):
         if plan.gamma:
             rival = max(rival, size * (self.selector.predicted_rate(plan, n) or 0.0))
         room = [max(r.limit - len(r.out) - 1, 0) for r in batch.rows]
-        return self.copied.plan(batch.rows, room, lambda q: profile.verify_time(q, n), rival)
+        return self.copied.plan(batch.rows, room, verify_prices(profile, n, batch.cache), rival)
 
     @torch.inference_mode()
     def round(self, model: Transformer, batch: Batch, config: GenerationConfig,
@@ -159,8 +175,12 @@ class SelfSpeculative(Strategy):
             drafts, cap = self._copied(copied, rows, dev)
         t2 = timer.mark()
         capture = Capture() if sel.wants_reference() else None
-        logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
-                         slice(0, size), capture=capture, starts_dev=inputs.starts)
+        if copied is not None and copied.ragged:
+            logits = ragged_verify(forward, cache, [[r.out[-1]] + d for r, d in
+                                                    zip(rows, copied.drafts)], lengths, capture)
+        else:
+            logits = forward(torch.cat([inputs.pending, drafts], dim=1), lengths, cache,
+                             slice(0, size), capture=capture, starts_dev=inputs.starts)
         if copied is not None and sampling.method == "rejection" and not sampling.greedy:
             # a copied token is a proposal of probability 1: kept with the target's
             draft_logits = torch.full_like(logits[:, :-1], float("-inf")).scatter_(
@@ -195,11 +215,16 @@ class SelfSpeculative(Strategy):
                                        timer.seconds(t2, t3))
         context = round(statistics.fmean(lengths))
         width = drafts.shape[1]
+        # a ragged verify is timed as a padded one of its tokens per row (rounded), never
+        # as a plain step's (the price copies are weighed against)
+        fed = max(1, round(copied.tokens / size) - 1) if copied else 0
         sel.timed(RoundTiming(size, context, plan.skip, 0 if copied else width, draft_s,
-                              verify_s, copied=width if copied else 0))
+                              verify_s, copied=fed))
         rate = (copied.tokens_per_s / size if copied else sel.predicted_rate(plan, context))
         round_s = draft_s + verify_s
-        label = f"copy@{width}" if copied else plan.label  # one plan for every row
+        label = plan.label  # one plan for every row: copy@K, a ragged one copy@<=K
+        if copied:
+            label = f"copy@<={width}" if copied.ragged else f"copy@{width}"
         for b, row in enumerate(rows):
             s = row.stats
             s.select_s += select_s
