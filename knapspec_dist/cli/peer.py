@@ -53,6 +53,9 @@ def register(sub) -> None:
     add_number(p, "--max-num-seqs", default=16, help="rows at once, both engines")
     add_number(p, "--max-model-len", default=8192)
     p.add_argument("--strategies", default="ar", help="ours, as for bench: ar,knapspec")
+    add_number(p, "--repeats", default=1,
+               help="runs of each of our strategies, interleaved (the order rotates); each "
+                    "is reported as their mean: on a noisy machine, more repeats")
     p.add_argument("--vllm-ngram", default="2:3,4:3",
                    help="vLLM's n-gram drafts, each K:N (K tokens drafted from n-grams of up "
                         "to N) run once beside plain vLLM; 'none' for plain vLLM alone")
@@ -90,7 +93,7 @@ def cmd_peer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sweep = parse_ngram(args.vllm_ngram)
     vllm = run_vllm(job, python)  # first: a missing venv fails before our runs
     ngram = {f"{k}:{n}": run_vllm(job, python, ngram=(k, n)) for k, n in sweep}
-    ours = run_ours(job, specs)
+    ours = run_ours(job, specs, args.repeats)
     result = compare(job, ours, vllm, ngram)
     header = {"command": command_line(args, parser), "machine": machine("cpu"),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

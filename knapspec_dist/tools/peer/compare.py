@@ -127,8 +127,9 @@ def vllm_env(threads: int, kv_cache_gib: int = 6) -> dict[str, str]:
     return env
 
 
-def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
-    """Our timings and tokens: the start-up, one prefill run, one full run per strategy."""
+def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions], repeats: int = 1) -> dict:
+    """Our timings and tokens: the start-up, one prefill run, ``repeats`` full runs per
+    strategy, interleaved (the order rotates), each strategy's the mean of its repeats."""
     torch.set_num_threads(job.threads)
     start = time.perf_counter()
     model = load_model(job.model, dtype=resolve_dtype(job.dtype))
@@ -154,12 +155,28 @@ def run_ours(job: PeerJob, strategies: dict[str, StrategyOptions]) -> dict:
 
     log.info("ours: prefill run (%d rows, %d prompt tokens)", len(job.prompts), job.prompt_tokens)
     prefill = timed(StrategyOptions(name="ar"), 1, job.prompts)
-    runs = {}
-    for label, options in strategies.items():
-        log.info("ours: %s, %d new tokens per row", label, job.new_tokens)
-        runs[label] = timed(options, job.new_tokens, job.prompts)
+    labels = list(strategies)
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
+    for r in range(repeats):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            log.info("ours: %s, %d new tokens per row (run %d of %d)", label, job.new_tokens,
+                     r + 1, repeats)
+            runs[label].append(timed(strategies[label], job.new_tokens, job.prompts))
     return {"startup_s": startup, "prefill_s": prefill["s"], "prefill_work": prefill["work"],
-            "runs": runs, "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "runs": {label: mean_run(rs) for label, rs in runs.items()},
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def mean_run(runs: list[dict]) -> dict:
+    """One strategy's repeats as one run: the mean seconds and window tokens (so ratios
+    between strategies are those of their sums), the first run's tokens and scheduler work,
+    each run's seconds, and how many runs gave the first's tokens."""
+    first, n = runs[0], len(runs)
+    return {"s": sum(r["s"] for r in runs) / n, "tokens": first["tokens"],
+            "decode_window_s": sum(r["decode_window_s"] for r in runs) / n,
+            "decode_window_tokens": sum(r["decode_window_tokens"] for r in runs) / n,
+            "work": first["work"], "runs_s": [r["s"] for r in runs],
+            "runs_identical": sum(r["tokens"] == first["tokens"] for r in runs)}
 
 
 def decode_window(sched: Scheduler, prompts: list[list[int]]) -> dict:
@@ -221,8 +238,13 @@ def compare(job: PeerJob, ours: dict, vllm: dict, ngram: dict[str, dict] | None 
         mine["speed_vs_vllm"]["decode_s"] = ratio(mine["decode_tokens_per_s"],
                                                   peer["decode_tokens_per_s"])
         mine["identical_to_vllm"] = sum(a == b for a, b in zip(run["tokens"], vllm["tokens"]))
-        mine["identical_to_ar"] = sum(a == b for a, b in zip(
-            run["tokens"], ours["runs"].get("ar", run)["tokens"]))
+        ar = ours["runs"].get("ar", run)
+        mine["identical_to_ar"] = sum(a == b for a, b in zip(run["tokens"], ar["tokens"]))
+        mine["speed_vs_ar"] = {"end_to_end_s": ratio(ar["s"], run["s"]), "decode_s": ratio(
+            run["decode_window_tokens"] / run["decode_window_s"],
+            ar["decode_window_tokens"] / ar["decode_window_s"])}
+        mine["runs_s"] = run.get("runs_s", [run["s"]])
+        mine["runs_identical"] = run.get("runs_identical", 1)
         if best is not None:
             mine["speed_vs_vllm_ngram"] = {
                 "end_to_end_s": ratio(best["end_to_end_s"], mine["end_to_end_s"]),
@@ -255,6 +277,12 @@ def table(job: PeerJob, result: dict) -> list[str]:
     n = len(job.prompts)
     lines.append("| rows token-identical to vLLM | - | " + " | ".join(
         f"{m['identical_to_vllm']}/{n} | -" for m in result["ours"].values()) + " |")
+    lines.append("| speed vs our ar: end to end, decode | - | " + " | ".join(
+        f"{_x(m['speed_vs_ar']['end_to_end_s'])}, {_x(m['speed_vs_ar']['decode_s'])} | -"
+        for m in result["ours"].values()) + " |")
+    lines.append("| runs (interleaved), seconds each, same tokens | - | " + " | ".join(
+        f"{len(m['runs_s'])}: {', '.join(f'{x:.0f}' for x in m['runs_s'])}; "
+        f"{m['runs_identical']}/{len(m['runs_s'])} | -" for m in result["ours"].values()) + " |")
     ngram = result.get("vllm_ngram")
     if ngram:
         lines += ["", "vLLM with its n-gram drafts (K tokens from n-grams of up to N), against "
