@@ -126,8 +126,10 @@ def test_phases_split_prefill_and_decode_and_speed_is_the_peers_time_over_ours()
 def test_repeats_are_reported_as_their_mean_and_against_our_ar():
     """Interleaved repeats of one strategy count as their mean, so its ratio to ``ar`` is
     that of their sums; the runs that gave other tokens than the first are counted."""
+    copy = {"plan": "copy@<=3", "rows": 1, "rounds": 3, "tokens": 5, "tokens_per_s": 2.5,
+            "predicted_tokens_per_s": None}
     runs = [{"s": s, "tokens": t, "decode_window_s": d, "decode_window_tokens": 90,
-             "work": {}} for s, d, t in ((10.0, 6.0, [[1]]), (14.0, 10.0, [[1]]),
+             "work": {}, "plans": [copy]} for s, d, t in ((10.0, 6.0, [[1]]), (14.0, 10.0, [[1]]),
                                          (12.0, 8.0, [[2]]))]
     mean = mean_run(runs)
     assert (mean["s"], mean["decode_window_s"], mean["decode_window_tokens"]) == (12.0, 8.0, 90)
@@ -142,3 +144,4 @@ def test_repeats_are_reported_as_their_mean_and_against_our_ar():
                                                           "decode_s": 9.0 / 8.0}
     assert "| runs (interleaved), seconds each, same tokens | - | 1: 15; 1/1 | - | " \
            "3: 10, 14, 12; 2/3 | - |" in table(job, result)
+    assert "| knapspec | copy@<=3 | 3 | 5 | 2.5 | - |" in table(job, result)

@@ -23,13 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-from knapspec_dist.engine.generation import GenerationConfig
+from knapspec_dist.engine.generation import GenerationConfig, add_plans, ranked_plans
 from knapspec_dist.engine.memory import plan_for
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import Scheduler
@@ -175,7 +175,7 @@ def mean_run(runs: list[dict]) -> dict:
     return {"s": sum(r["s"] for r in runs) / n, "tokens": first["tokens"],
             "decode_window_s": sum(r["decode_window_s"] for r in runs) / n,
             "decode_window_tokens": sum(r["decode_window_tokens"] for r in runs) / n,
-            "work": first["work"], "runs_s": [r["s"] for r in runs],
+            "work": first["work"], "plans": first.get("plans"), "runs_s": [r["s"] for r in runs],
             "runs_identical": sum(r["tokens"] == first["tokens"] for r in runs)}
 
 
@@ -189,12 +189,16 @@ def decode_window(sched: Scheduler, prompts: list[list[int]]) -> dict:
         if not opened and not s.waiting and s.batch.prefilling is None:
             opened.append((time.perf_counter(), s.work.emitted))
 
-    tokens = [r.token_ids for r in sched.run(prompts, on_step=watch)]
+    results = sched.run(prompts, on_step=watch)
     end = time.perf_counter()
+    tokens = [r.token_ids for r in results]
     generated = sum(map(len, tokens))
     start, made = opened[0] if opened else (end, generated)
+    plans: dict[str, dict] = {}
+    add_plans(plans, ([{"plan": label, **asdict(t)} for label, t in r.stats.plans.items()]
+                      for r in results))
     return {"tokens": tokens, "decode_window_s": end - start,
-            "decode_window_tokens": generated - made}
+            "decode_window_tokens": generated - made, "plans": ranked_plans(plans, 6)}
 
 
 def phases(startup_s: float, prefill_s: float, full_s: float, tokens: list[list[int]],
@@ -250,6 +254,7 @@ def compare(job: PeerJob, ours: dict, vllm: dict, ngram: dict[str, dict] | None 
                 "end_to_end_s": ratio(best["end_to_end_s"], mine["end_to_end_s"]),
                 "decode_s": ratio(mine["decode_tokens_per_s"], best["decode_tokens_per_s"])}
         mine["work"] = run.get("work")  # what the scheduler did: rounds, drafts, selections
+        mine["plans"] = run.get("plans")  # per plan (the first run's): rounds, tokens, rates
         out["ours"][label] = mine
     return out
 
@@ -283,6 +288,7 @@ def table(job: PeerJob, result: dict) -> list[str]:
     lines.append("| runs (interleaved), seconds each, same tokens | - | " + " | ".join(
         f"{len(m['runs_s'])}: {', '.join(f'{x:.0f}' for x in m['runs_s'])}; "
         f"{m['runs_identical']}/{len(m['runs_s'])} | -" for m in result["ours"].values()) + " |")
+    lines += plan_lines(result["ours"])
     ngram = result.get("vllm_ngram")
     if ngram:
         lines += ["", "vLLM with its n-gram drafts (K tokens from n-grams of up to N), against "
@@ -299,6 +305,20 @@ def table(job: PeerJob, result: dict) -> list[str]:
                              f"{_x(m['speed_vs_vllm_ngram']['decode_s'])}" if best else "-"
                              for m in result["ours"].values()) + " |")
     return lines
+
+
+def plan_lines(ours: dict[str, dict]) -> list[str]:
+    """Per strategy, its first run's rounds by plan: rows' rounds, tokens, the tokens per
+    second each row made in them and what the selection predicted."""
+    rows = [f"| {label} | {p['plan']} | {p['rounds']} | {p['tokens']} | "
+            f"{p['tokens_per_s'] or 0:.1f} | "
+            + (f"{p['predicted_tokens_per_s']:.1f}" if p["predicted_tokens_per_s"] else "-")
+            + " |" for label, m in ours.items() for p in m.get("plans") or ()]
+    if not rows:
+        return []
+    return ["", "Our rounds by plan (each strategy's first run; a row's rounds, its tokens, "
+            "per row):", "", "| strategy | plan | rounds | tokens | tokens/s | predicted |",
+            "|---|---|---:|---:|---:|---:|"] + rows
 
 
 def python_of_venv(venv: str) -> str:
