@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from knapspec_dist.model.config import ModelConfig
+from knapspec_dist.model.transfer import upload
 
 SCRATCH = 0  # the page free rows point at
 KEY_LAYOUTS = ("positions", "dims")
@@ -132,7 +133,7 @@ class PagedKVCache:
         n = len(index)
         if n > self.batch:
             raise ValueError(f"{n} aliased rows for a cache of {self.batch}")
-        rows = torch.tensor(list(index), dtype=torch.int64).to(source.table.device)
+        rows = upload(list(index), source.table.device)  # every round: never a host wait
         self.table[:n] = source.table.index_select(0, rows)
         self.table[n:].fill_(SCRATCH)
         pad = self.batch - n
