@@ -69,6 +69,12 @@ class PlanTally:
 PLAN_KEYS = tuple(f.name for f in fields(PlanTally))
 
 
+def plan_records(plans: dict[str, PlanTally]) -> list[dict]:
+    """A row's per-plan tallies as records, ``{"plan": label, **PlanTally}``: the jobs'
+    ``plans`` column and what ``add_plans`` sums."""
+    return [{"plan": label, **asdict(t)} for label, t in plans.items()]
+
+
 def add_plans(sums: dict[str, dict], plans: Iterable[list[dict] | None]) -> None:
     """Add rows' per-plan tallies (per row, its plans' ``{"plan": label, **PlanTally}``, as
     the jobs' ``plans`` column and the bench's runs hold them) into ``sums``, plan by plan."""

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pyarrow as pa
 import ray
 
+from knapspec_dist.engine.generation import plan_records
 from knapspec_dist.runtime.dispatch import Outcome, Task
 
 __all__ = ["FORMER_NAMES", "PLANS", "RESULT_FIELDS", "Stage", "batch_tasks", "outcome_columns",
@@ -73,7 +74,7 @@ def result_columns(result) -> dict:
             "copied_drafted": s.copied_drafted, "copied_accepted": s.copied_accepted,
             "attention_skipped": s.attention_skipped, "mlp_skipped": s.mlp_skipped,
             "selections": s.selections, "mean_batch": s.mean_batch,
-            "plans": [{"plan": label, **asdict(t)} for label, t in s.plans.items()],
+            "plans": plan_records(s.plans),
             "generation_start": _utc(s.admitted_at), "generation_end": _utc(s.finished_at)}
 
 

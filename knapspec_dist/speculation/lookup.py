@@ -150,8 +150,13 @@ def best_round(proposals: Sequence[tuple[list[int], int]], book: CopyBook,
     options = [(k, tokens(k, 0.0), prices.padded(q), False)
                for q in range(2, longest + 2) for k in [padded(q)]]
     if prices.ragged is not None:
-        options += [(k, expected, prices.ragged(1 + sum(k) / size), True)
-                    for k, expected in ragged_drafts(proposals, book)]
+        order, yields = ragged_drafts(proposals, book)
+        m = max(range(1, len(order) + 1),
+                key=lambda m: yields[m - 1] / prices.ragged(1 + m / size))
+        lengths = [0] * size
+        for b in order[:m]:
+            lengths[b] += 1
+        options.append((lengths, yields[m - 1], prices.ragged(1 + m / size), True))
     lengths, expected, seconds, ragged = max(options, key=lambda o: (o[1] / o[2], -o[2]))
     best = expected / seconds
     if best < min_gain * rival_rate or tokens(lengths, noise_z) / seconds < min_gain * rival_rate:
@@ -161,19 +166,18 @@ def best_round(proposals: Sequence[tuple[list[int], int]], book: CopyBook,
 
 
 def ragged_drafts(proposals: Sequence[tuple[list[int], int]], book: CopyBook
-                  ) -> list[tuple[list[int], float]]:
-    """Per-row draft lengths, one more copied token at a time, each with the batch's
-    expected yield: the next token is the one expected to add the most (a row's k-th copied
-    token adds alpha^k), so for each count of copied tokens the yield is the largest that
-    count can give."""
+                  ) -> tuple[list[int], list[float]]:
+    """The rows' copied tokens in the order they are drafted, one more at a time (the row
+    each goes to), and the batch's expected yield after each: the next token is the one
+    expected to add the most (a row's k-th copied token adds alpha^k), so the first m of
+    them are the m tokens that yield the most."""
     gains = sorted(((book.alpha(n) ** k, -k, b) for b, (d, n) in enumerate(proposals)
                     for k in range(1, len(d) + 1)), reverse=True)
-    lengths, expected, out = [0] * len(proposals), float(len(proposals)), []
-    for gain, _, b in gains:
-        lengths[b] += 1
+    expected, yields = float(len(proposals)), []
+    for gain, _, _ in gains:
         expected += gain
-        out.append((list(lengths), expected))
-    return out
+        yields.append(expected)
+    return [b for _, _, b in gains], yields
 
 
 @dataclass(frozen=True)

@@ -94,11 +94,12 @@ def verify_prices(profile: LatencyProfile, context: int, cache) -> VerifyPrices:
     """A copied round's verify prices at ``context`` (lookup.py). Ragged where the cache is
     paged: its tokens cost as many padded ones, but each reads its row's keys on its own,
     so its context part is a one-token verify's per token."""
+    keys = profile.verify_time(1, context) - profile.verify_time(1, 0)
+
     def padded(q: float) -> float:
         return profile.verify_time(q, context)
 
     def ragged(per_row: float) -> float:
-        keys = profile.verify_time(1, context) - profile.verify_time(1, 0)
         return per_row * keys + profile.verify_time(per_row, 0)
 
     return VerifyPrices(padded, ragged if isinstance(cache, PagedKVCache) else None)

@@ -23,13 +23,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-from knapspec_dist.engine.generation import GenerationConfig, add_plans, ranked_plans
+from knapspec_dist.engine.generation import (
+    GenerationConfig,
+    add_plans,
+    plan_records,
+    ranked_plans,
+)
 from knapspec_dist.engine.memory import plan_for
 from knapspec_dist.engine.model_runner import ModelRunner
 from knapspec_dist.engine.scheduler import Scheduler
@@ -195,8 +200,7 @@ def decode_window(sched: Scheduler, prompts: list[list[int]]) -> dict:
     generated = sum(map(len, tokens))
     start, made = opened[0] if opened else (end, generated)
     plans: dict[str, dict] = {}
-    add_plans(plans, ([{"plan": label, **asdict(t)} for label, t in r.stats.plans.items()]
-                      for r in results))
+    add_plans(plans, (plan_records(r.stats.plans) for r in results))
     return {"tokens": tokens, "decode_window_s": end - start,
             "decode_window_tokens": generated - made, "plans": ranked_plans(plans, 6)}
 
@@ -245,8 +249,8 @@ def compare(job: PeerJob, ours: dict, vllm: dict, ngram: dict[str, dict] | None 
         ar = ours["runs"].get("ar", run)
         mine["identical_to_ar"] = sum(a == b for a, b in zip(run["tokens"], ar["tokens"]))
         mine["speed_vs_ar"] = {"end_to_end_s": ratio(ar["s"], run["s"]), "decode_s": ratio(
-            run["decode_window_tokens"] / run["decode_window_s"],
-            ar["decode_window_tokens"] / ar["decode_window_s"])}
+            ratio(run["decode_window_tokens"], run["decode_window_s"]),
+            ratio(ar["decode_window_tokens"], ar["decode_window_s"]))}
         mine["runs_s"] = run.get("runs_s", [run["s"]])
         mine["runs_identical"] = run.get("runs_identical", 1)
         if best is not None:
